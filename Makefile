@@ -1,0 +1,27 @@
+# Two entry points; both set up .venv from the project's own files first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test bench lint
+
+$(BIN)/shardpoint: pyproject.toml requirements-dev.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -r requirements-dev.txt
+	touch $(BIN)/shardpoint
+
+setup: $(BIN)/shardpoint
+
+demo: setup
+	$(BIN)/shardpoint demo
+
+test: setup
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python benchmarks/save_load.py
+
+lint: setup
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/mypy

@@ -1,0 +1,53 @@
+"""shardpoint: fast, atomic, sharded safetensors checkpoints for PyTorch.
+
+>>> import shardpoint as sp
+>>> sp.save(model.state_dict(), "ckpt/step-100", max_shard_size="5GB")  # doctest: +SKIP
+>>> sp.load_into(model, "ckpt/step-100")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from ._api import LoadResult, SaveInfo, load, load_into, save
+from ._stateful import Stateful
+from .errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    DistributedCheckpointError,
+    IncompleteCheckpointError,
+    InvalidSizeError,
+    InvalidStateError,
+    LoadMismatchError,
+    MissingShardError,
+    UnsafePathError,
+    UnsafePickleError,
+    UnsupportedFormatError,
+)
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "ChecksumMismatchError",
+    "CorruptCheckpointError",
+    "DistributedCheckpointError",
+    "IncompleteCheckpointError",
+    "InvalidSizeError",
+    "InvalidStateError",
+    "LoadMismatchError",
+    "LoadResult",
+    "MissingShardError",
+    "SaveInfo",
+    "Stateful",
+    "UnsafePathError",
+    "UnsafePickleError",
+    "UnsupportedFormatError",
+    "__version__",
+    "load",
+    "load_into",
+    "save",
+]

@@ -1,0 +1,145 @@
+"""Nested state <-> flat tensors plus a JSON tree, exactly reversible.
+
+The tree records container types (dict / list / tuple), key types (``0`` vs ``"0"``) and
+order, and JSON leaves (floats incl. nan / +-inf). Tensor leaves are replaced by
+``{"type": "tensor", "name": ...}`` where ``name`` is the tensor's key in the files: the
+path joined by ``.``, so a flat ``state_dict`` keeps its own keys (what ``transformers``
+expects). When two paths would join to the same name, the later one gets a ``#n`` suffix;
+the tree, not the name, is the source of truth, so this is still reversible.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from .errors import CorruptCheckpointError, InvalidStateError
+
+Tree = dict[str, Any]
+
+_MAX_DEPTH = 200
+
+
+def _is_tensor(value: object) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def flatten_state(
+    value: Any,
+    *,
+    path: str,
+    to_state: Callable[[Any, str], Any] | None = None,
+) -> tuple[Tree, dict[str, torch.Tensor]]:
+    """Flatten ``value`` into (tree, {name: tensor}).
+
+    ``path`` names the value in errors (the component). ``to_state`` converts objects that
+    are not containers or leaves (modules, optimizers, ``Stateful``) into plain state; it
+    returns ``NotImplemented`` when it does not know the object.
+
+    >>> tree, tensors = flatten_state({"w": torch.zeros(2), "n": 3}, path="model")
+    >>> list(tensors), tree["items"][1]
+    (['w'], ['str', 'n', {'type': 'json', 'value': 3}])
+    """
+    tensors: dict[str, torch.Tensor] = {}
+
+    def name_for(parts: list[str]) -> str:
+        base = ".".join(parts)
+        name, n = base, 1
+        while name in tensors:
+            n += 1
+            name = f"{base}#{n}"
+        return name
+
+    def walk(obj: Any, parts: list[str], depth: int) -> Tree:
+        where = f"{path}" + "".join(f"[{p!r}]" for p in parts)
+        if depth > _MAX_DEPTH:
+            raise InvalidStateError(f"state at {where} nests deeper than {_MAX_DEPTH} levels")
+        if _is_tensor(obj):
+            name = name_for(parts)
+            tensors[name] = obj
+            return {"type": "tensor", "name": name}
+        if obj is None or isinstance(obj, (bool, str)):
+            return {"type": "json", "value": obj}
+        if isinstance(obj, int):
+            return {"type": "json", "value": int(obj)}
+        if isinstance(obj, float):
+            if math.isfinite(obj):
+                return {"type": "float", "value": float(obj)}
+            return {"type": "float", "value": repr(obj)}  # 'nan', 'inf', '-inf'
+        if isinstance(obj, Mapping):
+            items = []
+            for key, child in obj.items():
+                if isinstance(key, bool) or not isinstance(key, (str, int)):
+                    raise InvalidStateError(
+                        f"state at {where} has key {key!r} of type {type(key).__name__}; "
+                        "only str and int keys can be stored"
+                    )
+                kind = "int" if isinstance(key, int) else "str"
+                items.append([kind, int(key) if kind == "int" else key, walk(child, [*parts, str(key)], depth + 1)])
+            return {"type": "dict", "items": items}
+        if isinstance(obj, (list, tuple)):
+            kind = "tuple" if isinstance(obj, tuple) else "list"
+            return {
+                "type": kind,
+                "items": [walk(child, [*parts, str(i)], depth + 1) for i, child in enumerate(obj)],
+            }
+        if to_state is not None:
+            converted = to_state(obj, where)
+            if converted is not NotImplemented:
+                return walk(converted, parts, depth + 1)
+        raise InvalidStateError(
+            f"state at {where} is a {type(obj).__module__}.{type(obj).__qualname__}, which "
+            "shardpoint cannot store: use tensors, nn.Modules, optimizers, objects with "
+            "state_dict()/load_state_dict(), dict/list/tuple, or int/float/bool/str/None"
+        )
+
+    tree = walk(value, [], 0)
+    return tree, tensors
+
+
+def unflatten_state(tree: Tree, tensors: Mapping[str, Any], *, where: str) -> Any:
+    """Rebuild the nested value from its tree and loaded tensors (``tensors[name]``)."""
+
+    def build(node: Any, depth: int) -> Any:
+        if depth > _MAX_DEPTH or not isinstance(node, dict):
+            raise CorruptCheckpointError(f"{where}: malformed state tree node {str(node)[:80]!r}")
+        kind = node.get("type")
+        if kind == "tensor":
+            return tensors[node["name"]]
+        if kind == "json":
+            return node.get("value")
+        if kind == "float":
+            return float(node["value"])
+        if kind == "dict":
+            return {key: build(child, depth + 1) for _, key, child in node["items"]}
+        if kind == "list":
+            return [build(child, depth + 1) for child in node["items"]]
+        if kind == "tuple":
+            return tuple(build(child, depth + 1) for child in node["items"])
+        raise CorruptCheckpointError(f"{where}: unknown state tree node type {kind!r}")
+
+    try:
+        return build(tree, 0)
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, CorruptCheckpointError):
+            raise
+        raise CorruptCheckpointError(f"{where}: malformed state tree ({exc!r})") from None
+
+
+def tree_tensor_names(tree: Tree) -> list[str]:
+    """Names of the tensor leaves of a tree, in order."""
+    names: list[str] = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        kind = node.get("type")
+        if kind == "tensor":
+            names.append(node["name"])
+        elif kind == "dict":
+            stack.extend(child for _, _, child in reversed(node["items"]))
+        elif kind in ("list", "tuple"):
+            stack.extend(reversed(node["items"]))
+    return names

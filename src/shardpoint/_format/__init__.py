@@ -1,0 +1,1 @@
+"""On-disk formats: safetensors headers, the HF index, the shardpoint manifest."""

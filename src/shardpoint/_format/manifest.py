@@ -1,0 +1,228 @@
+"""The manifest ``shardpoint.json``: written last, its presence means the save committed.
+
+JSON only, never pickle. ``parse_manifest`` validates every field before anything is read
+from the data files; the JSON Schema in ``manifest.schema.json`` documents the same shape.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CorruptCheckpointError, UnsupportedFormatError
+from .dtypes import NAME_TO_DTYPE, itemsize
+from .names import check_component_name, check_file_name
+from .safetensors import parse_json_object
+
+MANIFEST_NAME = "shardpoint.json"
+FORMAT_NAME = "shardpoint"
+FORMAT_VERSION = 1
+LAYOUTS = ("hf", "chunked")
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """Where one stored piece of a tensor lives."""
+
+    file: str
+    """Data file (a plain basename inside the checkpoint)."""
+    key: str
+    """Tensor name inside that file's safetensors header."""
+    offsets: tuple[int, ...]
+    """Position of the chunk's first element in the global tensor, per dimension."""
+    shape: tuple[int, ...]
+    """Shape of the chunk."""
+    crc32c: int | None
+    """crc32c of the chunk's stored bytes (None for foreign checkpoints)."""
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """A tensor of the saved state: global dtype and shape, and the chunks that hold it."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[ChunkRef, ...]
+
+
+@dataclass(frozen=True)
+class ComponentRecord:
+    """One top-level component (``model``, ``optim``, ...)."""
+
+    tree: dict[str, Any]
+    """The JSON tree of the component's state (see ``shardpoint._flatten``)."""
+    tensors: dict[str, TensorRecord]
+    aliases: dict[str, str] = field(default_factory=dict)
+    """Tensor names stored once under another name (tied weights): alias -> stored name."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    save_id: str
+    created: str
+    library_version: str
+    world_size: int
+    layout: str
+    flat: bool
+    """The state was a flat ``dict[str, Tensor]``; ``load`` returns it flat again."""
+    components: dict[str, ComponentRecord]
+    files: dict[str, int]
+    """Data file name -> size in bytes."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> bytes:
+        doc = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "library_version": self.library_version,
+            "created": self.created,
+            "save_id": self.save_id,
+            "world_size": self.world_size,
+            "layout": self.layout,
+            "flat": self.flat,
+            "metadata": self.metadata,
+            "components": {
+                name: {
+                    "tree": comp.tree,
+                    "aliases": comp.aliases,
+                    "tensors": {
+                        tname: {
+                            "dtype": rec.dtype,
+                            "shape": list(rec.shape),
+                            "chunks": [
+                                {
+                                    "file": c.file,
+                                    "key": c.key,
+                                    "offsets": list(c.offsets),
+                                    "shape": list(c.shape),
+                                    "crc32c": c.crc32c,
+                                }
+                                for c in rec.chunks
+                            ],
+                        }
+                        for tname, rec in comp.tensors.items()
+                    },
+                }
+                for name, comp in self.components.items()
+            },
+            "files": {name: {"size": size} for name, size in self.files.items()},
+        }
+        return json.dumps(doc, indent=1, allow_nan=False).encode("utf-8")
+
+
+def _need(cond: bool, where: str, what: str) -> None:
+    if not cond:
+        raise CorruptCheckpointError(f"{where}: {what}; the manifest is damaged or forged")
+
+
+def _int_list(value: Any, where: str, what: str) -> tuple[int, ...]:
+    _need(
+        isinstance(value, list) and len(value) <= 64 and all(type(v) is int and v >= 0 for v in value),
+        where,
+        f"{what} {str(value)[:80]} is not a list of non-negative integers",
+    )
+    return tuple(value)
+
+
+def parse_manifest(raw: bytes, *, where: str) -> Manifest:
+    """Validate and decode a manifest; ``where`` names the file in errors."""
+    doc = parse_json_object(raw, where=where)
+    if doc.get("format") != FORMAT_NAME:
+        raise UnsupportedFormatError(f"{where}: 'format' is {doc.get('format')!r}, not 'shardpoint'")
+    version = doc.get("format_version")
+    if version != FORMAT_VERSION:
+        raise UnsupportedFormatError(
+            f"{where}: format_version {version!r} is not supported by this shardpoint "
+            f"(reads version {FORMAT_VERSION}); upgrade shardpoint to read it"
+        )
+    layout = doc.get("layout")
+    if layout not in LAYOUTS:
+        raise UnsupportedFormatError(f"{where}: unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
+    world_size = doc.get("world_size")
+    _need(type(world_size) is int and world_size >= 1, where, f"world_size {world_size!r} is invalid")
+    for key in ("save_id", "created", "library_version"):
+        _need(isinstance(doc.get(key), str), where, f"{key!r} is missing or not a string")
+    _need(isinstance(doc.get("flat"), bool), where, "'flat' is missing or not a bool")
+    metadata = doc.get("metadata", {})
+    _need(isinstance(metadata, dict), where, "'metadata' is not an object")
+
+    files_raw = doc.get("files")
+    _need(isinstance(files_raw, dict), where, "'files' is missing or not an object")
+    files: dict[str, int] = {}
+    for fname, info in files_raw.items():
+        check_file_name(fname, where=where)
+        size = info.get("size") if isinstance(info, dict) else None
+        _need(type(size) is int and size >= 8, where, f"file {fname!r} has invalid size {size!r}")
+        files[fname] = size
+
+    comps_raw = doc.get("components")
+    _need(isinstance(comps_raw, dict) and comps_raw, where, "'components' is missing or empty")
+    components: dict[str, ComponentRecord] = {}
+    for cname, craw in comps_raw.items():
+        check_component_name(cname, where=where)
+        cwhere = f"{where}, component {cname!r}"
+        _need(isinstance(craw, dict), cwhere, "entry is not an object")
+        tree = craw.get("tree")
+        _need(isinstance(tree, dict), cwhere, "'tree' is missing")
+        aliases = craw.get("aliases", {})
+        _need(
+            isinstance(aliases, dict) and all(isinstance(v, str) for v in aliases.values()),
+            cwhere,
+            "'aliases' must map names to names",
+        )
+        traw = craw.get("tensors")
+        _need(isinstance(traw, dict), cwhere, "'tensors' is missing")
+        tensors: dict[str, TensorRecord] = {}
+        for tname, rec in traw.items():
+            twhere = f"{cwhere}, tensor {tname!r}"
+            _need(isinstance(rec, dict), twhere, "entry is not an object")
+            dtype = rec.get("dtype")
+            if dtype not in NAME_TO_DTYPE:
+                raise UnsupportedFormatError(f"{twhere}: unknown dtype {dtype!r}")
+            shape = _int_list(rec.get("shape"), twhere, "shape")
+            chunks_raw = rec.get("chunks")
+            _need(isinstance(chunks_raw, list) and chunks_raw, twhere, "'chunks' is missing or empty")
+            chunks = []
+            covered = 0
+            for ch in chunks_raw:
+                _need(isinstance(ch, dict), twhere, "a chunk is not an object")
+                cfile, ckey = ch.get("file"), ch.get("key")
+                _need(isinstance(cfile, str) and cfile in files, twhere, f"chunk file {cfile!r} is not in 'files'")
+                _need(isinstance(ckey, str), twhere, "chunk key is not a string")
+                offs = _int_list(ch.get("offsets"), twhere, "chunk offsets")
+                cshape = _int_list(ch.get("shape"), twhere, "chunk shape")
+                _need(
+                    len(offs) == len(shape) == len(cshape)
+                    and all(o + s <= d for o, s, d in zip(offs, cshape, shape)),
+                    twhere,
+                    f"chunk at {list(offs)} of shape {list(cshape)} does not fit shape {list(shape)}",
+                )
+                crc = ch.get("crc32c")
+                _need(crc is None or (type(crc) is int and 0 <= crc < 2**32), twhere, "bad crc32c")
+                _need(
+                    math.prod(cshape) * itemsize(NAME_TO_DTYPE[dtype]) <= files[cfile],
+                    twhere,
+                    f"chunk of shape {list(cshape)} is larger than its file {cfile!r}",
+                )
+                covered += math.prod(cshape)
+                chunks.append(ChunkRef(cfile, ckey, offs, cshape, crc))
+            tensors[tname] = TensorRecord(dtype, shape, tuple(chunks))
+        for alias, target in aliases.items():
+            _need(target in tensors, cwhere, f"alias {alias!r} points to unknown tensor {target!r}")
+        components[cname] = ComponentRecord(tree, tensors, dict(aliases))
+    return Manifest(
+        save_id=doc["save_id"],
+        created=doc["created"],
+        library_version=doc["library_version"],
+        world_size=world_size,
+        layout=layout,
+        flat=doc["flat"],
+        components=components,
+        files=files,
+        metadata=metadata,
+    )

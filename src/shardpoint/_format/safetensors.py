@@ -1,0 +1,250 @@
+"""The safetensors container: an 8-byte little-endian header length, a JSON header, the data.
+
+Writing plans the header from dtypes and shapes alone, so tensor bytes can be streamed
+afterwards. Reading validates everything in the header against the file size before any
+tensor memory is allocated.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import CorruptCheckpointError, UnsupportedFormatError
+from .dtypes import NAME_TO_DTYPE, dtype_from_name, itemsize
+
+HEADER_ALIGN = 8
+"""The JSON header is padded with spaces so tensor data starts 8-byte aligned."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor as the planner sees it: enough to lay out a file."""
+
+    key: str
+    """Name of the tensor inside the file."""
+    dtype: str
+    """safetensors dtype string (``"F32"``, ``"BF16"``, ...)."""
+    shape: tuple[int, ...]
+    """Shape of the stored (contiguous) tensor."""
+    nbytes: int
+    """Stored bytes: numel x itemsize."""
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    """One validated tensor entry of a safetensors header."""
+
+    key: str
+    dtype: torch.dtype
+    dtype_name: str
+    shape: tuple[int, ...]
+    start: int
+    """Absolute offset of the first byte in the file."""
+    end: int
+    """Absolute offset one past the last byte in the file."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """A validated header: entries in file order plus the string metadata."""
+
+    entries: dict[str, HeaderEntry]
+    metadata: dict[str, str]
+    data_start: int
+    file_size: int
+
+
+@dataclass(frozen=True)
+class FileLayout:
+    """A planned file: the header bytes and, per tensor, its absolute byte range."""
+
+    header: bytes
+    ranges: dict[str, tuple[int, int]]
+    size: int
+
+
+def plan_file(specs: Sequence[TensorSpec], metadata: dict[str, str]) -> FileLayout:
+    """Lay out a safetensors file: header bytes and each tensor's absolute byte range.
+
+    >>> layout = plan_file([TensorSpec("w", "F32", (2,), 8)], {"format": "pt"})
+    >>> layout.size, layout.ranges["w"][1] - layout.ranges["w"][0]
+    (96, 8)
+    """
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for spec in specs:
+        header[spec.key] = {
+            "dtype": spec.dtype,
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + spec.nbytes],
+        }
+        offset += spec.nbytes
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    raw += b" " * (-(8 + len(raw)) % HEADER_ALIGN)
+    data_start = 8 + len(raw)
+    ranges = {}
+    for spec in specs:
+        begin, end = header[spec.key]["data_offsets"]
+        ranges[spec.key] = (data_start + begin, data_start + end)
+    return FileLayout(struct.pack("<Q", len(raw)) + raw, ranges, data_start + offset)
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise _DuplicateKey(key)
+        result[key] = value
+    return result
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def parse_json_object(raw: bytes, *, where: str) -> dict[str, Any]:
+    """Decode untrusted JSON that must be an object; duplicate keys and bombs are errors."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CorruptCheckpointError(f"{where} is not valid UTF-8 ({exc}); the file is damaged") from None
+    try:
+        value = json.loads(text, object_pairs_hook=_reject_duplicates)
+    except _DuplicateKey as dup:
+        raise CorruptCheckpointError(
+            f"{where} has the key {dup.key!r} twice; the file is damaged or forged"
+        ) from None
+    except RecursionError:
+        raise CorruptCheckpointError(f"{where} nests JSON too deeply; refusing to parse it") from None
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{where} is not valid JSON ({exc}); the file is damaged") from None
+    if not isinstance(value, dict):
+        raise CorruptCheckpointError(
+            f"{where} must be a JSON object, found {type(value).__name__}; the file is damaged"
+        )
+    return value
+
+
+def _as_shape(value: Any, *, where: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > 64:
+        raise CorruptCheckpointError(f"{where}: shape {value!r} is not a list of at most 64 dims")
+    for dim in value:
+        if type(dim) is not int or dim < 0:
+            raise CorruptCheckpointError(
+                f"{where}: shape {value!r} has a dimension that is not a non-negative integer"
+            )
+    return tuple(value)
+
+
+def validate_header(raw: bytes, file_size: int, *, name: str) -> SafetensorsHeader:
+    """Validate header JSON ``raw`` of a file of ``file_size`` bytes named ``name``."""
+    obj = parse_json_object(raw, where=f"safetensors header of {name}")
+    data_start = 8 + len(raw)
+    data_size = file_size - data_start
+    metadata_raw = obj.pop("__metadata__", None)
+    metadata: dict[str, str] = {}
+    if metadata_raw is not None:
+        if not isinstance(metadata_raw, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata_raw.items()
+        ):
+            raise CorruptCheckpointError(
+                f"{name}: __metadata__ must map strings to strings; the file is damaged"
+            )
+        metadata = metadata_raw
+    spans: list[tuple[int, int, str]] = []
+    entries: dict[str, HeaderEntry] = {}
+    for key, info in obj.items():
+        where = f"{name}, tensor {key!r}"
+        if not isinstance(info, dict):
+            raise CorruptCheckpointError(f"{where}: entry is not an object")
+        unknown = set(info) - {"dtype", "shape", "data_offsets"}
+        if unknown or len(info) != 3:
+            raise CorruptCheckpointError(
+                f"{where}: entry must have exactly dtype, shape and data_offsets, has {sorted(info)}"
+            )
+        dtype_str = info["dtype"]
+        if dtype_str not in NAME_TO_DTYPE:
+            raise UnsupportedFormatError(
+                f"{where}: unknown dtype {dtype_str!r}; known dtypes are {', '.join(NAME_TO_DTYPE)}"
+            )
+        dtype = dtype_from_name(dtype_str, where=where)
+        shape = _as_shape(info["shape"], where=where)
+        offsets = info["data_offsets"]
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or any(type(o) is not int or o < 0 for o in offsets)
+            or offsets[0] > offsets[1]
+        ):
+            raise CorruptCheckpointError(
+                f"{where}: data_offsets {offsets!r} must be two non-negative, ordered integers"
+            )
+        begin, end = offsets
+        if end > data_size:
+            raise CorruptCheckpointError(
+                f"{where}: data_offsets {offsets!r} run past the end of the data "
+                f"({data_size} bytes); the file is truncated or damaged"
+            )
+        expected = math.prod(shape) * itemsize(dtype)
+        if end - begin != expected:
+            raise CorruptCheckpointError(
+                f"{where}: data_offsets {offsets!r} hold {end - begin} bytes but dtype {dtype_str} "
+                f"and shape {list(shape)} need {expected}; the file is damaged"
+            )
+        spans.append((begin, end, key))
+        entries[key] = HeaderEntry(key, dtype, dtype_str, shape, data_start + begin, data_start + end)
+    spans.sort()
+    cursor = 0
+    for begin, end, key in spans:
+        if begin < cursor:
+            raise CorruptCheckpointError(
+                f"{name}, tensor {key!r}: its bytes overlap the previous tensor's; the file is damaged or forged"
+            )
+        if begin > cursor:
+            raise CorruptCheckpointError(
+                f"{name}, tensor {key!r}: a hole of {begin - cursor} bytes precedes it; the file is damaged"
+            )
+        cursor = end
+    if cursor != data_size:
+        raise CorruptCheckpointError(
+            f"{name}: {data_size - cursor} trailing bytes after the last tensor; "
+            "the file is damaged or was appended to"
+        )
+    return SafetensorsHeader(entries, metadata, data_start, file_size)
+
+
+def read_header(fd: int, file_size: int, *, name: str, max_header_bytes: int) -> SafetensorsHeader:
+    """Read and validate the header of an open safetensors file."""
+    if file_size < 8:
+        raise CorruptCheckpointError(
+            f"{name} is {file_size} bytes, shorter than the 8-byte safetensors length prefix; "
+            "the file is truncated"
+        )
+    (length,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    if length > max_header_bytes:
+        raise CorruptCheckpointError(
+            f"{name}: header length {length} exceeds the {max_header_bytes}-byte limit; "
+            "the file is damaged or not safetensors"
+        )
+    if 8 + length > file_size:
+        raise CorruptCheckpointError(
+            f"{name}: header length {length} runs past the end of the {file_size}-byte file; "
+            "the file is truncated or not safetensors"
+        )
+    raw = os.pread(fd, length, 8)
+    if len(raw) != length:
+        raise CorruptCheckpointError(f"{name}: file shrank while its header was read")
+    return validate_header(raw, file_size, name=name)

@@ -1,0 +1,274 @@
+"""Moving tensor bytes between memory and local files, on a thread pool.
+
+Writes: each tensor's own memory goes to ``pwrite`` (no ``tobytes`` copy), crc32c computed
+on each segment while it is still in cache. Reads: ``preadv`` straight into the destination
+tensor's memory, or through a bounded staging buffer when a dtype cast or device copy is
+needed. Large tensors are split into pieces so several threads share them; piece crcs are
+combined into one crc per tensor.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from .._checksum import crc32c, crc32c_combine
+from .._knobs import knobs
+from ..errors import ChecksumMismatchError, CorruptCheckpointError
+
+PIECE_BYTES = 64 << 20
+"""Unit of work shared between threads; crcs of whole pieces are combined cheaply."""
+
+Advance = Callable[[int], None]
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without copying."""
+    if tensor.numel() == 0:
+        return memoryview(b"")
+    flat = tensor.detach().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def contiguous_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor itself when it is a contiguous CPU tensor, else a contiguous CPU copy."""
+    tensor = tensor.detach()
+    if tensor.is_conj():
+        tensor = tensor.resolve_conj()
+    if tensor.is_neg():
+        tensor = tensor.resolve_neg()
+    if tensor.device.type != "cpu":
+        tensor = tensor.to("cpu")
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        n = os.pwrite(fd, view, offset)
+        if n <= 0:
+            raise OSError(f"pwrite wrote {n} bytes")
+        view = view[n:]
+        offset += n
+
+
+def _pread_all(fd: int, view: memoryview, offset: int, *, name: str) -> None:
+    while view:
+        n = os.preadv(fd, [view], offset)
+        if n <= 0:
+            raise CorruptCheckpointError(
+                f"{name}: unexpected end of file at byte {offset}; the file is truncated"
+            )
+        view = view[n:]
+        offset += n
+
+
+def _combine(crcs: Sequence[tuple[int, int]]) -> int:
+    """Combine (crc, length) of consecutive pieces into one crc."""
+    total = 0
+    for crc, length in crcs:
+        total = crc32c_combine(total, crc, length)
+    return total
+
+
+def _pieces(nbytes: int, piece: int) -> list[tuple[int, int]]:
+    if nbytes == 0:
+        return [(0, 0)]
+    return [(start, min(start + piece, nbytes)) for start in range(0, nbytes, piece)]
+
+
+@dataclass(frozen=True)
+class FileWrite:
+    """One data file to write: its header and, in order, the tensors and their offsets."""
+
+    name: str
+    header: bytes
+    size: int
+    tensors: tuple[tuple[str, torch.Tensor, int], ...]
+    """(key, tensor, absolute offset of its first byte)."""
+
+
+def write_files(
+    directory: str,
+    files: Sequence[FileWrite],
+    *,
+    durable: bool,
+    threads: int | None = None,
+    advance: Advance | None = None,
+) -> dict[tuple[str, str], int]:
+    """Write ``files`` into ``directory``; return the crc32c of every (file, key).
+
+    Files are created fresh. With ``durable`` each file is fsynced before returning.
+    """
+    cfg = knobs()
+    threads = threads or cfg.write_threads
+    segment = cfg.io_segment_bytes
+    fds: dict[str, int] = {}
+    results: dict[tuple[str, str], list[tuple[int, int, int]]] = {}
+    lock = threading.Lock()
+    try:
+        for f in files:
+            fd = os.open(os.path.join(directory, f.name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fds[f.name] = fd
+            _pwrite_all(fd, memoryview(f.header), 0)
+
+        # Work items, round-robin across files so concurrent threads mostly hit different inodes.
+        per_file: list[list[tuple[str, str, torch.Tensor, int, int, int]]] = []
+        for f in files:
+            items = []
+            for key, tensor, offset in f.tensors:
+                nbytes = tensor.numel() * tensor.element_size()
+                simple = tensor.device.type == "cpu" and tensor.is_contiguous() and not tensor.is_conj()
+                spans = _pieces(nbytes, PIECE_BYTES) if simple else [(0, nbytes)]
+                for start, end in spans:
+                    items.append((f.name, key, tensor, offset, start, end))
+            per_file.append(items)
+        work = []
+        for i in range(max((len(x) for x in per_file), default=0)):
+            work.extend(items[i] for items in per_file if i < len(items))
+
+        def run(item: tuple[str, str, torch.Tensor, int, int, int]) -> None:
+            fname, key, tensor, offset, start, end = item
+            data = byte_view(contiguous_cpu(tensor))
+            if len(data) != tensor.numel() * tensor.element_size():
+                raise AssertionError("tensor byte size changed during save")
+            crc = 0
+            fd = fds[fname]
+            for pos in range(start, end, segment):
+                chunk = data[pos : min(pos + segment, end)]
+                crc = crc32c(chunk, crc)
+                _pwrite_all(fd, chunk, offset + pos)
+                if advance is not None:
+                    advance(len(chunk))
+            with lock:
+                results.setdefault((fname, key), []).append((start, crc, end - start))
+
+        _run_all(run, work, threads)
+        if durable:
+            _run_all(os.fsync, list(fds.values()), threads)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return {k: _combine([(c, n) for _, c, n in sorted(v)]) for k, v in results.items()}
+
+
+def _run_all(fn: Callable[..., object], items: Sequence[object], threads: int) -> None:
+    if not items:
+        return
+    if threads <= 1 or len(items) == 1:
+        for item in items:
+            fn(item)
+        return
+    with ThreadPoolExecutor(max_workers=min(threads, len(items)), thread_name_prefix="shardpoint-io") as pool:
+        futures = [pool.submit(fn, item) for item in items]
+        errors = []
+        for fut in futures:
+            exc = fut.exception()
+            if exc is not None:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+
+@dataclass(frozen=True)
+class ReadTask:
+    """Read ``nbytes`` at ``start`` of file ``name`` into ``dest``.
+
+    ``dest`` is a contiguous tensor. When it is a CPU tensor of the stored dtype the bytes
+    land in its memory directly; otherwise they pass through a staging buffer and are
+    cast / copied into it. ``crc32c``, when given, is checked over the whole range.
+    """
+
+    name: str
+    path: str
+    start: int
+    nbytes: int
+    dest: torch.Tensor
+    stored_dtype: torch.dtype
+    crc32c: int | None
+    label: str
+    """Names the tensor in errors."""
+
+
+class _Staging(threading.local):
+    buffer: torch.Tensor | None = None
+
+
+def run_reads(
+    tasks: Sequence[ReadTask],
+    *,
+    threads: int | None = None,
+    advance: Advance | None = None,
+) -> None:
+    """Run read tasks on a thread pool, checking crc32c where the task carries one."""
+    cfg = knobs()
+    threads = threads or cfg.read_threads
+    staging_bytes = cfg.staging_buffer_bytes
+    staging = _Staging()
+    fds: dict[str, int] = {}
+    fd_lock = threading.Lock()
+    crcs: dict[int, list[tuple[int, int, int]]] = {}
+    crc_lock = threading.Lock()
+
+    def fd_for(task: ReadTask) -> int:
+        with fd_lock:
+            fd = fds.get(task.path)
+            if fd is None:
+                fd = fds[task.path] = os.open(task.path, os.O_RDONLY)
+            return fd
+
+    work: list[tuple[int, ReadTask, int, int]] = []
+    for i, task in enumerate(tasks):
+        direct = task.dest.device.type == "cpu" and task.dest.dtype == task.stored_dtype
+        piece = PIECE_BYTES if direct else max(staging_bytes // 64 * 64, 64)
+        for start, end in _pieces(task.nbytes, piece):
+            work.append((i, task, start, end))
+
+    def run(item: tuple[int, ReadTask, int, int]) -> None:
+        i, task, start, end = item
+        fd = fd_for(task)
+        direct = task.dest.device.type == "cpu" and task.dest.dtype == task.stored_dtype
+        if direct:
+            view = byte_view(task.dest)[start:end]
+        else:
+            if staging.buffer is None or staging.buffer.numel() < end - start:
+                staging.buffer = torch.empty(max(staging_bytes, end - start), dtype=torch.uint8)
+            view = byte_view(staging.buffer)[: end - start]
+        crc = 0
+        segment = cfg.io_segment_bytes
+        for pos in range(0, end - start, segment):
+            part = view[pos : pos + segment]
+            _pread_all(fd, part, task.start + start + pos, name=task.name)
+            if task.crc32c is not None:
+                crc = crc32c(part, crc)
+            if advance is not None:
+                advance(len(part))
+        if not direct and end > start:
+            assert staging.buffer is not None
+            src_item = torch.empty((), dtype=task.stored_dtype).element_size()
+            src = staging.buffer[: end - start].view(task.stored_dtype)
+            lo, hi = start // src_item, end // src_item
+            task.dest.view(-1)[lo:hi].copy_(src)
+        if task.crc32c is not None:
+            with crc_lock:
+                crcs.setdefault(i, []).append((start, crc, end - start))
+
+    try:
+        _run_all(run, work, threads)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    for i, task in enumerate(tasks):
+        if task.crc32c is None:
+            continue
+        got = _combine([(c, n) for _, c, n in sorted(crcs.get(i, []))])
+        if got != task.crc32c:
+            raise ChecksumMismatchError(
+                f"{task.name}, tensor {task.label!r}: crc32c of the stored bytes is {got:#010x}, "
+                f"the manifest recorded {task.crc32c:#010x}; the file is damaged. Restore it from "
+                "a copy, or load an earlier checkpoint"
+            )

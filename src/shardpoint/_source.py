@@ -1,0 +1,216 @@
+"""Opening a checkpoint for reading: ours (manifest) or a foreign HF safetensors one.
+
+Everything is validated before any tensor memory is allocated: the manifest or index,
+every file name (plain basenames that stay inside the directory), file sizes, and each
+file's safetensors header (read lazily, once, when a tensor of that file is needed).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+
+from ._format.dtypes import DTYPE_TO_NAME
+from ._format.index import parse_index
+from ._format.manifest import MANIFEST_NAME, ChunkRef, ComponentRecord, Manifest, TensorRecord, parse_manifest
+from ._format.names import check_file_name
+from ._format.safetensors import HeaderEntry, SafetensorsHeader, read_header
+from ._knobs import knobs
+from ._storage.local import TMP_MARKER
+from .errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    MissingShardError,
+    UnsafePathError,
+)
+
+
+@dataclass
+class Checkpoint:
+    """An opened checkpoint: what it holds and where each byte is."""
+
+    location: str
+    """The path the user gave (directory or single file)."""
+    directory: str
+    kind: str
+    """``shardpoint``, ``hf-index`` or ``hf-file``."""
+    components: dict[str, ComponentRecord]
+    flat: bool
+    manifest: Manifest | None = None
+    _headers: dict[str, SafetensorsHeader] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def file_path(self, name: str) -> str:
+        """Absolute path of a data file, refusing names or symlinks that leave the directory."""
+        check_file_name(name, where=self.location)
+        path = os.path.join(self.directory, name)
+        real_dir = os.path.realpath(self.directory)
+        real = os.path.realpath(path)
+        if os.path.dirname(real) != real_dir:
+            raise UnsafePathError(
+                f"{self.location}: {name!r} is a symlink that leaves the checkpoint directory "
+                f"(to {real}); refusing to read it"
+            )
+        return path
+
+    def header(self, name: str) -> SafetensorsHeader:
+        """The validated header of data file ``name`` (read once, then cached)."""
+        with self._lock:
+            cached = self._headers.get(name)
+        if cached is not None:
+            return cached
+        path = self.file_path(name)
+        where = os.path.join(self.location, name) if self.kind != "hf-file" else self.location
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise MissingShardError(
+                f"{where} is missing: the checkpoint lists it but it is not there; "
+                "the checkpoint is incomplete (copy the file back or load another checkpoint)"
+            ) from None
+        try:
+            size = os.fstat(fd).st_size
+            if self.manifest is not None:
+                expected = self.manifest.files.get(name)
+                if expected is not None and size != expected:
+                    raise CorruptCheckpointError(
+                        f"{where} is {size} bytes but the manifest recorded {expected}; "
+                        "the file is truncated, padded or from another save"
+                    )
+            header = read_header(fd, size, name=where, max_header_bytes=knobs().max_header_bytes)
+        finally:
+            os.close(fd)
+        if self.manifest is not None:
+            save_id = header.metadata.get("shardpoint.save_id")
+            if save_id is not None and save_id != self.manifest.save_id:
+                raise CorruptCheckpointError(
+                    f"{where} belongs to another save (save_id {save_id}, the manifest says "
+                    f"{self.manifest.save_id}); a shard was swapped in from another checkpoint"
+                )
+        with self._lock:
+            self._headers[name] = header
+        return header
+
+    def entry(self, chunk: ChunkRef, dtype: str, label: str) -> HeaderEntry:
+        """The header entry holding ``chunk``, checked against what the manifest says."""
+        header = self.header(chunk.file)
+        where = os.path.join(self.location, chunk.file)
+        entry = header.entries.get(chunk.key)
+        if entry is None:
+            raise CorruptCheckpointError(
+                f"{where}: tensor {label!r} (key {chunk.key!r}) is listed in the checkpoint's "
+                "index/manifest but absent from this file; the checkpoint is damaged"
+            )
+        if entry.dtype_name != dtype or entry.shape != chunk.shape:
+            raise CorruptCheckpointError(
+                f"{where}: tensor {label!r} is {entry.dtype_name}{list(entry.shape)} in the file "
+                f"but {dtype}{list(chunk.shape)} in the manifest; the checkpoint is damaged"
+            )
+        return entry
+
+
+def _read_json_file(path: str, *, where: str) -> bytes:
+    limit = knobs().max_json_bytes
+    size = os.path.getsize(path)
+    if size > limit:
+        raise CorruptCheckpointError(
+            f"{where} is {size} bytes, over the {limit}-byte limit for JSON files; refusing to parse it"
+        )
+    with open(path, "rb") as f:
+        return f.read(limit + 1)
+
+
+def _from_headers(location: str, directory: str, kind: str, weight_map: dict[str, str] | None,
+                  files: list[str]) -> Checkpoint:
+    """A foreign HF checkpoint: one flat component ``model`` described by the headers."""
+    ckpt = Checkpoint(location, directory, kind, {}, flat=True)
+    tensors: dict[str, TensorRecord] = {}
+    seen_in: dict[str, str] = {}
+    for fname in files:
+        header = ckpt.header(fname)
+        for key, entry in header.entries.items():
+            if key in seen_in:
+                raise CorruptCheckpointError(
+                    f"{location}: tensor {key!r} is stored in both {seen_in[key]!r} and {fname!r}; "
+                    "the checkpoint is ambiguous"
+                )
+            seen_in[key] = fname
+            if weight_map is not None and weight_map.get(key) != fname:
+                continue
+            tensors[key] = TensorRecord(
+                entry.dtype_name,
+                entry.shape,
+                (ChunkRef(fname, key, (0,) * len(entry.shape), entry.shape, None),),
+            )
+    if weight_map is not None:
+        for key, fname in weight_map.items():
+            if key not in tensors:
+                raise CorruptCheckpointError(
+                    f"{os.path.join(location, fname)}: tensor {key!r} is listed in the index but "
+                    "absent from this file; the checkpoint is damaged"
+                )
+        # Keep the index's order, as transformers does.
+        tensors = {key: tensors[key] for key in weight_map}
+    tree = {"type": "dict", "items": [["str", k, {"type": "tensor", "name": k}] for k in tensors]}
+    ckpt.components["model"] = ComponentRecord(tree, tensors, {})
+    return ckpt
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Open a checkpoint directory (ours or HF) or a single ``.safetensors`` file."""
+    location = os.fspath(path)
+    base = os.path.basename(os.path.normpath(location))
+    if TMP_MARKER in base and base.startswith("."):
+        raise IncompleteCheckpointError(
+            f"{location} is the temporary directory of a save that never committed; "
+            "it is not a checkpoint. Load the committed one beside it, or delete it"
+        )
+    if os.path.isfile(location):
+        if not location.endswith(".safetensors"):
+            raise CheckpointNotFoundError(
+                f"{location} is a file but not a .safetensors file; shardpoint loads checkpoint "
+                "directories and .safetensors files (convert other formats with `shardpoint convert`)"
+            )
+        directory, name = os.path.split(os.path.abspath(location))
+        return _from_headers(location, directory, "hf-file", None, [name])
+    if not os.path.isdir(location):
+        raise CheckpointNotFoundError(f"{location} does not exist; nothing to load")
+    names = os.listdir(location)
+    if MANIFEST_NAME in names:
+        where = os.path.join(location, MANIFEST_NAME)
+        manifest = parse_manifest(_read_json_file(where, where=where), where=where)
+        return Checkpoint(
+            location, location, "shardpoint", manifest.components, manifest.flat, manifest
+        )
+    indexes = sorted(n for n in names if n.endswith(".safetensors.index.json"))
+    singles = sorted(n for n in names if n.endswith(".safetensors"))
+    if "model.safetensors.index.json" in indexes:
+        indexes = ["model.safetensors.index.json"]
+    if "model.safetensors" in singles:
+        return _from_headers(location, location, "hf-file", None, ["model.safetensors"])
+    if len(indexes) == 1:
+        where = os.path.join(location, indexes[0])
+        index = parse_index(_read_json_file(where, where=where), where=where)
+        files = list(dict.fromkeys(index.weight_map.values()))
+        return _from_headers(location, location, "hf-index", index.weight_map, files)
+    if len(singles) == 1:
+        return _from_headers(location, location, "hf-file", None, singles)
+    if any(is_tmp(n) for n in names) and not singles:
+        raise CheckpointNotFoundError(
+            f"{location} holds no committed checkpoint, only the temporary directory of a save "
+            "that did not finish"
+        )
+    raise CheckpointNotFoundError(
+        f"{location} is not a checkpoint: no shardpoint.json, no *.safetensors.index.json and "
+        f"no single .safetensors file (found {len(singles)} .safetensors files, {len(indexes)} indexes)"
+    )
+
+
+def is_tmp(name: str) -> bool:
+    return name.startswith(".") and TMP_MARKER in name
+
+
+def dtype_str(dtype: object) -> str:
+    return DTYPE_TO_NAME.get(dtype, str(dtype))  # type: ignore[call-overload]

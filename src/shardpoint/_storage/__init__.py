@@ -1,0 +1,1 @@
+"""Where checkpoints live. Local POSIX directories now; object stores through fsspec."""
