@@ -10,7 +10,9 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from ._api import LoadResult, SaveInfo, load, load_into, save
-from ._stateful import Stateful
+from ._async import AsyncSave, async_save
+from ._manager import CheckpointManager
+from ._stateful import RNGState, Stateful
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -29,6 +31,10 @@ from .errors import (
 )
 
 __all__ = [
+    "AsyncSave",
+    "CheckpointManager",
+    "RNGState",
+    "async_save",
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",

@@ -11,14 +11,30 @@ the tree, not the name, is the source of truth, so this is still reversible.
 from __future__ import annotations
 
 import math
+import pickle
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .errors import CorruptCheckpointError, InvalidStateError
+from .errors import CheckpointError, CorruptCheckpointError, InvalidStateError, UnsafePickleError
 
 Tree = dict[str, Any]
+
+WRAPPER_TYPES = ("module", "optimizer", "stateful")
+"""Tree nodes that wrap the plain state of an object; ``value`` holds that state's tree."""
+
+
+@dataclass(frozen=True)
+class Tagged:
+    """What ``to_state`` returns for an object: its plain state and how to restore it."""
+
+    kind: str
+    """One of ``WRAPPER_TYPES``."""
+    value: Any
+    attrs: dict[str, Any]
+    """JSON attributes recorded on the node (e.g. ``{"by_name": True}``)."""
 
 _MAX_DEPTH = 200
 
@@ -32,12 +48,15 @@ def flatten_state(
     *,
     path: str,
     to_state: Callable[[Any, str], Any] | None = None,
+    allow_pickle: bool = False,
 ) -> tuple[Tree, dict[str, torch.Tensor]]:
     """Flatten ``value`` into (tree, {name: tensor}).
 
     ``path`` names the value in errors (the component). ``to_state`` converts objects that
     are not containers or leaves (modules, optimizers, ``Stateful``) into plain state; it
-    returns ``NotImplemented`` when it does not know the object.
+    returns ``NotImplemented`` when it does not know the object, else the plain state or a
+    :class:`Tagged`. With ``allow_pickle`` any other object is pickled into a uint8 tensor
+    (recorded as such; loading it needs the same opt-in).
 
     >>> tree, tensors = flatten_state({"w": torch.zeros(2), "n": 3}, path="model")
     >>> list(tensors), tree["items"][1]
@@ -88,20 +107,32 @@ def flatten_state(
             }
         if to_state is not None:
             converted = to_state(obj, where)
+            if isinstance(converted, Tagged):
+                return {"type": converted.kind, **converted.attrs, "value": walk(converted.value, parts, depth + 1)}
             if converted is not NotImplemented:
                 return walk(converted, parts, depth + 1)
+        if allow_pickle:
+            name = name_for(parts)
+            payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            tensors[name] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            return {"type": "pickle", "name": name, "class": f"{type(obj).__module__}.{type(obj).__qualname__}"}
         raise InvalidStateError(
             f"state at {where} is a {type(obj).__module__}.{type(obj).__qualname__}, which "
             "shardpoint cannot store: use tensors, nn.Modules, optimizers, objects with "
-            "state_dict()/load_state_dict(), dict/list/tuple, or int/float/bool/str/None"
+            "state_dict()/load_state_dict(), dict/list/tuple, or int/float/bool/str/None "
+            "(or pass allow_pickle=True to pickle such values, trusting whoever loads them)"
         )
 
     tree = walk(value, [], 0)
     return tree, tensors
 
 
-def unflatten_state(tree: Tree, tensors: Mapping[str, Any], *, where: str) -> Any:
-    """Rebuild the nested value from its tree and loaded tensors (``tensors[name]``)."""
+def unflatten_state(tree: Tree, tensors: Mapping[str, Any], *, where: str, allow_pickle: bool = False) -> Any:
+    """Rebuild the nested value from its tree and loaded tensors (``tensors[name]``).
+
+    Wrapper nodes (modules, optimizers, ``Stateful``) come back as their plain state.
+    Pickled leaves are refused unless ``allow_pickle``.
+    """
 
     def build(node: Any, depth: int) -> Any:
         if depth > _MAX_DEPTH or not isinstance(node, dict):
@@ -119,12 +150,23 @@ def unflatten_state(tree: Tree, tensors: Mapping[str, Any], *, where: str) -> An
             return [build(child, depth + 1) for child in node["items"]]
         if kind == "tuple":
             return tuple(build(child, depth + 1) for child in node["items"])
+        if kind in WRAPPER_TYPES:
+            return build(node["value"], depth + 1)
+        if kind == "pickle":
+            if not allow_pickle:
+                raise UnsafePickleError(
+                    f"{where}: value {node['name']!r} (a {node.get('class')}) was pickled at save time; "
+                    "unpickling runs arbitrary code, so it is refused. Pass allow_pickle=True "
+                    "only if you trust whoever wrote this checkpoint"
+                )
+            data = tensors[node["name"]]
+            return pickle.loads(data.numpy().tobytes())
         raise CorruptCheckpointError(f"{where}: unknown state tree node type {kind!r}")
 
     try:
         return build(tree, 0)
     except (KeyError, TypeError, ValueError) as exc:
-        if isinstance(exc, CorruptCheckpointError):
+        if isinstance(exc, CheckpointError):
             raise
         raise CorruptCheckpointError(f"{where}: malformed state tree ({exc!r})") from None
 
@@ -136,10 +178,12 @@ def tree_tensor_names(tree: Tree) -> list[str]:
     while stack:
         node = stack.pop()
         kind = node.get("type")
-        if kind == "tensor":
+        if kind in ("tensor", "pickle"):
             names.append(node["name"])
         elif kind == "dict":
             stack.extend(child for _, _, child in reversed(node["items"]))
         elif kind in ("list", "tuple"):
             stack.extend(reversed(node["items"]))
+        elif kind in WRAPPER_TYPES:
+            stack.append(node["value"])
     return names

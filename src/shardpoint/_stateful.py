@@ -1,10 +1,20 @@
-"""Objects that are not plain containers: modules, optimizers, anything ``Stateful``."""
+"""Objects that are not plain containers: modules, optimizers, anything ``Stateful``.
+
+Optimizer state is stored keyed by parameter *name* (found through the modules saved in
+the same state), not by the integer ids of ``optimizer.state_dict()``, so it loads into a
+freshly built optimizer whose parameters are filtered or ordered differently.
+"""
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from ._flatten import Tagged
+from .errors import LoadMismatchError
 
 
 @runtime_checkable
@@ -25,10 +35,149 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
 
 
-def to_state(obj: Any, where: str) -> Any:
-    """Plain state of a module / optimizer / Stateful, or NotImplemented."""
-    if isinstance(obj, torch.nn.Module):
-        return obj.state_dict()
-    if isinstance(obj, Stateful):
-        return obj.state_dict()
-    return NotImplemented
+def parameter_names(modules: Iterable[tuple[str, torch.nn.Module]]) -> dict[int, str]:
+    """id(parameter) -> name over the modules of a state (prefixed when there are several)."""
+    modules = list(modules)
+    names: dict[int, str] = {}
+    for prefix, module in modules:
+        for name, param in module.named_parameters(remove_duplicate=False):
+            full = f"{prefix}.{name}" if len(modules) > 1 else name
+            names.setdefault(id(param), full)
+    return names
+
+
+def find_modules(state: Any) -> list[tuple[str, torch.nn.Module]]:
+    """The modules among the top-level values of a state (path, module)."""
+    if isinstance(state, torch.nn.Module):
+        return [("model", state)]
+    if isinstance(state, Mapping):
+        return [(str(k), v) for k, v in state.items() if isinstance(v, torch.nn.Module)]
+    return []
+
+
+def optimizer_state_by_name(optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> Tagged:
+    """The optimizer's state with parameters named; positional when names are unknown."""
+    sd = optimizer.state_dict()
+    group_names: list[list[str]] = []
+    for group in optimizer.param_groups:
+        group_names.append([names.get(id(p), "") for p in group["params"]])
+    if any(not n for g in group_names for n in g):
+        return Tagged("optimizer", sd, {"by_name": False})
+    id_to_name = {}
+    for saved_group, gnames in zip(sd["param_groups"], group_names):
+        for pid, name in zip(saved_group["params"], gnames):
+            id_to_name[pid] = name
+    state = {id_to_name[pid]: value for pid, value in sd["state"].items()}
+    groups = []
+    for saved_group, gnames in zip(sd["param_groups"], group_names):
+        groups.append({**saved_group, "params": list(gnames)})
+    return Tagged("optimizer", {"state": state, "param_groups": groups}, {"by_name": True})
+
+
+def optimizer_state_for(
+    optimizer: torch.optim.Optimizer, saved: Mapping[str, Any], names: Mapping[int, str], *, where: str
+) -> dict[str, Any]:
+    """Turn a saved name-keyed optimizer state into what ``optimizer.load_state_dict`` takes."""
+    saved_groups = saved["param_groups"]
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise LoadMismatchError(
+            f"{where}: the checkpoint's optimizer has {len(saved_groups)} parameter groups, the "
+            f"target optimizer has {len(optimizer.param_groups)}; build the optimizer with the "
+            "same groups"
+        )
+    saved_state = saved["state"]
+    state: dict[int, Any] = {}
+    groups = []
+    pid = 0
+    missing = []
+    for group, saved_group in zip(optimizer.param_groups, saved_groups):
+        ids = []
+        for param in group["params"]:
+            name = names.get(id(param))
+            if name is None:
+                raise LoadMismatchError(
+                    f"{where}: a parameter of the target optimizer belongs to none of the modules "
+                    "in the target state, so its saved state cannot be found by name; pass the "
+                    "model in the same load_into call"
+                )
+            if name in saved_state:
+                state[pid] = saved_state[name]
+            elif saved_state:
+                missing.append(name)
+            ids.append(pid)
+            pid += 1
+        groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": ids})
+    if missing:
+        raise LoadMismatchError(
+            f"{where}: the checkpoint has no optimizer state for parameter(s) "
+            f"{', '.join(map(repr, missing[:10]))}; was the optimizer built over other parameters?"
+        )
+    return {"state": state, "param_groups": groups}
+
+
+def make_to_state(names: Mapping[int, str]) -> Callable[[Any, str], Any]:
+    """The ``to_state`` hook for flattening, knowing the state's parameter names."""
+
+    def to_state(obj: Any, where: str) -> Any:
+        if isinstance(obj, torch.nn.Module):
+            return Tagged("module", obj.state_dict(), {})
+        if isinstance(obj, torch.optim.Optimizer):
+            return optimizer_state_by_name(obj, names)
+        if isinstance(obj, Stateful):
+            return Tagged("stateful", obj.state_dict(), {"class": type(obj).__qualname__})
+        return NotImplemented
+
+    return to_state
+
+
+class RNGState:
+    """The random number generators of this process, as one ``Stateful``.
+
+    Captures Python's ``random``, NumPy's global generator (if NumPy is installed), torch's
+    CPU generator and, when CUDA is available, every CUDA device's generator. Put it in the
+    state to save, and in the target to restore.
+
+    Example:
+        >>> import torch, shardpoint as sp
+        >>> rng = sp.RNGState()
+        >>> sd = rng.state_dict(); a = torch.rand(1)
+        >>> rng.load_state_dict(sd); bool(torch.rand(1) == a)
+        True
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss = random.getstate()
+        sd: dict[str, Any] = {
+            "python": {"version": version, "state": list(internal), "gauss": gauss},
+            "torch": torch.get_rng_state(),
+        }
+        try:
+            import numpy as np
+        except ImportError:  # pragma: no cover - numpy is a dependency
+            pass
+        else:
+            kind, keys, pos, has_gauss, cached = np.random.get_state()
+            sd["numpy"] = {
+                "kind": kind,
+                "keys": torch.from_numpy(keys.astype("int64")),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached),
+            }
+        if torch.cuda.is_available():
+            sd["cuda"] = list(torch.cuda.get_rng_state_all())
+        return sd
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        py = state_dict["python"]
+        random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+        torch.set_rng_state(state_dict["torch"].to(torch.uint8).cpu())
+        if "numpy" in state_dict:
+            import numpy as np
+
+            npst = state_dict["numpy"]
+            np.random.set_state(
+                (npst["kind"], npst["keys"].numpy().astype("uint32"), npst["pos"], npst["has_gauss"], npst["cached_gaussian"])
+            )
+        if "cuda" in state_dict and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([t.cpu() for t in state_dict["cuda"]])

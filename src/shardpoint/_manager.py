@@ -1,0 +1,241 @@
+"""CheckpointManager: steps under one root, the newest committed one, retention, best-by-metric.
+
+Layout::
+
+    root/
+      step-000100/        one committed checkpoint per step (shardpoint.json inside)
+      step-000200/
+      latest              text file naming the newest committed step (a hint, verified)
+
+``latest`` is replaced atomically (write a temp file, fsync, rename) after each commit. It
+is only a hint: ``restore`` checks that the step it names is committed, and otherwise
+scans for the newest committed step. Retention deletes only after a new step committed and
+never deletes the step ``latest`` names or the best steps by metric. Deleting renames the
+step to a hidden ``.tmp-`` name first, so a half-deleted step is never mistaken for one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import threading
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ._async import AsyncSave, async_save
+from ._format.manifest import MANIFEST_NAME
+from ._read import load_into
+from ._storage.local import TMP_MARKER, fsync_dir, write_small_file
+from ._write import SaveInfo
+from .errors import CheckpointError, CorruptCheckpointError
+
+_STEP_RE = re.compile(r"^step-(\d+)$")
+LATEST_NAME = "latest"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+class CheckpointManager:
+    """Save every N steps, keep the last few and the best, resume from the newest.
+
+    Args:
+        root: directory holding one ``step-<n>`` checkpoint per saved step.
+        keep_last: keep only this many newest steps (None: keep all).
+        keep_best: also keep this many best steps by ``metric``.
+        metric: name of the metric in ``save(..., metrics=)`` that ranks steps.
+        mode: ``"min"`` or ``"max"``: which metric values are best.
+        async_save: save in the background (``save`` returns once the state is staged).
+        storage_options: for fsspec roots (not in this version).
+        save_kwargs: passed to every save (``max_shard_size=``, ``durable=``, ...).
+
+    Example:
+        >>> import torch, shardpoint as sp, tempfile
+        >>> model = torch.nn.Linear(2, 2)
+        >>> mgr = sp.CheckpointManager(tempfile.mkdtemp(), keep_last=2)
+        >>> for step in (10, 20, 30):
+        ...     mgr.save(step, {"model": model, "step": step})
+        >>> mgr.steps()
+        [20, 30]
+        >>> mgr.restore({"model": torch.nn.Linear(2, 2), "step": 0})
+        30
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        keep_last: int | None = None,
+        keep_best: int | None = None,
+        metric: str | None = None,
+        mode: str = "min",
+        async_save: bool = False,
+        storage_options: Mapping[str, Any] | None = None,
+        **save_kwargs: Any,
+    ) -> None:
+        if storage_options is not None:
+            raise CheckpointError("storage_options is not available in this version of shardpoint")
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', not {mode!r}")
+        if keep_best and not metric:
+            raise ValueError("keep_best needs metric= (the name of the metric that ranks steps)")
+        for name, value in (("keep_last", keep_last), ("keep_best", keep_best)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, not {value!r}")
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.keep_best = keep_best
+        self.metric = metric
+        self.mode = mode
+        self.async_save = async_save
+        self.save_kwargs = save_kwargs
+        self._pending: AsyncSave | None = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ queries
+
+    def step_path(self, step: int) -> Path:
+        return self.root / step_dir_name(step)
+
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first (a step dir without a manifest is not one)."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for entry in os.scandir(self.root):
+            match = _STEP_RE.match(entry.name)
+            if match and entry.is_dir() and os.path.isfile(os.path.join(entry.path, MANIFEST_NAME)):
+                found.append(int(match.group(1)))
+        return sorted(found)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step: the ``latest`` hint if it checks out, else a scan."""
+        hint = self._read_latest()
+        steps = self.steps()
+        if hint is not None and hint in steps and hint == max(steps):
+            return hint
+        return steps[-1] if steps else None
+
+    def _read_latest(self) -> int | None:
+        try:
+            raw = (self.root / LATEST_NAME).read_text(encoding="utf-8", errors="replace")[:64]
+        except OSError:
+            return None
+        match = _STEP_RE.match(raw.strip())
+        return int(match.group(1)) if match else None
+
+    def metrics(self, step: int) -> dict[str, Any]:
+        """The metrics recorded with ``step``."""
+        path = self.step_path(step) / MANIFEST_NAME
+        try:
+            doc = json.loads(path.read_bytes())
+            return dict(doc.get("metadata", {}).get("metrics", {}))
+        except (OSError, ValueError, AttributeError) as exc:
+            raise CorruptCheckpointError(f"{path}: cannot read the step's metrics ({exc})") from None
+
+    def best_steps(self) -> list[int]:
+        """Steps ranked best first by ``metric`` (steps without it are not ranked)."""
+        if not self.metric:
+            return []
+        scored = []
+        for step in self.steps():
+            value = self.metrics(step).get(self.metric)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value):
+                scored.append((value if self.mode == "min" else -value, -step, step))
+        return [s for _, _, s in sorted(scored)]
+
+    # ------------------------------------------------------------------ save / restore
+
+    def save(self, step: int, state: Any, *, metrics: Mapping[str, float] | None = None) -> SaveInfo | AsyncSave:
+        """Save ``state`` as ``step``; returns its SaveInfo, or an AsyncSave handle when async.
+
+        Waits for the previous async save first (its error, if any, is raised here).
+        """
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative int, not {step!r}")
+        self.wait()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._remove_stale_temps()
+        metadata = {"step": step, "metrics": dict(metrics or {})}
+        kwargs = {"overwrite": True, "progress": False, **self.save_kwargs, "metadata": metadata}
+        path = self.step_path(step)
+        if self.async_save:
+            handle = async_save(state, path, on_commit=lambda info: self._after_commit(step), **kwargs)
+            self._pending = handle
+            return handle
+        from ._api import save
+
+        info = save(state, path, **kwargs)
+        self._after_commit(step)
+        return info
+
+    def wait(self) -> None:
+        """Block until the pending async save committed; raise its error if it failed."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def restore(self, target: Any, step: int | None = None, **load_kwargs: Any) -> int | None:
+        """Load ``step`` (default: the newest committed) into ``target``; return the step.
+
+        Returns None when the root holds no committed step.
+        """
+        self.wait()
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                return None
+        elif step not in self.steps():
+            raise CheckpointError(f"{self.root} has no committed step {step}; it has {self.steps()}")
+        load_into(target, self.step_path(step), **load_kwargs)
+        return step
+
+    # ------------------------------------------------------------------ internals
+
+    def _after_commit(self, step: int) -> None:
+        with self._lock:
+            steps = self.steps()
+            newest = max(steps) if steps else step
+            tmp = self.root / f".{LATEST_NAME}{TMP_MARKER}{uuid.uuid4().hex}"
+            write_small_file(str(tmp), (step_dir_name(newest) + "\n").encode(), durable=True)
+            os.replace(tmp, self.root / LATEST_NAME)
+            fsync_dir(self.root)
+            self._apply_retention(newest)
+
+    def _apply_retention(self, latest: int) -> None:
+        if self.keep_last is None:
+            return
+        steps = self.steps()
+        keep = set(steps[-self.keep_last :]) | {latest}
+        if self.keep_best:
+            keep |= set(self.best_steps()[: self.keep_best])
+        for step in steps:
+            if step not in keep:
+                self._delete(step)
+
+    def _delete(self, step: int) -> None:
+        path = self.step_path(step)
+        doomed = self.root / f".{path.name}{TMP_MARKER}del-{uuid.uuid4().hex}"
+        try:
+            os.rename(path, doomed)
+        except FileNotFoundError:
+            return
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    def _remove_stale_temps(self) -> None:
+        """Remove temp dirs/files left by crashed saves (none of ours is in flight here)."""
+        for entry in os.scandir(self.root):
+            if entry.name.startswith(".") and TMP_MARKER in entry.name:
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    try:
+                        os.unlink(entry.path)
+                    except OSError:
+                        pass

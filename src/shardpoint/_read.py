@@ -1,0 +1,496 @@
+"""Reading: plan which bytes go where (in place, or into new tensors), then read in one batch.
+
+``load_into`` walks the target alongside the saved tree in a planning pass that touches no
+data, so ``strict=True`` can refuse a mismatch before a single byte of the target changes.
+"""
+
+from __future__ import annotations
+
+import mmap as _mmap
+import os
+from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ._flatten import WRAPPER_TYPES, tree_tensor_names, unflatten_state
+from ._format.manifest import ComponentRecord, TensorRecord
+from ._io.transfer import ReadTask, run_reads
+from ._knobs import knobs
+from ._prepare import storage_key
+from ._progress import byte_progress
+from ._source import Checkpoint, open_checkpoint
+from ._stateful import Stateful, find_modules, optimizer_state_for, parameter_names
+from .errors import CheckpointError, InvalidStateError, LoadMismatchError
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What ``load_into`` found, as ``transformers`` reports a load."""
+
+    missing_keys: list[str] = field(default_factory=list)
+    """In the target but not in the checkpoint (left untouched)."""
+    unexpected_keys: list[str] = field(default_factory=list)
+    """In the checkpoint but not in the target (not read)."""
+    mismatched_keys: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    """(name, saved shape, target shape) for keys whose shapes differ (not read)."""
+
+    @property
+    def ok(self) -> bool:
+        return not (self.missing_keys or self.unexpected_keys or self.mismatched_keys)
+
+
+class ReadBatch:
+    """Collects reads from one checkpoint and runs them together on the I/O pool."""
+
+    def __init__(self, ckpt: Checkpoint, *, verify: bool) -> None:
+        self.ckpt = ckpt
+        self.verify = verify
+        self.tasks: list[ReadTask] = []
+        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def fill(self, record: TensorRecord, dest: torch.Tensor, label: str) -> None:
+        """Read ``record`` into ``dest`` (same shape), casting to its dtype if needed."""
+        if not dest.is_contiguous():
+            temp = torch.empty(dest.shape, dtype=dest.dtype)
+            self._copies.append((dest, temp))
+            dest = temp
+        for chunk in record.chunks:
+            entry = self.ckpt.entry(chunk, record.dtype, label)
+            if chunk.shape != record.shape:
+                raise CheckpointError(
+                    f"{self.ckpt.location}: tensor {label!r} is stored in {len(record.chunks)} "
+                    "chunks; reading chunked checkpoints is not available in this version"
+                )
+            name = self.ckpt.location if self.ckpt.kind == "hf-file" else os.path.join(self.ckpt.location, chunk.file)
+            self.tasks.append(
+                ReadTask(
+                    name=name,
+                    path=self.ckpt.file_path(chunk.file),
+                    start=entry.start,
+                    nbytes=entry.nbytes,
+                    dest=dest,
+                    stored_dtype=entry.dtype,
+                    crc32c=chunk.crc32c if self.verify else None,
+                    label=label,
+                )
+            )
+
+    def new(self, record: TensorRecord, label: str, *, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
+        """A new tensor that will hold ``record`` once the batch has run."""
+        stored = self.ckpt.entry(record.chunks[0], record.dtype, label).dtype
+        want = dtype if (dtype is not None and stored.is_floating_point) else stored
+        dest = torch.empty(record.shape, dtype=want, device=device)
+        self.fill(record, dest, label)
+        return dest
+
+    def run(self, progress: bool | None) -> None:
+        total = sum(t.nbytes for t in self.tasks)
+        desc = f"loading {os.path.basename(os.path.normpath(self.ckpt.location))}"
+        with torch.no_grad(), byte_progress(total, desc, progress) as advance:
+            run_reads(self.tasks, advance=advance)
+            for dest, temp in self._copies:
+                dest.copy_(temp)
+
+
+def resolve_verify(verify: bool | None) -> bool:
+    return knobs().verify_checksums if verify is None else verify
+
+
+# ---------------------------------------------------------------------------------- load
+
+
+def _mmap_tensor(ckpt: Checkpoint, record: TensorRecord, label: str, maps: dict[str, Any]) -> torch.Tensor:
+    chunk = record.chunks[0]
+    if len(record.chunks) != 1 or chunk.shape != record.shape:
+        raise CheckpointError(f"{ckpt.location}: tensor {label!r} is chunked; mmap needs whole tensors")
+    entry = ckpt.entry(chunk, record.dtype, label)
+    if entry.nbytes == 0:
+        return torch.empty(entry.shape, dtype=entry.dtype)
+    mm = maps.get(chunk.file)
+    if mm is None:
+        with open(ckpt.file_path(chunk.file), "rb") as f:
+            mm = maps[chunk.file] = _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_COPY)
+    flat = torch.frombuffer(mm, dtype=torch.uint8, count=entry.nbytes, offset=entry.start)
+    return flat.view(entry.dtype).reshape(entry.shape)
+
+
+def _selection(ckpt: Checkpoint, keys: Sequence[str] | None) -> dict[str, list[str] | None]:
+    """Which tensors of which components to read: component -> names (None = all)."""
+    if keys is None:
+        return {c: None for c in ckpt.components}
+    wanted = [keys] if isinstance(keys, str) else list(keys)
+    if ckpt.flat:
+        comp = ckpt.components["model"]
+        unknown = [k for k in wanted if k not in comp.tensors and k not in comp.aliases]
+        if unknown:
+            raise CheckpointError(
+                f"{ckpt.location} has no tensor named {', '.join(map(repr, unknown[:10]))}"
+                + (f" (and {len(unknown) - 10} more)" if len(unknown) > 10 else "")
+                + "; `shardpoint inspect` lists the names"
+            )
+        return {"model": wanted}
+    unknown = [k for k in wanted if k not in ckpt.components]
+    if unknown:
+        raise CheckpointError(
+            f"{ckpt.location} has no component named {', '.join(map(repr, unknown))}; "
+            f"it has {', '.join(map(repr, ckpt.components))}"
+        )
+    return {k: None for k in wanted}
+
+
+def load(
+    path: str | os.PathLike[str],
+    *,
+    keys: Sequence[str] | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    mmap: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+    progress: bool | None = None,
+    verify: bool | None = None,
+    allow_pickle: bool = False,
+) -> Any:
+    """Load a checkpoint as a new state: a flat state dict, or the nested state saved.
+
+    Reads shardpoint checkpoints, HF safetensors directories (index or single file) and
+    single ``.safetensors`` files. Each tensor is read straight into freshly allocated
+    memory (no mmap residency, no second copy); crc32c is checked unless ``verify=False``.
+    In a nested state, modules, optimizers and ``Stateful`` objects come back as their
+    state dicts (optimizer state keyed by parameter name).
+
+    Args:
+        path: checkpoint directory or ``.safetensors`` file.
+        keys: tensor names to read (flat checkpoints) or components (nested ones).
+        device: where the tensors go (read through a bounded staging buffer if not CPU).
+        dtype: cast floating-point tensors to this dtype while reading.
+        mmap: return CPU tensors backed by the files' pages (zero-copy, lazy; not verified).
+        storage_options: for fsspec URLs (not in this version).
+        progress: show a progress bar (default: when stderr is a terminal).
+        verify: check crc32c (default on; ``SHARDPOINT_VERIFY=0`` turns it off).
+        allow_pickle: unpickle values that were saved with ``allow_pickle=True``.
+
+    Returns:
+        ``dict[str, Tensor]`` for a flat checkpoint; the nested state otherwise.
+
+    Raises:
+        CheckpointNotFoundError, CorruptCheckpointError, ChecksumMismatchError, UnsafePickleError.
+
+    Example:
+        >>> import torch, shardpoint as sp, tempfile, os
+        >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> _ = sp.save({"w": torch.arange(4.0)}, d)
+        >>> sp.load(d)["w"].tolist()
+        [0.0, 1.0, 2.0, 3.0]
+    """
+    if storage_options is not None:
+        raise CheckpointError("storage_options is not available in this version of shardpoint")
+    ckpt = open_checkpoint(path)
+    device = torch.device(device)
+    batch = ReadBatch(ckpt, verify=resolve_verify(verify) and not mmap)
+    maps: dict[str, Any] = {}
+    loaded: dict[str, dict[str, torch.Tensor]] = {}
+    selection = _selection(ckpt, keys)
+    for cname, names in selection.items():
+        comp = ckpt.components[cname]
+        wanted = list(comp.tensors) if names is None else names
+        out: dict[str, torch.Tensor] = {}
+        for name in wanted:
+            stored = comp.aliases.get(name, name)
+            if stored in out:
+                continue
+            record = comp.tensors[stored]
+            if mmap:
+                t = _mmap_tensor(ckpt, record, stored, maps)
+                if device.type != "cpu" or (dtype is not None and t.is_floating_point()):
+                    t = t.to(device=device, dtype=dtype if t.is_floating_point() else None)
+                out[stored] = t
+            else:
+                out[stored] = batch.new(record, stored, device=device, dtype=dtype)
+        for alias, stored in comp.aliases.items():
+            if stored in out:
+                out[alias] = out[stored]
+        loaded[cname] = out
+    batch.run(progress)
+
+    result: dict[str, Any] = {}
+    for cname, names in selection.items():
+        out = loaded[cname]
+        if names is not None:
+            result[cname] = {k: out[k] for k in names}
+        else:
+            comp = ckpt.components[cname]
+            result[cname] = unflatten_state(comp.tree, out, where=ckpt.location, allow_pickle=allow_pickle)
+    return result["model"] if ckpt.flat else result
+
+
+# ----------------------------------------------------------------------------- load_into
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a is b:
+        return True
+    key = storage_key(a)
+    return key is not None and key == storage_key(b)
+
+
+def _assign(module: torch.nn.Module, name: str, value: torch.Tensor) -> bool:
+    """Replace parameter/buffer ``name`` of ``module`` by ``value``; False if not found."""
+    owner_name, _, leaf = name.rpartition(".")
+    try:
+        owner = module.get_submodule(owner_name) if owner_name else module
+    except AttributeError:
+        return False
+    if leaf in owner._parameters:
+        owner._parameters[leaf] = value  # type: ignore[assignment]
+        return True
+    if leaf in owner._buffers:
+        owner._buffers[leaf] = value
+        return True
+    return False
+
+
+class _Planner:
+    """Walks a target beside the saved trees; records reads, report entries and fix-ups."""
+
+    def __init__(self, ckpt: Checkpoint, batch: ReadBatch, *, allow_pickle: bool) -> None:
+        self.ckpt = ckpt
+        self.batch = batch
+        self.allow_pickle = allow_pickle
+        self.missing: list[str] = []
+        self.unexpected: list[str] = []
+        self.mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+        self.post: list[Callable[[], None]] = []
+        self.param_names: dict[int, str] = {}
+
+    # A subtree read into new tensors, turned into a value after the batch ran.
+    def build(self, comp: ComponentRecord, node: dict[str, Any], apply: Callable[[Any], None]) -> None:
+        tensors: dict[str, torch.Tensor] = {}
+        for name in tree_tensor_names(node):
+            stored = comp.aliases.get(name, name)
+            if stored not in tensors:
+                tensors[stored] = self.batch.new(comp.tensors[stored], stored, device=torch.device("cpu"), dtype=None)
+            tensors[name] = tensors[stored]
+        where = self.ckpt.location
+        allow = self.allow_pickle
+        self.post.append(lambda: apply(unflatten_state(node, tensors, where=where, allow_pickle=allow)))
+
+    def tensors_into(self, targets: Mapping[str, torch.Tensor], names: Mapping[str, str],
+                     comp: ComponentRecord, prefix: str, module: torch.nn.Module | None) -> None:
+        """Fill target tensors in place; ``names`` maps a target key to its saved tensor name."""
+        matched = []
+        for key, tensor in targets.items():
+            saved = names.get(key)
+            if saved is None:
+                continue
+            record = comp.tensors[comp.aliases.get(saved, saved)]
+            if tuple(tensor.shape) != record.shape:
+                self.mismatched.append((prefix + key, record.shape, tuple(tensor.shape)))
+            else:
+                matched.append(key)
+        tied: dict[str, str] = {}  # target key absent from the checkpoint -> matched key it is tied to
+        for key in targets:
+            if key in names:
+                continue
+            twin = next((m for m in matched if _same_memory(targets[key], targets[m])), None)
+            if twin is None:
+                self.missing.append(prefix + key)
+            else:
+                tied[key] = twin
+        self.unexpected.extend(prefix + k for k in names if k not in targets)
+
+        filled: list[torch.Tensor] = []
+        materialized: dict[int, torch.Tensor] = {}
+        for key in matched:
+            tensor = targets[key]
+            saved = names[key]
+            stored = comp.aliases.get(saved, saved)
+            record = comp.tensors[stored]
+            if tensor.device.type == "meta":
+                if module is None:
+                    raise InvalidStateError(
+                        f"target tensor {prefix + key!r} is on the meta device; pass the module itself"
+                    )
+                value = materialized.get(id(tensor))
+                if value is None:
+                    new = torch.empty(tensor.shape, dtype=tensor.dtype)
+                    self.batch.fill(record, new, stored)
+                    value = (
+                        torch.nn.Parameter(new, requires_grad=tensor.requires_grad)
+                        if isinstance(tensor, torch.nn.Parameter)
+                        else new
+                    )
+                    materialized[id(tensor)] = value
+                for k in [key, *(t for t, twin in tied.items() if twin == key)]:
+                    self.post.append(lambda m=module, k=k, v=value: _assign(m, k, v) or
+                                     m.load_state_dict({k: v}, strict=False, assign=True))
+                continue
+            if any(_same_memory(tensor, f) for f in filled):
+                continue  # tied to a tensor already being filled
+            filled.append(tensor)
+            self.batch.fill(record, tensor.detach(), stored)
+
+    def node(self, target: Any, node: dict[str, Any], comp: ComponentRecord, path: str,
+             setter: Callable[[Any], None] | None) -> None:
+        kind = node.get("type")
+        inner = node["value"] if kind in WRAPPER_TYPES else node
+        if isinstance(target, torch.nn.Module):
+            if inner.get("type") != "dict":
+                self.mismatched.append((path, (), ()))
+                return
+            names = {str(k): child["name"] for _, k, child in inner["items"] if child.get("type") == "tensor"}
+            self.tensors_into(target.state_dict(keep_vars=True), names, comp, f"{path}/" if path else "", target)
+            return
+        if isinstance(target, torch.optim.Optimizer):
+            if kind != "optimizer":
+                raise LoadMismatchError(f"{self.ckpt.location}: {path!r} was not saved from an optimizer")
+            by_name = node.get("by_name", False)
+            names = self.param_names
+            where = f"{self.ckpt.location}, {path}"
+
+            def load_optimizer(value: Any, opt: torch.optim.Optimizer = target) -> None:
+                sd = optimizer_state_for(opt, value, names, where=where) if by_name else value
+                opt.load_state_dict(sd)
+
+            self.build(comp, node, load_optimizer)
+            return
+        if isinstance(target, torch.Tensor):
+            if kind != "tensor":
+                self.mismatched.append((path, (), tuple(target.shape)))
+                return
+            self.tensors_into({"": target}, {"": node["name"]}, comp, path, None)
+            return
+        if isinstance(target, Stateful) and not isinstance(target, Mapping):
+            self.build(comp, node, target.load_state_dict)
+            return
+        if isinstance(target, MutableMapping) and inner.get("type") == "dict":
+            saved_keys = set()
+            for _, key, child in inner["items"]:
+                saved_keys.add(key)
+                child_path = f"{path}.{key}" if path else str(key)
+                if key in target:
+                    self.node(target[key], child, comp, child_path,
+                              lambda v, t=target, k=key: t.__setitem__(k, v))
+                else:
+                    self.build(comp, child, lambda v, t=target, k=key: t.__setitem__(k, v))
+            self.missing.extend(f"{path}.{k}" if path else str(k) for k in target if k not in saved_keys)
+            return
+        if isinstance(target, MutableSequence) and inner.get("type") in ("list", "tuple") and len(target) == len(inner["items"]):
+            for i, child in enumerate(inner["items"]):
+                self.node(target[i], child, comp, f"{path}.{i}",
+                          lambda v, t=target, k=i: t.__setitem__(k, v))
+            return
+        if setter is None:
+            raise InvalidStateError(
+                f"cannot load {path!r} into a {type(target).__name__}: it is neither a module, "
+                "optimizer, Stateful, tensor nor a mutable container"
+            )
+        self.build(comp, node, setter)
+
+
+def _component_targets(target: Any, ckpt: Checkpoint) -> dict[str, Any]:
+    """Pair target values with saved components."""
+    if ckpt.flat:
+        if isinstance(target, torch.nn.Module):
+            return {"model": target}
+        if isinstance(target, Mapping) and all(isinstance(v, torch.Tensor) for v in target.values()):
+            return {"model": target}
+        if isinstance(target, Mapping) and "model" in target:
+            return dict(target)
+        raise InvalidStateError(
+            f"{ckpt.location} holds a flat state dict; load it into a module or a dict of tensors"
+        )
+    if isinstance(target, torch.nn.Module):
+        return {"model": target}
+    if isinstance(target, Mapping):
+        return dict(target)
+    raise InvalidStateError(f"load_into() takes a module or a mapping of components, not {type(target).__name__}")
+
+
+def load_into(
+    target: Any,
+    path: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+    process_group: Any = None,
+    storage_options: Mapping[str, Any] | None = None,
+    progress: bool | None = None,
+    verify: bool | None = None,
+    allow_pickle: bool = False,
+) -> LoadResult:
+    """Load a checkpoint into existing objects, in place.
+
+    ``target`` is what was passed to ``save`` (freshly built): a module, a flat state dict,
+    or a mapping of components holding modules, optimizers, schedulers, ``Stateful``
+    objects, tensors and containers. Tensors are read straight into the target's own
+    memory (dtype casts through a bounded staging buffer); parameters on the ``meta``
+    device are materialized from the file with no second copy; tied parameters stay tied.
+    Optimizers are matched by parameter name; other objects get ``load_state_dict``;
+    values in mutable containers are replaced.
+
+    Args:
+        target: the objects to fill.
+        path: checkpoint directory or ``.safetensors`` file.
+        strict: raise :class:`LoadMismatchError` (before changing anything) when keys are
+            missing, unexpected or mis-shaped.
+        progress: show a progress bar (default: when stderr is a terminal).
+        verify: check crc32c (default on).
+        allow_pickle: unpickle values saved with ``allow_pickle=True``.
+
+    Returns:
+        A :class:`LoadResult` listing missing, unexpected and mismatched keys.
+
+    Example:
+        >>> import torch, shardpoint as sp, tempfile, os
+        >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> model = torch.nn.Linear(2, 2)
+        >>> _ = sp.save(model.state_dict(), d)
+        >>> sp.load_into(torch.nn.Linear(2, 2), d).ok
+        True
+    """
+    if process_group is not None or storage_options is not None:
+        raise CheckpointError("process_group and storage_options are not available in this version of shardpoint")
+    ckpt = open_checkpoint(path)
+    batch = ReadBatch(ckpt, verify=resolve_verify(verify))
+    planner = _Planner(ckpt, batch, allow_pickle=allow_pickle)
+    targets = _component_targets(target, ckpt)
+    planner.param_names = parameter_names(find_modules(targets))
+    for cname, value in targets.items():
+        comp = ckpt.components.get(cname)
+        if comp is None:
+            planner.missing.append(cname)
+            continue
+        if ckpt.flat and isinstance(value, Mapping) and not isinstance(value, torch.nn.Module):
+            names = {k: k for k in list(comp.tensors) + list(comp.aliases)}
+            planner.tensors_into(value, names, comp, "", None)
+            continue
+        setter = (lambda v, k=cname: target.__setitem__(k, v)) if isinstance(target, MutableMapping) else None
+        planner.node(value, comp.tree, comp, "" if ckpt.flat else cname, setter)
+    planner.unexpected.extend(c for c in ckpt.components if c not in targets)
+    result = LoadResult(planner.missing, planner.unexpected, planner.mismatched)
+    if strict and not result.ok:
+        raise LoadMismatchError(_mismatch_message(ckpt.location, result), result)
+    batch.run(progress)
+    for fix in planner.post:
+        fix()
+    return result
+
+
+def _mismatch_message(location: str, result: LoadResult) -> str:
+    def show(items: Sequence[Any]) -> str:
+        head = ", ".join(
+            repr(i) if isinstance(i, str) else f"{i[0]!r} (saved {list(i[1])}, target {list(i[2])})"
+            for i in items[:10]
+        )
+        return head + (f" and {len(items) - 10} more" if len(items) > 10 else "")
+
+    parts = [f"loading {location} into the target does not match (strict=True):"]
+    if result.missing_keys:
+        parts.append(f"missing from the checkpoint: {show(result.missing_keys)}")
+    if result.unexpected_keys:
+        parts.append(f"unexpected (in the checkpoint, not the target): {show(result.unexpected_keys)}")
+    if result.mismatched_keys:
+        parts.append(f"shape mismatch: {show(result.mismatched_keys)}")
+    parts.append("nothing was loaded; pass strict=False to load the matching tensors and get this report")
+    return "\n  ".join(parts)

@@ -1,0 +1,123 @@
+"""Writing prepared components: plan files, stream tensors, indexes, manifest, commit."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ._format.dtypes import dtype_name
+from ._format.index import index_name, render_index
+from ._format.manifest import MANIFEST_NAME, ChunkRef, ComponentRecord, Manifest, TensorRecord
+from ._format.safetensors import TensorSpec, plan_file
+from ._io.transfer import FileWrite, write_files
+from ._planning.shards import plan_shards, shard_file_names
+from ._prepare import PreparedState
+from ._progress import byte_progress
+from ._storage.local import LocalTransaction
+from .errors import InvalidStateError
+
+
+@dataclass(frozen=True)
+class SaveInfo:
+    """What a save wrote."""
+
+    path: str
+    save_id: str
+    files: dict[str, int]
+    """Data file name -> bytes."""
+    tensor_bytes: int
+    """Bytes of tensor data stored (aliases counted once)."""
+    seconds: float
+
+
+def json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The user's metadata as plain JSON, refused early if it is not."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise InvalidStateError(f"metadata must be a dict of JSON values, not {type(metadata).__name__}")
+    try:
+        return json.loads(json.dumps(dict(metadata), allow_nan=False))  # type: ignore[no-any-return]
+    except (TypeError, ValueError) as exc:
+        raise InvalidStateError(f"metadata must hold only JSON values (no nan/inf): {exc}") from None
+
+
+def write_checkpoint(
+    prepared: PreparedState,
+    path: str | os.PathLike[str],
+    *,
+    max_shard_bytes: int,
+    overwrite: bool,
+    metadata: dict[str, Any],
+    durable: bool,
+    progress: bool | None,
+) -> SaveInfo:
+    """Write ``prepared`` as an HF-layout checkpoint at ``path``, atomically."""
+    started = time.perf_counter()
+    save_id = uuid.uuid4().hex
+    file_meta = {"format": "pt", "shardpoint.save_id": save_id}
+    writes: list[FileWrite] = []
+    file_of: dict[tuple[str, str], str] = {}
+    files: dict[str, int] = {}
+    indexes: dict[str, bytes] = {}
+    for comp in prepared.components:
+        if not comp.stored:
+            continue  # a component of JSON values only lives in the manifest
+        sizes = [(n, comp.tensors[n].numel() * comp.tensors[n].element_size()) for n in comp.stored]
+        groups = plan_shards(sizes, max_shard_bytes)
+        weight_map: dict[str, str] = {}
+        for fname, group in zip(shard_file_names(comp.name, len(groups)), groups):
+            specs = []
+            for key in group:
+                t = comp.tensors[key]
+                specs.append(TensorSpec(key, dtype_name(t.dtype, key=key), tuple(t.shape), t.numel() * t.element_size()))
+                weight_map[key] = file_of[(comp.name, key)] = fname
+            plan = plan_file(specs, file_meta)
+            tensors = tuple((k, comp.tensors[k], plan.ranges[k][0]) for k in group)
+            writes.append(FileWrite(fname, plan.header, plan.size, tensors))
+            files[fname] = plan.size
+        if len(groups) > 1:
+            indexes[index_name(comp.name)] = render_index(weight_map, comp.stored_bytes())
+
+    total = prepared.total_bytes()
+    txn = LocalTransaction(path, overwrite=overwrite)
+    try:
+        with byte_progress(total, f"saving {os.path.basename(os.fspath(path))}", progress) as advance:
+            crcs = write_files(txn.directory, writes, durable=durable, advance=advance)
+        records: dict[str, ComponentRecord] = {}
+        for comp in prepared.components:
+            tensor_records = {}
+            for name in comp.stored:
+                t = comp.tensors[name]
+                fname = file_of[(comp.name, name)]
+                shape = tuple(t.shape)
+                chunk = ChunkRef(fname, name, (0,) * len(shape), shape, crcs[(fname, name)])
+                tensor_records[name] = TensorRecord(dtype_name(t.dtype, key=name), shape, (chunk,))
+            records[comp.name] = ComponentRecord(comp.tree, tensor_records, dict(comp.aliases))
+        from . import __version__
+
+        manifest = Manifest(
+            save_id=save_id,
+            created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            library_version=__version__,
+            world_size=1,
+            layout="hf",
+            flat=prepared.flat,
+            components=records,
+            files=files,
+            metadata=metadata,
+        )
+        for iname, data in indexes.items():
+            txn.write_bytes(iname, data, durable=durable)
+        txn.write_bytes(MANIFEST_NAME, manifest.to_json(), durable=durable)
+        txn.commit(durable=durable)
+    except BaseException:
+        txn.abort()
+        raise
+    return SaveInfo(os.fspath(path), save_id, files, total, time.perf_counter() - started)
