@@ -221,7 +221,8 @@ def load(
             result[cname] = {k: out[k] for k in names}
         else:
             comp = ckpt.components[cname]
-            result[cname] = unflatten_state(comp.tree, out, where=ckpt.location, allow_pickle=allow_pickle)
+            where = f"{ckpt.location}, component {cname!r}"
+            result[cname] = unflatten_state(comp.tree, out, where=where, allow_pickle=allow_pickle)
     return result["model"] if ckpt.flat else result
 
 
@@ -265,14 +266,14 @@ class _Planner:
         self.param_names: dict[int, str] = {}
 
     # A subtree read into new tensors, turned into a value after the batch ran.
-    def build(self, comp: ComponentRecord, node: dict[str, Any], apply: Callable[[Any], None]) -> None:
+    def build(self, comp: ComponentRecord, node: dict[str, Any], apply: Callable[[Any], None], path: str) -> None:
         tensors: dict[str, torch.Tensor] = {}
         for name in tree_tensor_names(node):
             stored = comp.aliases.get(name, name)
             if stored not in tensors:
                 tensors[stored] = self.batch.new(comp.tensors[stored], stored, device=torch.device("cpu"), dtype=None)
             tensors[name] = tensors[stored]
-        where = self.ckpt.location
+        where = f"{self.ckpt.location}, {path}"
         allow = self.allow_pickle
         self.post.append(lambda: apply(unflatten_state(node, tensors, where=where, allow_pickle=allow)))
 
@@ -353,7 +354,7 @@ class _Planner:
                 sd = optimizer_state_for(opt, value, names, where=where) if by_name else value
                 opt.load_state_dict(sd)
 
-            self.build(comp, node, load_optimizer)
+            self.build(comp, node, load_optimizer, path)
             return
         if isinstance(target, torch.Tensor):
             if kind != "tensor":
@@ -362,7 +363,7 @@ class _Planner:
             self.tensors_into({"": target}, {"": node["name"]}, comp, path, None)
             return
         if isinstance(target, Stateful) and not isinstance(target, Mapping):
-            self.build(comp, node, target.load_state_dict)
+            self.build(comp, node, target.load_state_dict, path)
             return
         if isinstance(target, MutableMapping) and inner.get("type") == "dict":
             saved_keys = set()
@@ -373,7 +374,7 @@ class _Planner:
                     self.node(target[key], child, comp, child_path,
                               lambda v, t=target, k=key: t.__setitem__(k, v))
                 else:
-                    self.build(comp, child, lambda v, t=target, k=key: t.__setitem__(k, v))
+                    self.build(comp, child, lambda v, t=target, k=key: t.__setitem__(k, v), child_path)
             self.missing.extend(f"{path}.{k}" if path else str(k) for k in target if k not in saved_keys)
             return
         if isinstance(target, MutableSequence) and inner.get("type") in ("list", "tuple") and len(target) == len(inner["items"]):
@@ -386,7 +387,7 @@ class _Planner:
                 f"cannot load {path!r} into a {type(target).__name__}: it is neither a module, "
                 "optimizer, Stateful, tensor nor a mutable container"
             )
-        self.build(comp, node, setter)
+        self.build(comp, node, setter, path)
 
 
 def _component_targets(target: Any, ckpt: Checkpoint) -> dict[str, Any]:

@@ -1,0 +1,208 @@
+"""Nested training state: exact round trips, optimizer by name, bit-exact resume, async."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import shardpoint as sp
+
+
+def _assert_same(a, b, path="state"):
+    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()), f"{path}: keys {list(a)} != {list(b)}"
+        for k in a:
+            assert type(k) is type(next(x for x in b if x == k and type(x) is type(k)))
+            _assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b), path
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+ADVERSARIAL = {
+    "model": {"w": torch.arange(6.0).reshape(2, 3)},
+    "weird": {
+        "x/y": torch.ones(1),
+        "%a": 1,
+        "": "empty key",
+        "a.b": torch.zeros(2),
+        "a": {"b": torch.full((2,), 7.0)},  # joins to the same name as "a.b"
+        0: "int zero",
+        "0": "str zero",
+        -3: [None, True, False],
+        "floats": [0.1, float("nan"), float("inf"), float("-inf"), -0.0, 1e308],
+        "tuple": (1, (2, torch.tensor(3)), []),
+        "list_of_dicts": [{"k": torch.tensor([1, 2], dtype=torch.int8)}, {}],
+        "big_int": 2**62,
+        "unicode": "héllo ✓",
+    },
+    "step": 1234,
+    "done": False,
+    "note": None,
+}
+
+
+def test_adversarial_nested_state_round_trips_exactly(tmp_path):
+    sp.save(ADVERSARIAL, tmp_path / "ck")
+    _assert_same(ADVERSARIAL, sp.load(tmp_path / "ck"))
+    manifest = json.loads((tmp_path / "ck" / "shardpoint.json").read_text())
+    assert manifest["flat"] is False and set(manifest["components"]) == {"model", "weird", "step", "done", "note"}
+
+
+def test_adversarial_state_loads_into_a_fresh_target(tmp_path):
+    sp.save(ADVERSARIAL, tmp_path / "ck")
+    target = {"model": {"w": torch.zeros(2, 3)}, "weird": {}, "step": 0, "done": True, "note": "x"}
+    ptr = target["model"]["w"].data_ptr()
+    sp.load_into(target, tmp_path / "ck")
+    _assert_same(ADVERSARIAL, target)
+    assert target["model"]["w"].data_ptr() == ptr  # tensors are filled in place
+
+
+def test_objects_are_refused_unless_pickling_is_opted_in(tmp_path):
+    class Thing:
+        def __init__(self):
+            self.value = 42
+
+    state = {"model": {"w": torch.ones(1)}, "extra": {"thing": Thing()}}
+    with pytest.raises(sp.InvalidStateError, match=r"state at extra\['thing'\] is a .*Thing"):
+        sp.save(state, tmp_path / "ck")
+    state["extra"]["thing"] = {"answer": 42}  # a picklable, importable stand-in below
+    state["extra"]["obj"] = Fraction(3, 4)
+    sp.save(state, tmp_path / "ck", allow_pickle=True)
+    with pytest.raises(sp.UnsafePickleError, match=r"component 'extra': value 'obj' \(a fractions.Fraction\) was pickled"):
+        sp.load(tmp_path / "ck")
+    assert sp.load(tmp_path / "ck", allow_pickle=True)["extra"]["obj"] == Fraction(3, 4)
+
+
+from fractions import Fraction  # noqa: E402
+
+
+def _build(seed: int, opt_name: str, reverse: bool = False):
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)]
+    model = torch.nn.Sequential(*layers)
+    params = list(model.named_parameters())
+    if reverse:
+        params = params[::-1]
+    groups = [{"params": [p for _, p in params]}]
+    if opt_name == "sgd":
+        opt = torch.optim.SGD(groups, lr=0.05, momentum=0.9)
+    elif opt_name == "adam":
+        opt = torch.optim.Adam(groups, lr=1e-2)
+    else:
+        opt = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    return model, opt, sched
+
+
+def _train(model, opt, sched, steps):
+    for _ in range(steps):
+        x = torch.randn(8, 6)
+        y = torch.randn(8, 3) + random.random() + float(np.random.rand())
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adam", "adamw"])
+def test_resume_is_bit_exact(tmp_path, opt_name):
+    model, opt, sched = _build(0, opt_name)
+    random.seed(1)
+    np.random.seed(1)
+    _train(model, opt, sched, 5)
+    state = {"model": model, "optim": opt, "sched": sched, "rng": sp.RNGState(), "step": 5}
+    sp.save(state, tmp_path / "ck", max_shard_size="1kB")
+    _train(model, opt, sched, 4)
+    expected_params = {k: v.clone() for k, v in model.state_dict().items()}
+    expected_opt = opt.state_dict()
+
+    model2, opt2, sched2 = _build(99, opt_name)  # different init, fresh optimizer
+    target = {"model": model2, "optim": opt2, "sched": sched2, "rng": sp.RNGState(), "step": 0}
+    assert sp.load_into(target, tmp_path / "ck").ok
+    assert target["step"] == 5
+    _train(model2, opt2, sched2, 4)
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, expected_params[k]), k
+    got = opt2.state_dict()
+    assert got["param_groups"] == expected_opt["param_groups"]
+    for pid, st in expected_opt["state"].items():
+        for name, value in st.items():
+            assert torch.equal(got["state"][pid][name], value), (pid, name)
+    assert sched2.state_dict() == sched.state_dict()
+
+
+def test_optimizer_state_is_stored_by_parameter_name(tmp_path):
+    model, opt, sched = _build(0, "adam")
+    _train(model, opt, sched, 2)
+    sp.save({"model": model, "optim": opt}, tmp_path / "ck")
+    saved = sp.load(tmp_path / "ck")["optim"]
+    assert list(saved["state"]) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert saved["param_groups"][0]["params"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert torch.equal(saved["state"]["2.bias"]["exp_avg"], opt.state[model[2].bias]["exp_avg"])
+
+
+def test_optimizer_state_loads_into_another_parameter_order(tmp_path):
+    model, opt, sched = _build(0, "adamw")
+    _train(model, opt, sched, 3)
+    sp.save({"model": model, "optim": opt}, tmp_path / "ck")
+    model2, opt2, _ = _build(5, "adamw", reverse=True)
+    sp.load_into({"model": model2, "optim": opt2}, tmp_path / "ck")
+    for name, param in model.named_parameters():
+        twin = dict(model2.named_parameters())[name]
+        assert torch.equal(opt.state[param]["exp_avg"], opt2.state[twin]["exp_avg"]), name
+        assert torch.equal(opt.state[param]["exp_avg_sq"], opt2.state[twin]["exp_avg_sq"]), name
+
+
+def test_rng_state_round_trip(tmp_path):
+    random.seed(3)
+    np.random.seed(3)
+    torch.manual_seed(3)
+    sp.save({"rng": sp.RNGState(), "step": 1}, tmp_path / "ck")
+    expected = (random.random(), float(np.random.rand()), torch.rand(3))
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    sp.load_into({"rng": sp.RNGState(), "step": 0}, tmp_path / "ck")
+    got = (random.random(), float(np.random.rand()), torch.rand(3))
+    assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
+
+
+def test_async_save_holds_pre_mutation_values(tmp_path):
+    model = torch.nn.Linear(256, 256)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    handle = sp.async_save({"model": model, "step": 1}, tmp_path / "ck")
+    assert handle.staged()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # mutate right after staging
+    info = handle.result()
+    assert handle.done() and info.path.endswith("ck")
+    loaded = sp.load(tmp_path / "ck")["model"]
+    for k, v in before.items():
+        assert torch.equal(loaded[k], v), k
+
+
+def test_async_staging_buffer_is_reused(tmp_path):
+    from shardpoint._async import staging_bytes
+
+    state = {"w": torch.randn(1000)}
+    sp.async_save(state, tmp_path / "a").result()
+    size = staging_bytes()
+    for i in range(3):
+        sp.async_save(state, tmp_path / f"b{i}").result()
+        assert staging_bytes() == size
