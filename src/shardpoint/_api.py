@@ -6,7 +6,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ._prepare import prepare_state
+from ._distributed.group import Group, resolve_group
+from ._distributed.save import write_distributed
+from ._prepare import PreparedState, prepare_state
 from ._read import LoadResult, load, load_into
 from ._sizes import parse_size
 from ._write import SaveInfo, json_metadata, write_checkpoint
@@ -15,11 +17,47 @@ from .errors import CheckpointError
 __all__ = ["LoadResult", "SaveInfo", "load", "load_into", "save"]
 
 
-def check_unsupported(layout: str | None, process_group: Any, storage_options: Any) -> None:
-    if layout not in (None, "hf"):
-        raise CheckpointError(f"layout {layout!r} is not available in this version; use layout='hf'")
-    if process_group is not None or storage_options is not None:
-        raise CheckpointError("process_group and storage_options are not available in this version of shardpoint")
+def check_options(layout: str | None, storage_options: Any) -> None:
+    if layout not in (None, "hf", "chunked"):
+        raise CheckpointError(f"unknown layout {layout!r}; use 'hf' (whole tensors) or 'chunked' (per-rank files)")
+    if storage_options is not None:
+        raise CheckpointError("storage_options is not available in this version of shardpoint")
+
+
+def write_prepared(
+    prepared: PreparedState,
+    path: str | os.PathLike[str],
+    *,
+    group: Group,
+    layout: str | None,
+    max_shard_bytes: int,
+    overwrite: bool,
+    metadata: dict[str, Any],
+    durable: bool,
+    progress: bool | None,
+) -> SaveInfo:
+    """Write in one process (layout hf) or collectively (default layout chunked)."""
+    if group.distributed or layout == "chunked":
+        return write_distributed(
+            prepared,
+            path,
+            group=group,
+            layout=layout or "chunked",
+            max_shard_bytes=max_shard_bytes,
+            overwrite=overwrite,
+            metadata=metadata,
+            durable=durable,
+            progress=progress,
+        )
+    return write_checkpoint(
+        prepared,
+        path,
+        max_shard_bytes=max_shard_bytes,
+        overwrite=overwrite,
+        metadata=metadata,
+        durable=durable,
+        progress=progress,
+    )
 
 
 def save(
@@ -49,8 +87,11 @@ def save(
         state: ``model.state_dict()``, a module, or a mapping of components.
         path: the checkpoint directory to create.
         max_shard_size: largest data file, e.g. ``"5GB"`` (10^9) or ``"5GiB"`` (2^30), or an int.
-        layout: ``"hf"`` (default: every tensor whole in one file).
-        process_group: for collective saves (not in this version; must be None).
+        layout: ``"hf"`` (every tensor whole, HF files; the default in one process) or
+            ``"chunked"`` (each rank writes the chunks it holds to its own files; the
+            default for collective saves).
+        process_group: save collectively: every rank of the group calls ``save`` with its
+            own shards. Without it, a state holding DTensors is saved over the default group.
         overwrite: replace an existing checkpoint at ``path`` (atomically).
         metadata: JSON values stored in the manifest.
         storage_options: for fsspec URLs (not in this version; must be None).
@@ -75,14 +116,17 @@ def save(
         ['model.safetensors']
     """
     max_bytes = parse_size(max_shard_size)
-    check_unsupported(layout, process_group, storage_options)
+    check_options(layout, storage_options)
     from ._async import raise_unobserved_failure
 
     raise_unobserved_failure()
     prepared = prepare_state(state, allow_pickle=allow_pickle)
-    return write_checkpoint(
+    group = resolve_group(process_group, prepared.all_tensors())
+    return write_prepared(
         prepared,
         path,
+        group=group,
+        layout=layout,
         max_shard_bytes=max_bytes,
         overwrite=overwrite,
         metadata=json_metadata(metadata),

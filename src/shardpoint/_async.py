@@ -17,13 +17,33 @@ from typing import Any
 
 import torch
 
-from ._api import check_unsupported
+from ._api import check_options, write_prepared
+from ._distributed.group import Group, local_chunk, resolve_group
 from ._prepare import Component, PreparedState, prepare_state
 from ._sizes import parse_size
-from ._write import SaveInfo, json_metadata, write_checkpoint
+from ._write import SaveInfo, json_metadata
 from .errors import CheckpointError
 
 _ALIGN = 64
+_background_groups: dict[int, Group] = {}
+
+
+def background_group(group: Group) -> Group:
+    """A gloo group twin of ``group`` for the background thread's collectives.
+
+    Collectives must not run on the training process group from another thread, so an
+    async collective save talks over its own group, created once (collectively, on the
+    first async save) and reused.
+    """
+    if not group.distributed:
+        return group
+    key = id(group.pg)
+    if key not in _background_groups:
+        import torch.distributed as dist
+
+        ranks = dist.get_process_group_ranks(group.pg)
+        _background_groups[key] = Group(dist.new_group(ranks=ranks, backend="gloo"))
+    return _background_groups[key]
 
 
 class StagingPool:
@@ -50,15 +70,18 @@ def stage(prepared: PreparedState, pool: StagingPool) -> PreparedState:
     cursor = 0
     for comp in prepared.components:
         for name in comp.stored:
-            t = comp.tensors[name]
+            t = local_chunk(comp.tensors[name])[2]
             offsets.append((comp, name, cursor))
             cursor += -(-(t.numel() * t.element_size()) // _ALIGN) * _ALIGN
     arena = pool.acquire(cursor)
     staged: dict[str, dict[str, torch.Tensor]] = {c.name: {} for c in prepared.components}
     cuda_used = False
+    placements = {c.name: dict(c.placements) for c in prepared.components}
     with torch.no_grad():
         for comp, name, offset in offsets:
-            src = comp.tensors[name]
+            global_shape, chunk_offsets, src = local_chunk(comp.tensors[name])
+            if src is not comp.tensors[name]:  # a DTensor: keep where its shard sits
+                placements[comp.name][name] = (global_shape, chunk_offsets)
             nbytes = src.numel() * src.element_size()
             dst = arena[offset : offset + nbytes].view(src.dtype).view(src.shape)
             if src.device.type == "cuda":
@@ -74,7 +97,9 @@ def stage(prepared: PreparedState, pool: StagingPool) -> PreparedState:
         tensors = dict(staged[comp.name])
         for alias, stored in comp.aliases.items():
             tensors[alias] = tensors[stored]
-        components.append(Component(comp.name, comp.tree, tensors, list(comp.stored), dict(comp.aliases)))
+        components.append(
+            Component(comp.name, comp.tree, tensors, list(comp.stored), dict(comp.aliases), placements[comp.name])
+        )
     return PreparedState(components, prepared.flat)
 
 
@@ -117,29 +142,30 @@ _last: AsyncSave | None = None
 
 
 def raise_unobserved_failure() -> None:
-    """Raise the error of the previous async save if nobody has seen it yet."""
-    global _last
+    """Raise the error of the previous async save if nobody has seen it yet.
+
+    Waits for that save to finish first: a save that is still running when the next one
+    starts may yet fail, and its error must not depend on how fast it failed.
+    """
     last = _last
-    if last is None or not last.done() or last.observed:
+    if last is None or last.observed:
         return
-    exc = last.exception()
-    if exc is not None:
-        last.observed = True
-        raise CheckpointError(
-            f"the previous async save to {last.path} failed and nothing was committed there: "
-            f"{exc}. Call .result() on async_save handles to see such errors where they happen"
-        ) from exc
+    exc = last.exception()  # waits for it to finish
+    if exc is None or last.observed:
+        return
+    last.observed = True
+    raise CheckpointError(
+        f"the previous async save to {last.path} failed and nothing was committed there: "
+        f"{exc}. Call .result() on async_save handles to see such errors where they happen"
+    ) from exc
 
 
 def wait_previous() -> None:
     """Block until the previous async save (if any) finished; raise its error if unseen."""
+    raise_unobserved_failure()
     last = _last
     if last is not None:
-        try:
-            last._future.result()
-        except BaseException:
-            pass
-    raise_unobserved_failure()
+        last._future.exception()  # an error seen already: just wait for the end
 
 
 def async_save(
@@ -181,7 +207,7 @@ def async_save(
     global _last
     started = time.perf_counter()
     max_bytes = parse_size(max_shard_size)
-    check_unsupported(layout, process_group, storage_options)
+    check_options(layout, storage_options)
     meta = json_metadata(metadata)
     prepared = prepare_state(state, allow_pickle=allow_pickle)
     with _lock:
@@ -189,10 +215,14 @@ def async_save(
         staged = stage(prepared, _pool)
         target = os.fspath(path)
 
+        group = background_group(resolve_group(process_group, prepared.all_tensors()))
+
         def persist() -> SaveInfo:
-            info = write_checkpoint(
+            info = write_prepared(
                 staged,
                 target,
+                group=group,
+                layout=layout,
                 max_shard_bytes=max_bytes,
                 overwrite=overwrite,
                 metadata=meta,

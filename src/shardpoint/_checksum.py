@@ -10,6 +10,8 @@ from functools import lru_cache
 
 import crc32c as _crc32c
 
+from .errors import CheckpointError
+
 _POLY_REVERSED = 0x82F63B78
 
 
@@ -59,3 +61,17 @@ def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     if crc_a == 0 or len_b == 0:
         return crc_b if len_b else crc_a
     return _gf2_times(list(_zeros_operator(len_b)), crc_a) ^ crc_b
+
+
+def combine_runs(runs: list[tuple[int, int, int]], total: int, *, where: str) -> int:
+    """crc32c of ``total`` bytes from (start, crc, length) of runs that must tile them exactly."""
+    crc = 0
+    cursor = 0
+    for start, run_crc, length in sorted(runs):
+        if start != cursor:
+            raise CheckpointError(f"{where}: written byte runs leave a gap or overlap at byte {cursor}")
+        crc = crc32c_combine(crc, run_crc, length)
+        cursor += length
+    if cursor != total:
+        raise CheckpointError(f"{where}: written byte runs cover {cursor} of {total} bytes")
+    return crc

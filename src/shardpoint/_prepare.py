@@ -27,6 +27,8 @@ class Component:
     """Names actually written (each distinct memory once), in order."""
     aliases: dict[str, str] = field(default_factory=dict)
     """Name -> stored name, for tensors that are the same memory as a stored one."""
+    placements: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    """For staged shards: name -> (global shape, offsets) of the local chunk in ``tensors``."""
 
     def stored_bytes(self) -> int:
         return sum(self.tensors[n].numel() * self.tensors[n].element_size() for n in self.stored)
@@ -40,6 +42,9 @@ class PreparedState:
 
     def total_bytes(self) -> int:
         return sum(c.stored_bytes() for c in self.components)
+
+    def all_tensors(self) -> list[torch.Tensor]:
+        return [c.tensors[n] for c in self.components for n in c.stored]
 
 
 def split_components(state: Any) -> tuple[dict[str, Any], bool]:
@@ -75,16 +80,13 @@ def check_tensor(name: str, component: str, tensor: torch.Tensor) -> None:
             f"{where} is on the meta device and holds no data; materialize the module "
             "(e.g. `module.to_empty(device='cpu')` and initialize it) before saving"
         )
-    if type(tensor).__name__ == "DTensor":
-        raise InvalidStateError(
-            f"{where} is a DTensor; save it collectively with a process group "
-            "(distributed saving is not available in this version)"
-        )
     dtype_name(tensor.dtype, key=name)
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
     """Identity of a tensor's memory view: equal keys mean the very same bytes."""
+    if type(tensor).__name__ == "DTensor":
+        tensor = tensor.to_local()  # type: ignore[attr-defined]
     if tensor.numel() == 0 or tensor.device.type == "meta":
         return None
     return (

@@ -6,6 +6,7 @@ data, so ``strict=True`` can refuse a mismatch before a single byte of the targe
 
 from __future__ import annotations
 
+import math
 import mmap as _mmap
 import os
 from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
@@ -14,15 +15,17 @@ from typing import Any
 
 import torch
 
+from ._distributed.group import local_chunk
 from ._flatten import WRAPPER_TYPES, tree_tensor_names, unflatten_state
 from ._format.manifest import ComponentRecord, TensorRecord
 from ._io.transfer import ReadTask, run_reads
 from ._knobs import knobs
+from ._planning.chunks import byte_runs, intersect
 from ._prepare import storage_key
 from ._progress import byte_progress
 from ._source import Checkpoint, open_checkpoint
 from ._stateful import Stateful, find_modules, optimizer_state_for, parameter_names
-from .errors import CheckpointError, InvalidStateError, LoadMismatchError
+from .errors import CheckpointError, CorruptCheckpointError, InvalidStateError, LoadMismatchError
 
 
 @dataclass(frozen=True)
@@ -50,32 +53,70 @@ class ReadBatch:
         self.tasks: list[ReadTask] = []
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def fill(self, record: TensorRecord, dest: torch.Tensor, label: str) -> None:
-        """Read ``record`` into ``dest`` (same shape), casting to its dtype if needed."""
-        if not dest.is_contiguous():
-            temp = torch.empty(dest.shape, dtype=dest.dtype)
-            self._copies.append((dest, temp))
-            dest = temp
+    def fill(
+        self,
+        record: TensorRecord,
+        dest: torch.Tensor,
+        label: str,
+        offsets: tuple[int, ...] | None = None,
+    ) -> None:
+        """Read into ``dest`` the part of ``record`` at ``offsets`` (default: all of it).
+
+        ``dest`` may be any region of the global tensor (a rank's shard): only the bytes of
+        stored chunks that overlap it are read, each overlap as few contiguous runs as the
+        layouts allow. crc32c is checked where a whole stored chunk is read. Every element of
+        ``dest`` must be covered, else the checkpoint is incomplete for it.
+        """
+        if offsets is None:
+            offsets = (0,) * dest.dim()
+        if dest.numel() == 0:
+            return
+        covered = 0
         for chunk in record.chunks:
+            box = intersect(chunk.offsets, chunk.shape, offsets, tuple(dest.shape))
+            if box is None:
+                continue
             entry = self.ckpt.entry(chunk, record.dtype, label)
-            if chunk.shape != record.shape:
-                raise CheckpointError(
-                    f"{self.ckpt.location}: tensor {label!r} is stored in {len(record.chunks)} "
-                    "chunks; reading chunked checkpoints is not available in this version"
-                )
+            box_offsets, box_shape = box
+            covered += math.prod(box_shape)
+            view = dest[tuple(slice(o - t, o - t + n) for o, t, n in zip(box_offsets, offsets, box_shape))]
+            relative = tuple(o - c for o, c in zip(box_offsets, chunk.offsets))
+            whole = box_shape == chunk.shape
+            if view.is_contiguous() and view.device.type == "cpu":
+                buffer = view
+            else:
+                buffer = torch.empty(box_shape, dtype=entry.dtype)
+                self._copies.append((view, buffer))
+            flat = buffer.view(-1) if buffer.dim() else buffer.view(1)
+            item = entry.dtype.itemsize
             name = self.ckpt.location if self.ckpt.kind == "hf-file" else os.path.join(self.ckpt.location, chunk.file)
-            self.tasks.append(
-                ReadTask(
-                    name=name,
-                    path=self.ckpt.file_path(chunk.file),
-                    start=entry.start,
-                    nbytes=entry.nbytes,
-                    dest=dest,
-                    stored_dtype=entry.dtype,
-                    crc32c=chunk.crc32c if self.verify else None,
-                    label=label,
+            path = self.ckpt.file_path(chunk.file)
+            pos = 0
+            for start, length in byte_runs(chunk.shape, relative, box_shape, item):
+                count = length // item
+                self.tasks.append(
+                    ReadTask(
+                        name=name,
+                        path=path,
+                        start=entry.start + start,
+                        nbytes=length,
+                        dest=flat[pos : pos + count],
+                        stored_dtype=entry.dtype,
+                        crc32c=chunk.crc32c if (whole and self.verify) else None,
+                        label=label,
+                    )
                 )
+                pos += count
+        if covered != dest.numel():
+            raise CorruptCheckpointError(
+                f"{self.ckpt.location}: tensor {label!r}: the stored chunks cover {covered} of the "
+                f"{dest.numel()} elements needed at offsets {list(offsets)} (shape {list(dest.shape)}); "
+                "the checkpoint is incomplete for this tensor"
             )
+
+    @property
+    def planned_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tasks)
 
     def new(self, record: TensorRecord, label: str, *, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
         """A new tensor that will hold ``record`` once the batch has run."""
@@ -330,7 +371,8 @@ class _Planner:
             if any(_same_memory(tensor, f) for f in filled):
                 continue  # tied to a tensor already being filled
             filled.append(tensor)
-            self.batch.fill(record, tensor.detach(), stored)
+            global_shape, offsets, local = local_chunk(tensor)
+            self.batch.fill(record, local.detach(), stored, offsets)
 
     def node(self, target: Any, node: dict[str, Any], comp: ComponentRecord, path: str,
              setter: Callable[[Any], None] | None) -> None:

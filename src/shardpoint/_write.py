@@ -100,24 +100,52 @@ def write_checkpoint(
                 chunk = ChunkRef(fname, name, (0,) * len(shape), shape, crcs[(fname, name)])
                 tensor_records[name] = TensorRecord(dtype_name(t.dtype, key=name), shape, (chunk,))
             records[comp.name] = ComponentRecord(comp.tree, tensor_records, dict(comp.aliases))
-        from . import __version__
-
-        manifest = Manifest(
+        write_manifest(
+            txn,
+            prepared,
+            records,
+            files,
+            indexes,
             save_id=save_id,
-            created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            library_version=__version__,
-            world_size=1,
             layout="hf",
-            flat=prepared.flat,
-            components=records,
-            files=files,
+            world_size=1,
             metadata=metadata,
+            durable=durable,
         )
-        for iname, data in indexes.items():
-            txn.write_bytes(iname, data, durable=durable)
-        txn.write_bytes(MANIFEST_NAME, manifest.to_json(), durable=durable)
         txn.commit(durable=durable)
     except BaseException:
         txn.abort()
         raise
     return SaveInfo(os.fspath(path), save_id, files, total, time.perf_counter() - started)
+
+
+def write_manifest(
+    txn: LocalTransaction,
+    prepared: PreparedState,
+    records: dict[str, ComponentRecord],
+    files: dict[str, int],
+    indexes: dict[str, bytes],
+    *,
+    save_id: str,
+    layout: str,
+    world_size: int,
+    metadata: dict[str, Any],
+    durable: bool,
+) -> None:
+    """Write the indexes, then the manifest (the commit marker) into the transaction."""
+    from . import __version__
+
+    manifest = Manifest(
+        save_id=save_id,
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        library_version=__version__,
+        world_size=world_size,
+        layout=layout,
+        flat=prepared.flat,
+        components=records,
+        files=files,
+        metadata=metadata,
+    )
+    for iname, data in indexes.items():
+        txn.write_bytes(iname, data, durable=durable)
+    txn.write_bytes(MANIFEST_NAME, manifest.to_json(), durable=durable)

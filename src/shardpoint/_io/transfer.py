@@ -87,6 +87,7 @@ class FileWrite:
 
     name: str
     header: bytes
+    """Written at offset 0 (empty: someone else writes it, as in a cooperative save)."""
     size: int
     tensors: tuple[tuple[str, torch.Tensor, int], ...]
     """(key, tensor, absolute offset of its first byte)."""
@@ -99,10 +100,12 @@ def write_files(
     durable: bool,
     threads: int | None = None,
     advance: Advance | None = None,
+    shared: bool = False,
 ) -> dict[tuple[str, str], int]:
     """Write ``files`` into ``directory``; return the crc32c of every (file, key).
 
-    Files are created fresh. With ``durable`` each file is fsynced before returning.
+    Files are created fresh, or with ``shared`` opened without truncation because several
+    processes write disjoint parts of them. With ``durable`` each file is fsynced.
     """
     cfg = knobs()
     threads = threads or cfg.write_threads
@@ -112,9 +115,13 @@ def write_files(
     lock = threading.Lock()
     try:
         for f in files:
-            fd = os.open(os.path.join(directory, f.name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            flags = os.O_WRONLY | os.O_CREAT | (0 if shared else os.O_TRUNC)
+            fd = os.open(os.path.join(directory, f.name), flags, 0o644)
             fds[f.name] = fd
-            _pwrite_all(fd, memoryview(f.header), 0)
+            if f.header:
+                if shared:
+                    os.ftruncate(fd, f.size)
+                _pwrite_all(fd, memoryview(f.header), 0)
 
         # Work items, round-robin across files so concurrent threads mostly hit different inodes.
         per_file: list[list[tuple[str, str, torch.Tensor, int, int, int]]] = []

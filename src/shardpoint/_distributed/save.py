@@ -1,0 +1,311 @@
+"""Collective saves: every rank writes its own bytes, the coordinator commits.
+
+Phases (each a :meth:`Group.phase`, so a failure anywhere makes every rank raise one error
+naming the failed ranks, and nothing is committed):
+
+1. plan: each rank lists the chunks it holds (DTensor shards, or whole plain tensors);
+   the lists are gathered and every rank computes the same writer assignment (replicated
+   chunks written once, balanced by bytes).
+2. open: the coordinator creates the temporary directory and announces it.
+3. write: ``chunked`` — each rank writes its chunks to files of its own
+   (``model-r00003-00001.safetensors``); ``hf`` — all ranks share the planned HF files and
+   each ``pwrite``s its chunks' bytes at their planned positions (a dim-0 shard is one
+   range; other shards one range per contiguous run).
+4. commit: the coordinator gathers chunk records and crc32c, writes the index and the
+   manifest, and renames the directory into place.
+
+No full tensor is gathered anywhere; this needs a filesystem every rank sees.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .._checksum import combine_runs
+from .._format.dtypes import NAME_TO_DTYPE, dtype_name
+from .._format.index import index_name, render_index
+from .._format.manifest import ChunkRef, ComponentRecord, TensorRecord
+from .._format.safetensors import TensorSpec, plan_file
+from .._io.transfer import FileWrite, write_files
+from .._planning.chunks import ChunkPlan, assign_writers, byte_runs
+from .._planning.shards import plan_shards, shard_file_names
+from .._prepare import PreparedState
+from .._progress import byte_progress
+from .._storage.local import LocalTransaction
+from .._write import SaveInfo, write_manifest
+from .group import Group, local_chunk
+
+Ident = tuple[str, str, tuple[int, ...], tuple[int, ...]]
+
+
+def _plan_local(prepared: PreparedState) -> tuple[list[ChunkPlan], dict[tuple[str, str], torch.Tensor]]:
+    chunks = []
+    local_tensors = {}
+    for comp in prepared.components:
+        for name in comp.stored:
+            tensor = comp.tensors[name]
+            if name in comp.placements:
+                (global_shape, offsets), local = comp.placements[name], tensor
+            else:
+                global_shape, offsets, local = local_chunk(tensor)
+            local = local.detach()
+            nbytes = local.numel() * local.element_size()
+            chunks.append(
+                ChunkPlan(comp.name, name, dtype_name(tensor.dtype, key=name), global_shape, offsets,
+                          tuple(local.shape), nbytes)
+            )
+            local_tensors[(comp.name, name)] = local
+    return chunks, local_tensors
+
+
+def _tensor_order(all_plans: Sequence[Sequence[ChunkPlan]]) -> dict[str, dict[str, ChunkPlan]]:
+    """component -> name -> a plan of it, in first-seen order (rank 0 first)."""
+    order: dict[str, dict[str, ChunkPlan]] = {}
+    for plans in all_plans:
+        for plan in plans:
+            order.setdefault(plan.component, {}).setdefault(plan.name, plan)
+    return order
+
+
+def _wanted(plan: ChunkPlan) -> bool:
+    """Empty shards of a non-empty tensor (uneven sharding) hold nothing to write."""
+    return plan.nbytes > 0 or math.prod(plan.global_shape) == 0
+
+
+def write_distributed(
+    prepared: PreparedState,
+    path: str | os.PathLike[str],
+    *,
+    group: Group,
+    layout: str,
+    max_shard_bytes: int,
+    overwrite: bool,
+    metadata: dict[str, Any],
+    durable: bool,
+    progress: bool | None,
+) -> SaveInfo:
+    """Save collectively over ``group``; every rank calls this with its own shards."""
+    started = time.perf_counter()
+    mine, local_tensors = group.phase("planning the save", lambda: _plan_local(prepared))
+    all_plans = group.all_gather(mine)
+    owner = assign_writers([[p for p in plans if _wanted(p)] for plans in all_plans])
+    to_write = [p for p in mine if _wanted(p) and owner.get(p.ident) == group.rank]
+    save_id = group.broadcast(uuid.uuid4().hex)
+    txn: LocalTransaction | None = None
+
+    def open_directory() -> str | None:
+        nonlocal txn
+        if group.is_coordinator:
+            txn = LocalTransaction(path, overwrite=overwrite)
+            return txn.directory
+        return None
+
+    directory = group.broadcast(group.phase("creating the checkpoint directory", open_directory))
+    assert directory is not None
+    file_meta = {"format": "pt", "shardpoint.save_id": save_id}
+
+    def write() -> tuple[list[tuple[str, str, ChunkRef]], dict[str, int], list[tuple[str, str, int, int, int]]]:
+        nbytes = sum(p.nbytes for p in to_write)
+        with byte_progress(nbytes, f"saving rank {group.rank}", progress) as advance:
+            if layout == "chunked":
+                return (*_write_chunked(to_write, local_tensors, directory, group.rank, max_shard_bytes,
+                                        file_meta, durable, advance), [])
+            return [], {}, _write_hf_part(to_write, local_tensors, all_plans, directory, max_shard_bytes,
+                                          file_meta, durable, advance, group.is_coordinator)
+
+    try:
+        written = group.phase("writing the checkpoint files", write)
+        reports = group.all_gather(written)
+
+        def commit() -> None:
+            if not group.is_coordinator:
+                return
+            assert txn is not None
+            if layout == "chunked":
+                records, files, indexes = _chunked_records(prepared, all_plans, reports)
+            else:
+                records, files, indexes = _hf_records(prepared, all_plans, reports, max_shard_bytes, file_meta)
+            write_manifest(txn, prepared, records, files, indexes, save_id=save_id, layout=layout,
+                           world_size=group.world_size, metadata=metadata, durable=durable)
+            txn.commit(durable=durable)
+
+        group.phase("committing the checkpoint", commit)
+    except BaseException:
+        if txn is not None:
+            txn.abort()
+        raise
+    total = sum({p.ident: p.nbytes for plans in all_plans for p in plans if _wanted(p)}.values())
+    files = group.broadcast({} if txn is None else _list_files(str(txn.final)))
+    return SaveInfo(os.fspath(path), save_id, files, total, time.perf_counter() - started)
+
+
+def _list_files(directory: str) -> dict[str, int]:
+    return {n: os.path.getsize(os.path.join(directory, n)) for n in sorted(os.listdir(directory))
+            if n.endswith(".safetensors")}
+
+
+# --------------------------------------------------------------------------- chunked
+
+
+def _write_chunked(
+    to_write: list[ChunkPlan],
+    local_tensors: dict[tuple[str, str], torch.Tensor],
+    directory: str,
+    rank: int,
+    max_shard_bytes: int,
+    file_meta: dict[str, str],
+    durable: bool,
+    advance: Any,
+) -> tuple[list[tuple[str, str, ChunkRef]], dict[str, int]]:
+    by_component: dict[str, list[ChunkPlan]] = {}
+    for plan in to_write:
+        by_component.setdefault(plan.component, []).append(plan)
+    writes: list[FileWrite] = []
+    placed: list[tuple[ChunkPlan, str]] = []
+    files: dict[str, int] = {}
+    for component, plans in by_component.items():
+        groups = plan_shards([(p.name, p.nbytes) for p in plans], max_shard_bytes)
+        by_name = {p.name: p for p in plans}
+        for i, names in enumerate(groups, start=1):
+            fname = f"{component}-r{rank:05d}-{i:05d}.safetensors"
+            specs = [TensorSpec(n, by_name[n].dtype, by_name[n].shape, by_name[n].nbytes) for n in names]
+            layout = plan_file(specs, file_meta)
+            tensors = tuple((n, local_tensors[(component, n)], layout.ranges[n][0]) for n in names)
+            writes.append(FileWrite(fname, layout.header, layout.size, tensors))
+            files[fname] = layout.size
+            placed.extend((by_name[n], fname) for n in names)
+    crcs = write_files(directory, writes, durable=durable, advance=advance)
+    refs = [
+        (p.component, p.name, ChunkRef(fname, p.name, p.offsets, p.shape, crcs[(fname, p.name)]))
+        for p, fname in placed
+    ]
+    return refs, files
+
+
+def _chunked_records(
+    prepared: PreparedState,
+    all_plans: Sequence[Sequence[ChunkPlan]],
+    reports: Sequence[tuple[list[tuple[str, str, ChunkRef]], dict[str, int], list[Any]]],
+) -> tuple[dict[str, ComponentRecord], dict[str, int], dict[str, bytes]]:
+    order = _tensor_order(all_plans)
+    chunks: dict[tuple[str, str], list[ChunkRef]] = {}
+    files: dict[str, int] = {}
+    for refs, rank_files, _ in reports:
+        files.update(rank_files)
+        for component, name, ref in refs:
+            chunks.setdefault((component, name), []).append(ref)
+    records = {}
+    for comp in prepared.components:
+        tensors = {}
+        for name, plan in order.get(comp.name, {}).items():
+            refs = sorted(chunks.get((comp.name, name), []), key=lambda r: r.offsets)
+            tensors[name] = TensorRecord(plan.dtype, plan.global_shape, tuple(refs))
+        records[comp.name] = ComponentRecord(comp.tree, tensors, dict(comp.aliases))
+    return records, dict(sorted(files.items())), {}
+
+
+# -------------------------------------------------------------------------------- hf
+
+
+def _hf_files(
+    all_plans: Sequence[Sequence[ChunkPlan]], max_shard_bytes: int, file_meta: dict[str, str]
+) -> tuple[dict[tuple[str, str], tuple[str, int]], dict[str, tuple[bytes, int]], dict[str, dict[str, str]]]:
+    """The shared HF file layout, computed identically on every rank.
+
+    Returns ((component, name) -> (file, start offset), file -> (header, size),
+    component -> weight map).
+    """
+    placement: dict[tuple[str, str], tuple[str, int]] = {}
+    headers: dict[str, tuple[bytes, int]] = {}
+    weight_maps: dict[str, dict[str, str]] = {}
+    for component, plans in _tensor_order(all_plans).items():
+        itemsizes = {n: NAME_TO_DTYPE[p.dtype].itemsize for n, p in plans.items()}
+        sizes = [(n, math.prod(p.global_shape) * itemsizes[n]) for n, p in plans.items()]
+        groups = plan_shards(sizes, max_shard_bytes)
+        weight_map: dict[str, str] = {}
+        for fname, names in zip(shard_file_names(component, len(groups)), groups):
+            specs = [TensorSpec(n, plans[n].dtype, plans[n].global_shape, dict(sizes)[n]) for n in names]
+            layout = plan_file(specs, file_meta)
+            headers[fname] = (layout.header, layout.size)
+            for n in names:
+                placement[(component, n)] = (fname, layout.ranges[n][0])
+                weight_map[n] = fname
+        weight_maps[component] = weight_map
+    return placement, headers, weight_maps
+
+
+def _write_hf_part(
+    to_write: list[ChunkPlan],
+    local_tensors: dict[tuple[str, str], torch.Tensor],
+    all_plans: Sequence[Sequence[ChunkPlan]],
+    directory: str,
+    max_shard_bytes: int,
+    file_meta: dict[str, str],
+    durable: bool,
+    advance: Any,
+    coordinator: bool,
+) -> list[tuple[str, str, int, int, int]]:
+    """Write this rank's chunks into the shared HF files; return (component, name,
+    byte start within the tensor, crc32c, length) for every contiguous run written."""
+    placement, headers, _ = _hf_files(all_plans, max_shard_bytes, file_meta)
+    items: dict[str, list[tuple[str, torch.Tensor, int]]] = {}
+    runs_of: dict[str, tuple[str, str, int, int]] = {}
+    for plan in to_write:
+        fname, start = placement[(plan.component, plan.name)]
+        local = local_tensors[(plan.component, plan.name)]
+        if not local.is_contiguous() or local.device.type != "cpu":
+            local = local.contiguous().cpu()
+        raw = local.reshape(-1).view(torch.uint8) if local.numel() else torch.empty(0, dtype=torch.uint8)
+        item = NAME_TO_DTYPE[plan.dtype].itemsize
+        pos = 0
+        for run_start, length in byte_runs(plan.global_shape, plan.offsets, plan.shape, item):
+            key = f"{plan.component}/{plan.name}@{run_start}"
+            items.setdefault(fname, []).append((key, raw[pos : pos + length], start + run_start))
+            runs_of[key] = (plan.component, plan.name, run_start, length)
+            pos += length
+    names = sorted(set(items) | (set(headers) if coordinator else set()))
+    writes = [
+        FileWrite(fname, headers[fname][0] if coordinator else b"", headers[fname][1], tuple(items.get(fname, ())))
+        for fname in names
+    ]
+    crcs = write_files(directory, writes, durable=durable, advance=advance, shared=True)
+    return [(*runs_of[key][:3], crc, runs_of[key][3]) for (_, key), crc in crcs.items()]
+
+
+def _hf_records(
+    prepared: PreparedState,
+    all_plans: Sequence[Sequence[ChunkPlan]],
+    reports: Sequence[tuple[list[Any], dict[str, int], list[tuple[str, str, int, int, int]]]],
+    max_shard_bytes: int,
+    file_meta: dict[str, str],
+) -> tuple[dict[str, ComponentRecord], dict[str, int], dict[str, bytes]]:
+    placement, headers, weight_maps = _hf_files(all_plans, max_shard_bytes, file_meta)
+    runs: dict[tuple[str, str], list[tuple[int, int, int]]] = {}
+    for _, _, rank_runs in reports:
+        for component, name, start, crc, length in rank_runs:
+            runs.setdefault((component, name), []).append((start, crc, length))
+    order = _tensor_order(all_plans)
+    records = {}
+    indexes = {}
+    for comp in prepared.components:
+        tensors = {}
+        total = 0
+        for name, plan in order.get(comp.name, {}).items():
+            nbytes = math.prod(plan.global_shape) * NAME_TO_DTYPE[plan.dtype].itemsize
+            crc = combine_runs(runs.get((comp.name, name), []), nbytes, where=f"{comp.name}/{name}")
+            fname, _ = placement[(comp.name, name)]
+            shape = plan.global_shape
+            tensors[name] = TensorRecord(plan.dtype, shape, (ChunkRef(fname, name, (0,) * len(shape), shape, crc),))
+            total += nbytes
+        records[comp.name] = ComponentRecord(comp.tree, tensors, dict(comp.aliases))
+        if len(set(weight_maps.get(comp.name, {}).values())) > 1:
+            indexes[index_name(comp.name)] = render_index(weight_maps[comp.name], total)
+    files = {fname: size for fname, (_, size) in headers.items()}
+    return records, files, indexes

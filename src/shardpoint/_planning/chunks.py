@@ -1,0 +1,109 @@
+"""Pure chunk math: who writes which chunk, and which bytes a reader needs.
+
+A chunk is a box inside a global tensor: ``offsets`` and ``shape`` per dimension, stored
+row-major and contiguous. Nothing here touches files or processes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """One chunk a rank holds, as announced before a distributed save."""
+
+    component: str
+    name: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    nbytes: int
+
+    @property
+    def ident(self) -> tuple[str, str, tuple[int, ...], tuple[int, ...]]:
+        return (self.component, self.name, self.offsets, self.shape)
+
+
+def assign_writers(plans: Sequence[Sequence[ChunkPlan]]) -> dict[tuple[str, str, tuple[int, ...], tuple[int, ...]], int]:
+    """Choose one writer rank per distinct chunk, balancing the bytes each rank writes.
+
+    A chunk held by one rank is written by it. A chunk held by several (replicated) goes,
+    largest first, to the holder with the fewest bytes so far (ties: lowest rank).
+
+    >>> a = ChunkPlan("model", "w", "F32", (4,), (0,), (4,), 16)
+    >>> b = ChunkPlan("model", "b", "F32", (2,), (0,), (2,), 8)
+    >>> sorted(assign_writers([[a, b], [a, b]]).values())
+    [0, 1]
+    """
+    holders: dict[tuple[str, str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    size: dict[tuple[str, str, tuple[int, ...], tuple[int, ...]], int] = {}
+    for rank, chunks in enumerate(plans):
+        for chunk in chunks:
+            holders.setdefault(chunk.ident, []).append(rank)
+            size[chunk.ident] = chunk.nbytes
+    load = [0] * len(plans)
+    owner: dict[tuple[str, str, tuple[int, ...], tuple[int, ...]], int] = {}
+    for ident, ranks in holders.items():
+        if len(ranks) == 1:
+            owner[ident] = ranks[0]
+            load[ranks[0]] += size[ident]
+    shared = [i for i, r in holders.items() if len(r) > 1]
+    order = sorted(range(len(shared)), key=lambda i: -size[shared[i]])
+    for i in order:
+        ident = shared[i]
+        best = min(holders[ident], key=lambda r: (load[r], r))
+        owner[ident] = best
+        load[best] += size[ident]
+    return owner
+
+
+def intersect(
+    a_offsets: Sequence[int], a_shape: Sequence[int], b_offsets: Sequence[int], b_shape: Sequence[int]
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The box shared by two boxes, as (offsets, shape); None when they do not overlap.
+
+    >>> intersect((0, 0), (4, 4), (2, 1), (4, 2))
+    ((2, 1), (2, 2))
+    """
+    lo = [max(a, b) for a, b in zip(a_offsets, b_offsets)]
+    hi = [min(a + s, b + t) for a, s, b, t in zip(a_offsets, a_shape, b_offsets, b_shape)]
+    if any(h <= l for l, h in zip(lo, hi)) and len(lo) > 0:
+        return None
+    return tuple(lo), tuple(h - l for l, h in zip(lo, hi))
+
+
+def byte_runs(
+    chunk_shape: Sequence[int], box_offsets: Sequence[int], box_shape: Sequence[int], itemsize: int
+) -> list[tuple[int, int]]:
+    """Contiguous byte ranges (start, length) of a box inside a row-major chunk, in order.
+
+    ``box_offsets`` are relative to the chunk. The runs also tile a row-major buffer of the
+    box's shape in the same order, so they can be read back to back into one.
+
+    >>> byte_runs((4, 3), (1, 0), (2, 3), 4)   # two whole rows: one run
+    [(12, 24)]
+    >>> byte_runs((4, 3), (0, 1), (2, 2), 4)   # a column block: one run per row
+    [(4, 8), (16, 8)]
+    """
+    ndim = len(chunk_shape)
+    if ndim == 0:
+        return [(0, itemsize)]
+    if math.prod(box_shape) == 0:
+        return []
+    # k: the first dim from which the box spans everything to the end (after dim k).
+    k = ndim - 1
+    while k > 0 and box_offsets[k] == 0 and box_shape[k] == chunk_shape[k]:
+        k -= 1
+    inner = math.prod(chunk_shape[k + 1 :]) * itemsize
+    run = box_shape[k] * inner
+    strides = [math.prod(chunk_shape[d + 1 :]) * itemsize for d in range(ndim)]
+    runs = []
+    for index in itertools.product(*(range(box_offsets[d], box_offsets[d] + box_shape[d]) for d in range(k))):
+        start = sum(i * strides[d] for d, i in enumerate(index)) + box_offsets[k] * strides[k]
+        runs.append((start, run))
+    return runs
