@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 from ._api import LoadResult, SaveInfo, load, load_into, save
 from ._async import AsyncSave, async_save
 from ._manager import CheckpointManager
-from ._stateful import RNGState, Stateful
+from ._stateful import RNGState, Stateful, empty_model
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -35,6 +35,7 @@ __all__ = [
     "CheckpointManager",
     "RNGState",
     "async_save",
+    "empty_model",
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ._distributed.group import local_chunk
+from ._distributed.group import Group, local_chunk
 from ._flatten import WRAPPER_TYPES, tree_tensor_names, unflatten_state
 from ._format.manifest import ComponentRecord, TensorRecord
 from ._io.transfer import ReadTask, run_reads
@@ -38,6 +38,8 @@ class LoadResult:
     """In the checkpoint but not in the target (not read)."""
     mismatched_keys: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
     """(name, saved shape, target shape) for keys whose shapes differ (not read)."""
+    bytes_read: int = 0
+    """Bytes read from the checkpoint's files by this process."""
 
     @property
     def ok(self) -> bool:
@@ -305,6 +307,20 @@ class _Planner:
         self.mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
         self.post: list[Callable[[], None]] = []
         self.param_names: dict[int, str] = {}
+        self.device: torch.device = torch.device("cpu")
+        self.dtype: torch.dtype | None = None
+        self.device_map: dict[str, Any] = {}
+
+    def placement(self, key: str, tensor: torch.Tensor) -> tuple[torch.device, torch.dtype]:
+        """Device and dtype for materializing meta tensor ``key``: the longest matching
+        ``device_map`` prefix (module names, as Accelerate's), else ``device``."""
+        device = self.device
+        best = -1
+        for prefix, target in self.device_map.items():
+            if (prefix == "" or key == prefix or key.startswith(prefix + ".")) and len(prefix) > best:
+                best, device = len(prefix), torch.device(target)
+        dtype = self.dtype if (self.dtype is not None and tensor.dtype.is_floating_point) else tensor.dtype
+        return device, dtype
 
     # A subtree read into new tensors, turned into a value after the batch ran.
     def build(self, comp: ComponentRecord, node: dict[str, Any], apply: Callable[[Any], None], path: str) -> None:
@@ -356,7 +372,10 @@ class _Planner:
                     )
                 value = materialized.get(id(tensor))
                 if value is None:
-                    new = torch.empty(tensor.shape, dtype=tensor.dtype)
+                    device, dtype = self.placement(key, tensor)
+                    if device.type == "meta":
+                        continue  # the device map keeps it off this process
+                    new = torch.empty(tensor.shape, dtype=dtype, device=device)
                     self.batch.fill(record, new, stored)
                     value = (
                         torch.nn.Parameter(new, requires_grad=tensor.requires_grad)
@@ -461,6 +480,9 @@ def load_into(
     progress: bool | None = None,
     verify: bool | None = None,
     allow_pickle: bool = False,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    device_map: Mapping[str, str | torch.device] | None = None,
 ) -> LoadResult:
     """Load a checkpoint into existing objects, in place.
 
@@ -480,9 +502,16 @@ def load_into(
         progress: show a progress bar (default: when stderr is a terminal).
         verify: check crc32c (default on).
         allow_pickle: unpickle values saved with ``allow_pickle=True``.
+        process_group: load collectively: every rank fills its own shards (DTensors read
+            only the byte ranges they hold); an error on any rank is raised on all.
+        device, dtype: where and in which floating dtype ``meta`` parameters are
+            materialized (one tensor at a time, read straight into its final memory).
+        device_map: module-name prefix -> device for ``meta`` parameters (the longest
+            prefix wins; ``"meta"`` leaves them unmaterialized), as Accelerate's.
 
     Returns:
-        A :class:`LoadResult` listing missing, unexpected and mismatched keys.
+        A :class:`LoadResult` listing missing, unexpected and mismatched keys and the
+        bytes read.
 
     Example:
         >>> import torch, shardpoint as sp, tempfile, os
@@ -492,11 +521,32 @@ def load_into(
         >>> sp.load_into(torch.nn.Linear(2, 2), d).ok
         True
     """
-    if process_group is not None or storage_options is not None:
-        raise CheckpointError("process_group and storage_options are not available in this version of shardpoint")
+    if storage_options is not None:
+        raise CheckpointError("storage_options is not available in this version of shardpoint")
+    group = Group(process_group)
+    return group.phase(
+        f"loading {os.fspath(path)}",
+        lambda: _load_into(target, path, strict, progress, verify, allow_pickle, device, dtype, device_map),
+    )
+
+
+def _load_into(
+    target: Any,
+    path: str | os.PathLike[str],
+    strict: bool,
+    progress: bool | None,
+    verify: bool | None,
+    allow_pickle: bool,
+    device: str | torch.device,
+    dtype: torch.dtype | None,
+    device_map: Mapping[str, str | torch.device] | None,
+) -> LoadResult:
     ckpt = open_checkpoint(path)
     batch = ReadBatch(ckpt, verify=resolve_verify(verify))
     planner = _Planner(ckpt, batch, allow_pickle=allow_pickle)
+    planner.device = torch.device(device)
+    planner.dtype = dtype
+    planner.device_map = dict(device_map or {})
     targets = _component_targets(target, ckpt)
     planner.param_names = parameter_names(find_modules(targets))
     for cname, value in targets.items():
@@ -517,7 +567,7 @@ def load_into(
     batch.run(progress)
     for fix in planner.post:
         fix()
-    return result
+    return LoadResult(result.missing_keys, result.unexpected_keys, result.mismatched_keys, batch.planned_bytes)
 
 
 def _mismatch_message(location: str, result: LoadResult) -> str:

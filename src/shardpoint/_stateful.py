@@ -181,3 +181,19 @@ class RNGState:
             )
         if "cuda" in state_dict and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([t.cpu() for t in state_dict["cuda"]])
+
+
+def empty_model(factory: Callable[..., torch.nn.Module], *args: Any, **kwargs: Any) -> torch.nn.Module:
+    """Build a module on the ``meta`` device: shapes and dtypes, no memory.
+
+    Fill it with ``sp.load_into(model, path, device=..., dtype=...)``, which materializes
+    each parameter straight from the checkpoint, one at a time.
+
+    Example:
+        >>> import torch, shardpoint as sp
+        >>> model = sp.empty_model(torch.nn.Linear, 4096, 4096)
+        >>> model.weight.device.type
+        'meta'
+    """
+    with torch.device("meta"):
+        return factory(*args, **kwargs)
