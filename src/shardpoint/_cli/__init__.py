@@ -1,0 +1,1 @@
+"""The ``shardpoint`` command line: ``inspect``, ``verify`` (and more, registered in ``main``)."""

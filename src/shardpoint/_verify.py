@@ -1,0 +1,520 @@
+"""Is a checkpoint whole? Check it without loading it.
+
+``verify_checkpoint`` reads the manifest (or the HF index), then every data file: it exists,
+has the recorded size, its safetensors header validates, and every tensor the manifest lists
+sits in it with the recorded dtype and shape. With ``checksums=True`` it also streams the
+stored bytes of every tensor through crc32c in bounded buffers (a few MiB per thread, never
+a whole file) and compares with the crc recorded at save time.
+
+It does not stop at the first bad file: every problem is collected, per file, each as one
+line that names the file (and the tensor). Files in the directory that the checkpoint does
+not account for are warnings, not problems. Foreign HF checkpoints record no crc32c, so only
+their structure is verified, and the report says so.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from ._checksum import crc32c
+from ._format.dtypes import NAME_TO_DTYPE, itemsize
+from ._format.index import index_name, parse_index
+from ._format.manifest import MANIFEST_NAME, ChunkRef, Manifest
+from ._format.safetensors import SafetensorsHeader
+from ._knobs import knobs
+from ._progress import byte_progress
+from ._source import Checkpoint, is_tmp, open_checkpoint
+from .errors import CheckpointError, CheckpointNotFoundError
+
+__all__ = ["VerifyReport", "verify_checkpoint"]
+
+_MAX_NAMED = 5
+"""How many tensor names a problem line lists before saying "and N more"."""
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What ``verify_checkpoint`` found."""
+
+    path: str
+    """The path that was checked, as given."""
+    kind: str
+    """``shardpoint``, ``hf-index`` or ``hf-file``."""
+    problems: list[str]
+    """Everything that makes the checkpoint unusable, one line each, naming the file (and tensor).
+    Grouped by file, in the checkpoint's file order."""
+    warnings: list[str]
+    """What is worth knowing but does not stop a load: extra files, tensors without a crc."""
+    files_checked: int
+    """Data files examined (those the manifest or index lists, present or not)."""
+    tensors_checked: int
+    """Stored tensors (chunks) whose header entry was found and matched the manifest/index."""
+    bytes_checked: int
+    """Bytes of tensor data read and compared against their crc32c."""
+    checksums: bool
+    """True when stored bytes were compared against their crc32c (every tensor that could be
+    read); False with ``checksums=False``, for foreign checkpoints (they record none), or when
+    some tensor has no recorded crc."""
+
+    @property
+    def ok(self) -> bool:
+        """True when no problem was found: the checkpoint is whole."""
+        return not self.problems
+
+
+@dataclass(frozen=True)
+class _CrcItem:
+    """One stored tensor to checksum: a byte range of a data file and its expected crc."""
+
+    file: str
+    start: int
+    nbytes: int
+    crc32c: int
+    label: str
+
+
+@dataclass
+class _Findings:
+    """Problems collected per file (``""`` for the checkpoint as a whole), and warnings."""
+
+    by_file: dict[str, list[str]] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def problem(self, file: str, message: str) -> None:
+        self.by_file.setdefault(file, []).append(message)
+
+    def flat(self, file_order: Sequence[str]) -> list[str]:
+        ordered = ["", *file_order, *sorted(f for f in self.by_file if f not in file_order and f)]
+        return [msg for name in dict.fromkeys(ordered) for msg in self.by_file.get(name, [])]
+
+
+def verify_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    checksums: bool = True,
+    progress: bool | None = None,
+) -> VerifyReport:
+    """Check that a checkpoint is whole, without loading it; collect every problem.
+
+    Args:
+        path: checkpoint directory (shardpoint or HF) or a single ``.safetensors`` file.
+        checksums: also read every stored tensor and compare its crc32c (the slow part;
+            ``False`` checks structure only: manifest, file sizes, headers, entries).
+        progress: show a progress bar while checksumming (default: when stderr is a terminal).
+
+    Returns:
+        A :class:`VerifyReport`; ``report.ok`` is True when the checkpoint is whole.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` does not exist or holds no checkpoint at all.
+        OSError: the directory itself cannot be listed.
+
+    Example:
+        >>> import torch, shardpoint as sp, tempfile, os
+        >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> _ = sp.save({"w": torch.ones(4)}, d)
+        >>> report = verify_checkpoint(d)
+        >>> report.ok, report.files_checked, report.bytes_checked
+        (True, 1, 16)
+    """
+    location = os.fspath(path)
+    if not os.path.lexists(location):
+        raise CheckpointNotFoundError(f"{location} does not exist; nothing to verify")
+    base = os.path.basename(os.path.normpath(location))
+    if os.path.isdir(location) and is_tmp(base):
+        message = (
+            f"{location} is the temporary directory of a save that never committed; it is not a "
+            "checkpoint. Verify the committed one beside it, or delete it"
+        )
+        return VerifyReport(location, "shardpoint", [message], [], 0, 0, 0, False)
+    if os.path.isfile(location):
+        if not location.endswith(".safetensors"):
+            raise CheckpointNotFoundError(
+                f"{location} is a file but not a .safetensors file; shardpoint verifies checkpoint "
+                "directories and .safetensors files"
+            )
+        directory, name = os.path.split(os.path.abspath(location))
+        return _verify_foreign(location, directory, "hf-file", None, [name], checksums=checksums)
+    if not os.path.isdir(location):
+        raise CheckpointNotFoundError(f"{location} is neither a directory nor a .safetensors file")
+    names = os.listdir(location)
+    if MANIFEST_NAME in names:
+        return _verify_shardpoint(location, names, checksums=checksums, progress=progress)
+    kind, index, files = _locate_foreign(location, names)
+    return _verify_foreign(location, location, kind, index, files, checksums=checksums)
+
+
+# ------------------------------------------------------------------------ shardpoint
+
+
+def _verify_shardpoint(
+    location: str, names: list[str], *, checksums: bool, progress: bool | None
+) -> VerifyReport:
+    try:
+        ckpt = open_checkpoint(location)
+    except CheckpointNotFoundError:
+        raise
+    except CheckpointError as exc:
+        return VerifyReport(location, "shardpoint", [str(exc)], [], 0, 0, 0, False)
+    except OSError as exc:
+        where = os.path.join(location, MANIFEST_NAME)
+        return VerifyReport(
+            location, "shardpoint", [f"{where} cannot be read: {exc}"], [], 0, 0, 0, False
+        )
+    manifest = ckpt.manifest
+    assert manifest is not None
+    found = _Findings()
+
+    # Which stored tensors each file must hold, in manifest order.
+    chunks_in: dict[str, list[tuple[str, str, ChunkRef]]] = {f: [] for f in manifest.files}
+    for cname, comp in manifest.components.items():
+        for tname, record in comp.tensors.items():
+            label = tname if ckpt.flat else f"{cname}/{tname}"
+            for chunk in record.chunks:
+                chunks_in[chunk.file].append((label, record.dtype, chunk))
+
+    headers = _read_headers(ckpt, list(manifest.files), chunks_in, found)
+    tensors_checked = 0
+    crc_items: list[_CrcItem] = []
+    no_crc = 0
+    for fname, header in headers.items():
+        claimed: set[str] = set()
+        for label, dtype, chunk in chunks_in[fname]:
+            claimed.add(chunk.key)
+            try:
+                entry = ckpt.entry(chunk, dtype, label)
+            except CheckpointError as exc:
+                found.problem(fname, str(exc))
+                continue
+            tensors_checked += 1
+            if chunk.crc32c is None:
+                no_crc += 1
+            else:
+                crc_items.append(_CrcItem(fname, entry.start, entry.nbytes, chunk.crc32c, label))
+        where = os.path.join(location, fname)
+        extra = [key for key in header.entries if key not in claimed]
+        if extra:
+            found.warnings.append(
+                f"{where} holds {_name_list(extra)} that the manifest does not list; load ignores them"
+            )
+        if header.metadata.get("format") != "pt":
+            found.warnings.append(
+                f'{where}: __metadata__ has no "format": "pt"; transformers refuses such files'
+            )
+
+    expected_indexes = _check_indexes(location, manifest, names, found)
+    accounted = {MANIFEST_NAME, *manifest.files, *expected_indexes}
+    for name in sorted(names):
+        if name not in accounted:
+            found.warnings.append(
+                f"{os.path.join(location, name)} is not part of the checkpoint (the manifest does "
+                "not list it); load ignores it"
+            )
+    if no_crc:
+        found.warnings.append(
+            f"{location}: {no_crc} stored tensor(s) have no recorded crc32c; their bytes were not checked"
+        )
+
+    bytes_checked = 0
+    if checksums and crc_items:
+        bytes_checked = _check_crcs(ckpt, crc_items, found, progress=progress)
+    return VerifyReport(
+        path=location,
+        kind="shardpoint",
+        problems=found.flat(list(manifest.files)),
+        warnings=found.warnings,
+        files_checked=len(manifest.files),
+        tensors_checked=tensors_checked,
+        bytes_checked=bytes_checked,
+        checksums=checksums and not no_crc,
+    )
+
+
+def _check_indexes(
+    location: str, manifest: Manifest, names: list[str], found: _Findings
+) -> set[str]:
+    """Check each component's HF index against the manifest; return the index names expected."""
+    expected: set[str] = set()
+    if manifest.layout != "hf":
+        return expected
+    for cname, comp in manifest.components.items():
+        weight_map = {t: rec.chunks[0].file for t, rec in comp.tensors.items()}
+        total = sum(_nbytes(rec.dtype, rec.shape) for rec in comp.tensors.values())
+        iname = index_name(cname)
+        where = os.path.join(location, iname)
+        if len(set(weight_map.values())) <= 1 and iname not in names:
+            continue
+        expected.add(iname)
+        if iname not in names:
+            found.problem(
+                "",
+                f"{where} is missing; component {cname!r} is split over "
+                f"{len(set(weight_map.values()))} files and transformers needs the index to find them",
+            )
+            continue
+        try:
+            with open(where, "rb") as f:
+                raw = f.read(knobs().max_json_bytes + 1)
+            index = parse_index(raw, where=where)
+        except CheckpointError as exc:
+            found.problem("", str(exc))
+            continue
+        except OSError as exc:
+            found.problem("", f"{where} cannot be read: {exc}")
+            continue
+        if index.weight_map != weight_map:
+            wrong = sorted(set(index.weight_map.items()) ^ set(weight_map.items()))
+            found.problem(
+                "",
+                f"{where}: weight_map disagrees with the manifest on "
+                f"{_name_list(list(dict.fromkeys(k for k, _ in wrong)))}; the index is damaged",
+            )
+        recorded = index.metadata.get("total_size")
+        if recorded != total:
+            found.problem(
+                "",
+                f"{where}: metadata.total_size is {recorded!r} but the manifest's tensors of "
+                f"component {cname!r} hold {total} bytes; the index is damaged",
+            )
+    return expected
+
+
+# ------------------------------------------------------------------------ foreign (HF)
+
+
+def _locate_foreign(location: str, names: list[str]) -> tuple[str, str | None, list[str]]:
+    """Which HF checkpoint a directory without manifest holds, chosen as ``open_checkpoint`` does:
+    (kind, index file or None, data files when there is no index)."""
+    indexes = sorted(n for n in names if n.endswith(".safetensors.index.json"))
+    singles = sorted(n for n in names if n.endswith(".safetensors"))
+    if "model.safetensors.index.json" in indexes:
+        indexes = ["model.safetensors.index.json"]
+    if "model.safetensors" in singles:
+        return "hf-file", None, ["model.safetensors"]
+    if len(indexes) == 1:
+        return "hf-index", indexes[0], []
+    if len(singles) == 1:
+        return "hf-file", None, singles
+    raise CheckpointNotFoundError(
+        f"{location} is not a checkpoint: no shardpoint.json, no *.safetensors.index.json and "
+        f"no single .safetensors file (found {len(singles)} .safetensors files, {len(indexes)} indexes)"
+    )
+
+
+def _verify_foreign(
+    location: str,
+    directory: str,
+    kind: str,
+    index: str | None,
+    files: list[str],
+    *,
+    checksums: bool,
+) -> VerifyReport:
+    found = _Findings()
+    ckpt = Checkpoint(location, directory, kind, {}, flat=True)
+    weight_map: dict[str, str] | None = None
+    if index is not None:
+        where = os.path.join(location, index)
+        try:
+            with open(where, "rb") as f:
+                raw = f.read(knobs().max_json_bytes + 1)
+            weight_map = parse_index(raw, where=where).weight_map
+        except CheckpointError as exc:
+            return VerifyReport(location, kind, [str(exc)], [], 0, 0, 0, False)
+        except OSError as exc:
+            return VerifyReport(
+                location, kind, [f"{where} cannot be read: {exc}"], [], 0, 0, 0, False
+            )
+        files = list(dict.fromkeys(weight_map.values()))
+
+    listed: dict[str, list[tuple[str, str, ChunkRef]]] = {f: [] for f in files}
+    if weight_map is not None:
+        for key, fname in weight_map.items():
+            listed[fname].append((key, "", ChunkRef(fname, key, (), (), None)))
+    headers = _read_headers(ckpt, files, listed, found)
+
+    tensors_checked = 0
+    seen_in: dict[str, str] = {}
+    for fname, header in headers.items():
+        where = os.path.join(location, fname) if location == directory else location
+        for key in header.entries:
+            if key in seen_in:
+                found.problem(
+                    fname,
+                    f"{location}: tensor {key!r} is stored in both {seen_in[key]!r} and {fname!r}; "
+                    "the checkpoint is ambiguous",
+                )
+            seen_in.setdefault(key, fname)
+        if weight_map is None:
+            tensors_checked += len(header.entries)
+        else:
+            unlisted = [k for k in header.entries if weight_map.get(k) != fname]
+            if unlisted:
+                found.warnings.append(
+                    f"{where} holds {_name_list(unlisted)} that the index does not map to it; "
+                    "loaders ignore them"
+                )
+            for key, _, _ in listed[fname]:
+                if key in header.entries:
+                    tensors_checked += 1
+                else:
+                    found.problem(
+                        fname,
+                        f"{where}: tensor {key!r} is listed in the index but absent from this "
+                        "file; the checkpoint is damaged",
+                    )
+        if header.metadata.get("format") not in ("pt", "tf", "flax", "mlx"):
+            found.warnings.append(
+                f'{where}: __metadata__ has no "format" (e.g. "pt"); transformers refuses such files'
+            )
+
+    if location == directory:
+        accounted = set(files) | ({index} if index else set())
+        for name in sorted(os.listdir(directory)):
+            if name not in accounted and name.endswith((".safetensors", ".safetensors.index.json")):
+                found.warnings.append(
+                    f"{os.path.join(location, name)} is not part of the checkpoint "
+                    f"({'the index does not list it' if index else 'another file was chosen'}); "
+                    "loaders ignore it"
+                )
+    return VerifyReport(
+        path=location,
+        kind=kind,
+        problems=found.flat(files),
+        warnings=found.warnings,
+        files_checked=len(files),
+        tensors_checked=tensors_checked,
+        bytes_checked=0,
+        checksums=False,
+    )
+
+
+# ------------------------------------------------------------------------ shared
+
+
+def _read_headers(
+    ckpt: Checkpoint,
+    files: list[str],
+    chunks_in: dict[str, list[tuple[str, str, ChunkRef]]],
+    found: _Findings,
+) -> dict[str, SafetensorsHeader]:
+    """Validate every file's size and header; a file that fails is reported with what it held."""
+    headers: dict[str, SafetensorsHeader] = {}
+    for fname in files:
+        try:
+            headers[fname] = ckpt.header(fname)
+            continue
+        except CheckpointError as exc:
+            message = str(exc)
+        except OSError as exc:
+            where = os.path.join(ckpt.location, fname) if ckpt.kind != "hf-file" else ckpt.location
+            message = f"{where} cannot be read: {exc.strerror or exc}"
+        held = list(dict.fromkeys(label for label, _, _ in chunks_in.get(fname, [])))
+        unnamed = [label for label in held if repr(label) not in message]
+        if unnamed:
+            message += f"; it holds {_name_list(held)}"
+        found.problem(fname, message)
+    return headers
+
+
+def _check_crcs(
+    ckpt: Checkpoint, items: list[_CrcItem], found: _Findings, *, progress: bool | None
+) -> int:
+    """Stream every item's bytes through crc32c, several files at once; return bytes read."""
+    cfg = knobs()
+    per_file: dict[str, list[_CrcItem]] = {}
+    for item in items:
+        per_file.setdefault(item.file, []).append(item)
+    total = sum(item.nbytes for item in items)
+    name = os.path.basename(os.path.normpath(ckpt.location))
+    lock = threading.Lock()
+    read = [0]
+
+    with byte_progress(total, f"verifying {name}", progress) as advance:
+
+        def run(fname: str) -> None:
+            got, problems = _crc_file(
+                ckpt, fname, per_file[fname], segment=cfg.io_segment_bytes, advance=advance
+            )
+            with lock:
+                read[0] += got
+                for message in problems:
+                    found.problem(fname, message)
+
+        threads = max(1, min(cfg.read_threads, len(per_file)))
+        if threads == 1:
+            for fname in per_file:
+                run(fname)
+        else:
+            with ThreadPoolExecutor(threads, thread_name_prefix="shardpoint-verify") as pool:
+                for fut in [pool.submit(run, f) for f in per_file]:
+                    fut.result()
+    return read[0]
+
+
+def _crc_file(
+    ckpt: Checkpoint,
+    fname: str,
+    items: list[_CrcItem],
+    *,
+    segment: int,
+    advance: Callable[[int], None] | None,
+) -> tuple[int, list[str]]:
+    """crc32c of each item of one file, read in ``segment``-byte pieces into one reused buffer."""
+    where = os.path.join(ckpt.location, fname) if ckpt.kind != "hf-file" else ckpt.location
+    problems: list[str] = []
+    read = 0
+    try:
+        fd = os.open(ckpt.file_path(fname), os.O_RDONLY)
+    except (OSError, CheckpointError) as exc:
+        return 0, [f"{where} cannot be read: {exc}"]
+    try:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        buffer = memoryview(bytearray(max(1, min(segment, max(i.nbytes for i in items)))))
+        for item in sorted(items, key=lambda i: i.start):
+            crc, pos, end = 0, item.start, item.start + item.nbytes
+            try:
+                while pos < end:
+                    n = os.preadv(fd, [buffer[: min(len(buffer), end - pos)]], pos)
+                    if n <= 0:
+                        raise EOFError(pos)
+                    crc = crc32c(buffer[:n], crc)
+                    pos += n
+                    read += n
+                    if advance is not None:
+                        advance(n)
+            except EOFError:
+                problems.append(
+                    f"{where}, tensor {item.label!r}: unexpected end of file at byte {pos}; "
+                    "the file is truncated"
+                )
+                continue
+            except OSError as exc:
+                problems.append(f"{where}, tensor {item.label!r}: read failed at byte {pos}: {exc}")
+                continue
+            if crc != item.crc32c:
+                problems.append(
+                    f"{where}, tensor {item.label!r}: crc32c of the stored bytes is {crc:#010x}, "
+                    f"the manifest recorded {item.crc32c:#010x}; the file is damaged. Restore it "
+                    "from a copy, or use an earlier checkpoint"
+                )
+    finally:
+        os.close(fd)
+    return read, problems
+
+
+def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    return math.prod(shape) * itemsize(NAME_TO_DTYPE[dtype])
+
+
+def _name_list(names: list[str]) -> str:
+    """``tensor 'a'`` / ``tensors 'a', 'b' and 3 more``."""
+    shown = ", ".join(repr(n) for n in names[:_MAX_NAMED])
+    more = f" and {len(names) - _MAX_NAMED} more" if len(names) > _MAX_NAMED else ""
+    return f"tensor{'s' if len(names) > 1 else ''} {shown}{more}"
