@@ -281,13 +281,13 @@ def test_verify_whole_checkpoint(ckpt: Path, capsys: pytest.CaptureFixture[str])
     assert run(capsys, "verify", ckpt) == (
         0,
         f"{ckpt}: shardpoint checkpoint, 3 data files\n"
-        "OK: whole (3 files, 4 tensors); crc32c matched for 512 B\n",
+        "OK: whole (3 files, 4 stored tensors); crc32c matched for 512 B\n",
         "",
     )
     assert run(capsys, "verify", ckpt, "--quick") == (
         0,
         f"{ckpt}: shardpoint checkpoint, 3 data files\n"
-        "OK: structure is whole (3 files, 4 tensors); crc32c skipped (--quick)\n",
+        "OK: structure is whole (3 files, 4 stored tensors); crc32c skipped (--quick)\n",
         "",
     )
     code, out, _ = run(capsys, "verify", ckpt, "--json")
@@ -433,7 +433,7 @@ def test_verify_hf_dir_structure_only(hf_dir: Path, capsys: pytest.CaptureFixtur
     assert run(capsys, "verify", hf_dir) == (
         0,
         f"{hf_dir}: hf-index checkpoint, 3 data files (foreign: no crc32c recorded, structure checked only)\n"
-        "OK: structure is whole (3 files, 4 tensors); stored bytes not checked (no crc32c)\n",
+        "OK: structure is whole (3 files, 4 stored tensors); stored bytes not checked (no crc32c)\n",
         "",
     )
     report = verify_checkpoint(hf_dir)
@@ -469,7 +469,66 @@ def test_verify_single_safetensors_file(tmp_path: Path, capsys: pytest.CaptureFi
     assert code == 0
     assert (
         out.splitlines()[-1]
-        == "OK: structure is whole (1 file, 4 tensors); stored bytes not checked (no crc32c)"
+        == "OK: structure is whole (1 file, 4 stored tensors); stored bytes not checked (no crc32c)"
+    )
+    os.truncate(path, os.path.getsize(path) - 2)
+    code, out, _ = run(capsys, "verify", path)
+    assert code == 1
+    assert out.splitlines()[1] == (
+        f"problem: {path}, tensor 'head.weight': data_offsets [432, 512] run past the end of "
+        "the data (510 bytes); the file is truncated or damaged"
+    )
+
+
+_RANK_SCRIPT = """
+import sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+
+def work(rank, path, init):
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    import shardpoint as sp
+    mesh = init_device_mesh("cpu", (2,))
+    w = distribute_tensor(torch.arange(64, dtype=torch.float32).reshape(8, 8), mesh, [Shard(0)])
+    b = distribute_tensor(torch.ones(8), mesh, [Replicate()])
+    sp.save({"w": w, "b": b}, path, process_group=dist.group.WORLD)
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    mp.start_processes(work, args=(sys.argv[1], sys.argv[2]), nprocs=2, start_method="fork")
+"""
+
+
+@pytest.mark.slow
+def test_chunked_checkpoint_from_two_ranks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = tmp_path / "save_two_ranks.py"
+    script.write_text(_RANK_SCRIPT)
+    path = tmp_path / "dist"
+    subprocess.run(
+        [sys.executable, str(script), str(path), f"file://{tmp_path / 'rendezvous'}"],
+        env=_script_env(),
+        check=True,
+        timeout=240,
+    )
+    rank1 = path / "model-r00001-00001.safetensors"
+    assert rank1.exists()
+    code, out, _ = run(capsys, "inspect", path)
+    assert code == 0
+    assert "layout      chunked" in out.splitlines()
+    assert "world size  2" in out.splitlines()
+    assert "  w     F32    [8, 8]  256 B  2 chunks in 2 files" in out.splitlines()
+    assert run(capsys, "verify", path)[:2] == (
+        0,
+        f"{path}: shardpoint checkpoint, 2 data files\n"
+        "OK: whole (2 files, 3 stored tensors); crc32c matched for 288 B\n",
+    )
+    flip_byte(rank1, tensor_start(rank1, "w") + 5)
+    code, out, _ = run(capsys, "verify", path)
+    assert code == 1
+    assert out.splitlines()[1].startswith(
+        f"problem: {rank1}, tensor 'w': crc32c of the stored bytes"
     )
 
 
@@ -483,34 +542,20 @@ def _script_env() -> dict[str, str]:
     return env
 
 
-def test_command_runs_as_a_process(ckpt: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "shardpoint._cli", "verify", str(ckpt)],
-        capture_output=True,
-        text=True,
-        env=_script_env(),
-        check=False,
+def _run_process(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*argv], capture_output=True, text=True, env=_script_env(), check=False, timeout=240
     )
-    assert (result.returncode, result.stderr) == (0, "")
-    assert result.stdout.endswith("OK: whole (3 files, 4 tensors); crc32c matched for 512 B\n")
 
+
+def test_command_runs_as_a_process(ckpt: Path) -> None:
     flip_byte(ckpt / FILES[0], tensor_start(ckpt / FILES[0], "embed.weight"))
-    result = subprocess.run(
-        [sys.executable, "-m", "shardpoint._cli.main", "verify", str(ckpt)],
-        capture_output=True,
-        text=True,
-        env=_script_env(),
-        check=False,
-    )
-    assert result.returncode == 1
+    result = _run_process(sys.executable, "-m", "shardpoint._cli", "verify", str(ckpt))
+    assert (result.returncode, result.stderr) == (1, "")
     assert f"problem: {ckpt / FILES[0]}, tensor 'embed.weight': crc32c" in result.stdout
 
-    result = subprocess.run(
-        [sys.executable, "-m", "shardpoint._cli", "inspect", str(ckpt / "nope")],
-        capture_output=True,
-        text=True,
-        env=_script_env(),
-        check=False,
+    result = _run_process(
+        sys.executable, "-m", "shardpoint._cli.main", "inspect", str(ckpt / "nope")
     )
     assert (result.returncode, result.stdout) == (2, "")
     assert result.stderr == f"shardpoint: error: {ckpt / 'nope'} does not exist; nothing to load\n"
@@ -520,8 +565,9 @@ def test_console_script(ckpt: Path) -> None:
     script = Path(sys.executable).with_name("shardpoint")
     if not script.exists():
         pytest.skip("the shardpoint console script is not installed (pip install -e .)")
-    result = subprocess.run(
-        [str(script), "inspect", "--json", str(ckpt)], capture_output=True, text=True, check=False
+    result = _run_process(str(script), "verify", str(ckpt))
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout == (
+        f"{ckpt}: shardpoint checkpoint, 3 data files\n"
+        "OK: whole (3 files, 4 stored tensors); crc32c matched for 512 B\n"
     )
-    assert result.returncode == 0
-    assert json.loads(result.stdout)["tensor_bytes"] == 512

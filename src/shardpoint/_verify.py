@@ -28,7 +28,7 @@ from ._format.manifest import MANIFEST_NAME, ChunkRef, Manifest
 from ._format.safetensors import SafetensorsHeader
 from ._knobs import knobs
 from ._progress import byte_progress
-from ._source import Checkpoint, is_tmp, open_checkpoint
+from ._source import Checkpoint, _read_json_file, is_tmp, open_checkpoint
 from .errors import CheckpointError, CheckpointNotFoundError
 
 __all__ = ["VerifyReport", "verify_checkpoint"]
@@ -138,7 +138,8 @@ def verify_checkpoint(
                 f"{location} is a file but not a .safetensors file; shardpoint verifies checkpoint "
                 "directories and .safetensors files"
             )
-        directory, name = os.path.split(os.path.abspath(location))
+        # The user named this file: follow it if it is a link (as in a Hugging Face cache).
+        directory, name = os.path.split(os.path.realpath(location))
         return _verify_foreign(location, directory, "hf-file", None, [name], checksums=checksums)
     if not os.path.isdir(location):
         raise CheckpointNotFoundError(f"{location} is neither a directory nor a .safetensors file")
@@ -258,8 +259,7 @@ def _check_indexes(
             )
             continue
         try:
-            with open(where, "rb") as f:
-                raw = f.read(knobs().max_json_bytes + 1)
+            raw = _read_json_file(where, where=where)
             index = parse_index(raw, where=where)
         except CheckpointError as exc:
             found.problem("", str(exc))
@@ -317,12 +317,13 @@ def _verify_foreign(
 ) -> VerifyReport:
     found = _Findings()
     ckpt = Checkpoint(location, directory, kind, {}, flat=True)
+    # ``location`` is the data file itself: errors name it, not ``location/name``.
+    ckpt.single_file = location != directory
     weight_map: dict[str, str] | None = None
     if index is not None:
         where = os.path.join(location, index)
         try:
-            with open(where, "rb") as f:
-                raw = f.read(knobs().max_json_bytes + 1)
+            raw = _read_json_file(where, where=where)
             weight_map = parse_index(raw, where=where).weight_map
         except CheckpointError as exc:
             return VerifyReport(location, kind, [str(exc)], [], 0, 0, 0, False)
@@ -412,7 +413,7 @@ def _read_headers(
         except CheckpointError as exc:
             message = str(exc)
         except OSError as exc:
-            where = os.path.join(ckpt.location, fname) if ckpt.kind != "hf-file" else ckpt.location
+            where = _file_label(ckpt, fname)
             message = f"{where} cannot be read: {exc.strerror or exc}"
         held = list(dict.fromkeys(label for label, _, _ in chunks_in.get(fname, [])))
         unnamed = [label for label in held if repr(label) not in message]
@@ -466,7 +467,7 @@ def _crc_file(
     advance: Callable[[int], None] | None,
 ) -> tuple[int, list[str]]:
     """crc32c of each item of one file, read in ``segment``-byte pieces into one reused buffer."""
-    where = os.path.join(ckpt.location, fname) if ckpt.kind != "hf-file" else ckpt.location
+    where = _file_label(ckpt, fname)
     problems: list[str] = []
     read = 0
     try:
@@ -507,6 +508,11 @@ def _crc_file(
     finally:
         os.close(fd)
     return read, problems
+
+
+def _file_label(ckpt: Checkpoint, fname: str) -> str:
+    """How problems name data file ``fname``: the path the user gave, joined with the name."""
+    return ckpt.location if ckpt.location != ckpt.directory else os.path.join(ckpt.location, fname)
 
 
 def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:

@@ -83,9 +83,7 @@ def render(report: VerifyReport, *, quick: bool) -> str:
             f"FAILED: {_plural(len(report.problems), 'problem')}; the checkpoint is not whole"
         )
         return "\n".join(lines)
-    checked = (
-        f"{_plural(report.files_checked, 'file')}, {_plural(report.tensors_checked, 'tensor')}"
-    )
+    checked = f"{_plural(report.files_checked, 'file')}, {_plural(report.tensors_checked, 'stored tensor')}"
     if report.kind != "shardpoint":
         lines.append(f"OK: structure is whole ({checked}); stored bytes not checked (no crc32c)")
     elif quick:
