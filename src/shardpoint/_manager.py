@@ -12,10 +12,14 @@ is only a hint: ``restore`` checks that the step it names is committed, and othe
 scans for the newest committed step. Retention deletes only after a new step committed and
 never deletes the step ``latest`` names or the best steps by metric. Deleting renames the
 step to a hidden ``.tmp-`` name first, so a half-deleted step is never mistaken for one.
+A crash between a commit and its retention leaves one step too many; the next ``save``
+finishes that retention (and removes the crashed saves' ``.tmp-`` leftovers) before it
+writes, so crash after crash never piles up more than ``keep_last + 1`` steps.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -38,8 +42,26 @@ _STEP_RE = re.compile(r"^step-(\d+)$")
 LATEST_NAME = "latest"
 
 
+_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
 def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
+
+
+def _metrics_json(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Metrics as JSON values: one-element tensors and numpy scalars become floats, and the
+    non-finite floats (a diverged loss) the strings ``"nan"``, ``"inf"``, ``"-inf"``."""
+    out: dict[str, Any] = {}
+    for name, value in (metrics or {}).items():
+        if hasattr(value, "item") and not isinstance(value, (bool, int, float, str)):
+            # torch / numpy scalars; anything that is not one number is refused as not JSON
+            with contextlib.suppress(ValueError, RuntimeError):
+                value = value.item()
+        if isinstance(value, float) and not math.isfinite(value):
+            value = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+        out[name] = value
+    return out
 
 
 class CheckpointManager:
@@ -96,6 +118,7 @@ class CheckpointManager:
         self.async_save = async_save
         self.save_kwargs = save_kwargs
         self._pending: AsyncSave | None = None
+        self._pending_step: int | None = None
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ queries
@@ -135,9 +158,12 @@ class CheckpointManager:
         path = self.step_path(step) / MANIFEST_NAME
         try:
             doc = json.loads(path.read_bytes())
-            return dict(doc.get("metadata", {}).get("metrics", {}))
-        except (OSError, ValueError, AttributeError) as exc:
-            raise CorruptCheckpointError(f"{path}: cannot read the step's metrics ({exc})") from None
+            stored = dict(doc.get("metadata", {}).get("metrics", {}))
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
+            raise CorruptCheckpointError(
+                f"{path}: cannot read the step's metrics ({exc})"
+            ) from None
+        return {k: _NON_FINITE.get(v, v) if isinstance(v, str) else v for k, v in stored.items()}
 
     def best_steps(self) -> list[int]:
         """Steps ranked best first by ``metric`` (steps without it are not ranked)."""
@@ -146,28 +172,49 @@ class CheckpointManager:
         scored = []
         for step in self.steps():
             value = self.metrics(step).get(self.metric)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value):
+            if (
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and not math.isnan(value)
+            ):
                 scored.append((value if self.mode == "min" else -value, -step, step))
         return [s for _, _, s in sorted(scored)]
 
     # ------------------------------------------------------------------ save / restore
 
-    def save(self, step: int, state: Any, *, metrics: Mapping[str, float] | None = None) -> SaveInfo | AsyncSave:
+    def save(
+        self, step: int, state: Any, *, metrics: Mapping[str, float] | None = None
+    ) -> SaveInfo | AsyncSave:
         """Save ``state`` as ``step``; returns its SaveInfo, or an AsyncSave handle when async.
 
-        Waits for the previous async save first (its error, if any, is raised here).
+        ``metrics`` (floats, or one-element tensors; nan and inf allowed) are recorded in
+        the step's manifest and rank the steps for ``keep_best``; nan is never the best.
+
+        Waits for the previous async save first. If it failed and its error was not seen
+        through its handle's ``.result()``, a :class:`CheckpointError` naming that step is
+        raised here and ``step`` is not saved either.
         """
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
-        self.wait()
+        failed_step, exc = self._finish_pending()
+        if exc is not None:
+            done = failed_step is not None and failed_step in self.steps()
+            raise CheckpointError(
+                f"the async save of step {failed_step} to {self.root} failed"
+                + (" after its commit" if done else "; nothing was committed for it")
+                + f": {exc}. Step {step} was not saved either; call save() again to save it"
+            ) from exc
         self.root.mkdir(parents=True, exist_ok=True)
         self._remove_stale_temps()
-        metadata = {"step": step, "metrics": dict(metrics or {})}
+        self._finish_interrupted_retention()
+        metadata = {"step": step, "metrics": _metrics_json(metrics)}
         kwargs = {"overwrite": True, "progress": False, **self.save_kwargs, "metadata": metadata}
         path = self.step_path(step)
         if self.async_save:
-            handle = async_save(state, path, on_commit=lambda info: self._after_commit(step), **kwargs)
-            self._pending = handle
+            handle = async_save(
+                state, path, on_commit=lambda info: self._after_commit(step), **kwargs
+            )
+            self._pending, self._pending_step = handle, step
             return handle
         from ._api import save
 
@@ -176,10 +223,26 @@ class CheckpointManager:
         return info
 
     def wait(self) -> None:
-        """Block until the pending async save committed; raise its error if it failed."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+        """Block until the pending async save finished; raise its error if it failed.
+
+        An error already raised by the handle's ``.result()`` is not raised again.
+        """
+        _, exc = self._finish_pending()
+        if exc is not None:
+            raise exc
+
+    def _finish_pending(self) -> tuple[int | None, BaseException | None]:
+        """Wait for the pending async save; its step and its error if nobody has seen it."""
+        pending, step = self._pending, self._pending_step
+        self._pending = self._pending_step = None
+        if pending is None:
+            return None, None
+        seen = pending.observed
+        exc = pending.exception()  # waits
+        if exc is None or seen:
+            return step, None
+        pending.observed = True
+        return step, exc
 
     def restore(self, target: Any, step: int | None = None, **load_kwargs: Any) -> int | None:
         """Load ``step`` (default: the newest committed) into ``target``; return the step.
@@ -192,7 +255,9 @@ class CheckpointManager:
             if step is None:
                 return None
         elif step not in self.steps():
-            raise CheckpointError(f"{self.root} has no committed step {step}; it has {self.steps()}")
+            raise CheckpointError(
+                f"{self.root} has no committed step {step}; it has {self.steps()}"
+            )
         load_into(target, self.step_path(step), **load_kwargs)
         return step
 
@@ -207,6 +272,13 @@ class CheckpointManager:
             os.replace(tmp, self.root / LATEST_NAME)
             fsync_dir(self.root)
             self._apply_retention(newest)
+
+    def _finish_interrupted_retention(self) -> None:
+        """Apply retention to the committed steps (a crash may have cut the last one short)."""
+        with self._lock:
+            steps = self.steps()
+            if steps:
+                self._apply_retention(steps[-1])
 
     def _apply_retention(self, latest: int) -> None:
         if self.keep_last is None:
@@ -235,7 +307,5 @@ class CheckpointManager:
                 if entry.is_dir(follow_symlinks=False):
                     shutil.rmtree(entry.path, ignore_errors=True)
                 else:
-                    try:
+                    with contextlib.suppress(OSError):
                         os.unlink(entry.path)
-                    except OSError:
-                        pass
