@@ -1,0 +1,270 @@
+"""Measurement helpers shared by the benchmarks: interleaved rounds, cache control, RSS, tables.
+
+How to measure here (see the project's ANCHORS notes): one warm-up round that is thrown
+away, then the peers interleaved (A B C ... A B C ...) for several rounds, ``sync`` before
+every timed call (and dropped caches before every cold read), medians, and ratios to the
+plain physical limit taken in the same rounds.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+# ------------------------------------------------------------------- files and caches
+
+
+def sync() -> None:
+    """Flush every dirty page of the machine, so one peer's writeback never lands in another's time."""
+    os.sync()
+
+
+def files_under(path: str) -> list[str]:
+    """Every regular file at or below ``path``, sorted."""
+    if os.path.isfile(path):
+        return [path]
+    found = []
+    for root, _dirs, names in os.walk(path):
+        found.extend(os.path.join(root, n) for n in names)
+    return sorted(found)
+
+
+def _fsync_path(path: str, flags: int) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str) -> None:
+    """Make a save at ``path`` durable: fsync each file, each directory, then the parent.
+
+    This is what a durable save owes (data, names, and the entry in the parent); peers that
+    do not fsync themselves get it added to their time.
+    """
+    for name in files_under(path):
+        _fsync_path(name, os.O_RDONLY)
+    if os.path.isdir(path):
+        for root, _dirs, _names in sorted(os.walk(path), key=lambda w: -len(w[0])):
+            _fsync_path(root, os.O_RDONLY | os.O_DIRECTORY)
+    _fsync_path(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY)
+
+
+def remove(path: str) -> None:
+    """Delete a file or directory tree if it is there."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def can_drop_caches() -> bool:
+    return os.access("/proc/sys/vm/drop_caches", os.W_OK)
+
+
+def drop_caches(paths: Iterable[str] = ()) -> None:
+    """Evict the page cache: the whole machine's when root, else ``paths`` via fadvise."""
+    sync()
+    if can_drop_caches():
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return
+    for name in paths:
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def read_into_cache(paths: Iterable[str], buffer_bytes: int = 64 << 20) -> None:
+    """Read ``paths`` once so that their pages sit in the page cache (a warm read follows)."""
+    buf = bytearray(buffer_bytes)
+    view = memoryview(buf)
+    for name in paths:
+        with open(name, "rb", buffering=0) as f:
+            while f.readinto(view):
+                pass
+
+
+# ------------------------------------------------------------------------ memory (RSS)
+
+
+def _proc_status_bytes(field_name: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except OSError:
+        pass
+    return None
+
+
+def current_rss() -> int:
+    """Resident set size of this process now, in bytes."""
+    value = _proc_status_bytes("VmRSS")
+    if value is None:
+        import psutil
+
+        value = int(psutil.Process().memory_info().rss)
+    return value
+
+
+def reset_peak_rss() -> bool:
+    """Restart the kernel's RSS high-water mark at the current RSS (Linux ``clear_refs`` 5).
+
+    Returns False where that is not possible; ``peak_rss`` is then the lifetime peak.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss() -> int:
+    """Highest RSS of this process since start (or since ``reset_peak_rss``), in bytes."""
+    value = _proc_status_bytes("VmHWM")
+    if value is None:
+        value = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return value
+
+
+# ------------------------------------------------------------------- interleaved rounds
+
+
+@dataclass(frozen=True)
+class Case:
+    """One peer in a section: what to run, and what to do, untimed, just before it."""
+
+    key: str
+    """Short name used in JSON and ratios (``sp``, ``hub``, ...)."""
+    label: str
+    """What the table shows."""
+    run: Callable[[], object]
+    """The timed call."""
+    prepare: Callable[[], object] = lambda: None
+    """Untimed, before every call: clean up the previous output, prime or drop caches."""
+    check: Callable[[], object] = lambda: None
+    """Untimed, after the warm-up call only: validate what the call produced."""
+
+
+@dataclass
+class SectionResult:
+    name: str
+    nbytes: int
+    """Bytes moved by each call (the state dict's tensor bytes)."""
+    labels: dict[str, str]
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+    baseline: str = "plain"
+
+    def median(self, key: str) -> float:
+        return statistics.median(self.seconds[key])
+
+    def ratio(self, key: str, other: str) -> float:
+        return self.median(key) / self.median(other)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "bytes": self.nbytes,
+            "baseline": self.baseline,
+            "peers": {
+                key: {
+                    "label": self.labels[key],
+                    "seconds": times,
+                    "median_s": self.median(key),
+                    "gb_per_s": self.nbytes / self.median(key) / 1e9,
+                    "vs_baseline": self.ratio(key, self.baseline),
+                }
+                for key, times in self.seconds.items()
+            },
+        }
+
+
+def run_interleaved(
+    name: str,
+    cases: Sequence[Case],
+    *,
+    rounds: int,
+    nbytes: int,
+    log: Callable[[str], None] = print,
+) -> SectionResult:
+    """Run ``cases`` as A B C ... for one discarded warm-up round plus ``rounds`` timed rounds."""
+    result = SectionResult(name, nbytes, {c.key: c.label for c in cases})
+    result.baseline = cases[0].key
+    for round_no in range(rounds + 1):
+        warmup = round_no == 0
+        parts = []
+        for case in cases:
+            case.prepare()
+            sync()
+            started = time.perf_counter()
+            case.run()
+            elapsed = time.perf_counter() - started
+            if warmup:
+                case.check()
+            else:
+                result.seconds.setdefault(case.key, []).append(elapsed)
+            parts.append(f"{case.key} {elapsed:.2f}")
+        tag = "warm-up" if warmup else f"round {round_no}/{rounds}"
+        log(f"  [{name}] {tag}: " + "  ".join(parts))
+    return result
+
+
+# ------------------------------------------------------------------------------ output
+
+
+def format_section(title: str, result: SectionResult) -> str:
+    """A table: median seconds, GB/s, ratio to the baseline, min-max over rounds."""
+    width = max(len(label) for label in result.labels.values())
+    head = f"{'':{width}}  {'median s':>9} {'GB/s':>6} {'vs plain':>9}  {'min-max s':>11}"
+    lines = [title, head, "-" * len(head)]
+    for key, label in result.labels.items():
+        times = result.seconds[key]
+        med = result.median(key)
+        lines.append(
+            f"{label:{width}}  {med:9.3f} {result.nbytes / med / 1e9:6.2f} "
+            f"{result.ratio(key, result.baseline):8.2f}x  {min(times):5.2f}-{max(times):<5.2f}"
+        )
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class TargetCheck:
+    name: str
+    value: float
+    op: str
+    """``>=`` or ``<=``."""
+    threshold: float
+    unit: str = "x"
+
+    @property
+    def passed(self) -> bool:
+        return self.value >= self.threshold if self.op == ">=" else self.value <= self.threshold
+
+    def line(self) -> str:
+        mark = "PASS" if self.passed else "FAIL"
+        return f"  {mark}  {self.name:<52} {self.value:8.2f}{self.unit}  (target {self.op} {self.threshold:g}{self.unit})"
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "value": self.value,
+            "op": self.op,
+            "threshold": self.threshold,
+            "unit": self.unit,
+            "passed": self.passed,
+        }
+
+
+def log_err(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

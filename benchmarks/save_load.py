@@ -1,0 +1,672 @@
+"""Save and load a transformer-shaped fp32 state dict: shardpoint against its peers and the limit.
+
+One run, one state dict (default ~2.15 GB), four sections, each interleaved (A B C ...)
+over one discarded warm-up round plus ``--rounds`` timed rounds, ``sync`` before every
+timed call:
+
+* save, page cache (no fsync) and durable (every file, directory and parent fsynced; peers
+  that do not fsync themselves get it done after, inside their time);
+* load into a preallocated state dict of the same shapes, warm (files in the page cache)
+  and cold (caches dropped before every call);
+
+then the peak RSS of each load, each in a fresh process, and the project's targets.
+
+    .venv/bin/python benchmarks/save_load.py            # full size, ~2.15 GB
+    .venv/bin/python benchmarks/save_load.py --quick    # 0.2 GB, 1 round: smoke run
+    .venv/bin/python benchmarks/save_load.py --gb 4 --rounds 5 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import platform
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import crc32c
+import psutil
+import safetensors.torch
+import torch
+import torch.distributed.checkpoint as dcp
+from _common import (
+    Case,
+    SectionResult,
+    TargetCheck,
+    can_drop_caches,
+    current_rss,
+    drop_caches,
+    files_under,
+    format_section,
+    fsync_tree,
+    log_err,
+    peak_rss,
+    read_into_cache,
+    remove,
+    reset_peak_rss,
+    run_interleaved,
+)
+from huggingface_hub import save_torch_state_dict
+from safetensors import safe_open
+
+import shardpoint as sp
+
+# DCP warns that it runs without a process group; that is the single-process case measured.
+warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+warnings.filterwarnings("ignore", message=".*process group.*")
+
+SHARD_SIZE = "500MB"
+PLAIN_READ_THREADS = 2
+PLAIN_PIECE_BYTES = 64 << 20
+VOCAB = 32_000
+
+Shapes = dict[str, tuple[int, ...]]
+StateDict = dict[str, torch.Tensor]
+
+# ----------------------------------------------------------------------------- the data
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A Llama-like decoder sized to a byte budget."""
+
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+
+    def shapes(self) -> Shapes:
+        h, i = self.hidden, self.intermediate
+        out: Shapes = {"model.embed_tokens.weight": (self.vocab, h)}
+        for n in range(self.layers):
+            p = f"model.layers.{n}."
+            out[p + "input_layernorm.weight"] = (h,)
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                out[p + f"self_attn.{proj}.weight"] = (h, h)
+            out[p + "post_attention_layernorm.weight"] = (h,)
+            out[p + "mlp.gate_proj.weight"] = (i, h)
+            out[p + "mlp.up_proj.weight"] = (i, h)
+            out[p + "mlp.down_proj.weight"] = (h, i)
+        out["model.norm.weight"] = (h,)
+        out["lm_head.weight"] = (self.vocab, h)
+        return out
+
+
+def model_shape_for(nbytes: float) -> ModelShape:
+    """The widest Llama-like shape (hidden a multiple of 128) that still has about 8 layers."""
+    params = nbytes / 4
+
+    def shape(hidden: int) -> ModelShape:
+        vocab = min(VOCAB, 16 * hidden)
+        inter = round(hidden * 2.6875 / 64) * 64  # Llama's 11008 / 4096
+        per_layer = 4 * hidden * hidden + 3 * hidden * inter + 2 * hidden
+        layers = round((params - 2 * vocab * hidden - hidden) / per_layer)
+        return ModelShape(vocab, hidden, inter, layers)
+
+    hidden = 128
+    while shape(hidden + 128).layers >= 8:
+        hidden += 128
+    best = shape(hidden)
+    return ModelShape(best.vocab, best.hidden, best.intermediate, max(1, best.layers))
+
+
+def make_state_dict(shapes: Shapes, seed: int) -> StateDict:
+    gen = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=gen) for name, shape in shapes.items()}
+
+
+def make_model(shapes: Shapes) -> StateDict:
+    """The preallocated target of every load: same shapes, every page touched."""
+    return {name: torch.empty(shape).zero_() for name, shape in shapes.items()}
+
+
+def tensor_bytes(state: StateDict) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def fingerprints(state: StateDict) -> dict[str, int]:
+    """crc32c of every tensor's bytes: lets the loads be checked after the source is freed."""
+    return {name: crc32c.crc32c(byte_view(t)) for name, t in state.items()}
+
+
+# -------------------------------------------------------------------------------- saves
+#
+# Each saver writes the state dict to ``out`` (which does not exist yet). With
+# ``durable`` the result must be on disk when it returns.
+
+
+def save_plain(state: StateDict, out: str, durable: bool) -> None:
+    """The limit: every tensor's bytes, in order, with sequential os.write into one file."""
+    os.mkdir(out)
+    fd = os.open(os.path.join(out, "plain.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for tensor in state.values():
+            view = byte_view(tensor)
+            while view:
+                view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+    if durable:
+        fsync_tree(out)
+
+
+def save_shardpoint(state: StateDict, out: str, durable: bool) -> None:
+    sp.save(state, out, max_shard_size=SHARD_SIZE, durable=durable, progress=False)
+
+
+def save_hub(state: StateDict, out: str, durable: bool) -> None:
+    os.mkdir(out)
+    save_torch_state_dict(state, out, max_shard_size=SHARD_SIZE)
+    if durable:
+        fsync_tree(out)
+
+
+def save_safetensors_file(state: StateDict, out: str, durable: bool) -> None:
+    os.mkdir(out)
+    safetensors.torch.save_file(state, os.path.join(out, "model.safetensors"))
+    if durable:
+        fsync_tree(out)
+
+
+def save_torch(state: StateDict, out: str, durable: bool) -> None:
+    os.mkdir(out)
+    torch.save(state, os.path.join(out, "model.pt"))
+    if durable:
+        fsync_tree(out)
+
+
+def save_dcp(state: StateDict, out: str, durable: bool) -> None:
+    # DCP fsyncs its data files itself when sync_files=True; fsync_tree adds the metadata
+    # file and the directories, as for every other peer.
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(out, sync_files=durable))
+    if durable:
+        fsync_tree(out)
+
+
+Saver = Callable[[StateDict, str, bool], None]
+
+SAVERS: dict[str, tuple[str, Saver]] = {
+    "plain": ("plain os.write (limit, 1 stream)", save_plain),
+    "sp": (f"shardpoint save ({SHARD_SIZE} shards)", save_shardpoint),
+    "hub": (f"hf_hub save_torch_state_dict ({SHARD_SIZE})", save_hub),
+    "st_file": ("safetensors save_file (one file)", save_safetensors_file),
+    "torch": ("torch.save", save_torch),
+    "dcp": ("DCP save (1 process)", save_dcp),
+}
+
+# -------------------------------------------------------------------------------- loads
+#
+# Each loader fills ``model`` (preallocated, same shapes) in place from the files that the
+# matching saver wrote at ``src``.
+
+
+def load_plain(model: StateDict, src: str) -> None:
+    """The limit: preadv of plain.bin straight into the tensors' memory, 2 threads."""
+    pieces = []
+    offset = 0
+    for tensor in model.values():
+        view = byte_view(tensor)
+        for start in range(0, len(view), PLAIN_PIECE_BYTES):
+            part = view[start : start + PLAIN_PIECE_BYTES]
+            pieces.append((part, offset + start))
+        offset += len(view)
+    fd = os.open(os.path.join(src, "plain.bin"), os.O_RDONLY)
+
+    def read(piece: tuple[memoryview, int]) -> None:
+        view, pos = piece
+        while view:
+            n = os.preadv(fd, [view], pos)
+            if n <= 0:
+                raise EOFError(f"plain.bin ends before byte {pos}")
+            view, pos = view[n:], pos + n
+
+    try:
+        with ThreadPoolExecutor(PLAIN_READ_THREADS) as pool:
+            list(pool.map(read, pieces))
+    finally:
+        os.close(fd)
+
+
+def load_shardpoint(model: StateDict, src: str) -> None:
+    sp.load_into(model, src, verify=True, progress=False)
+
+
+def load_shardpoint_noverify(model: StateDict, src: str) -> None:
+    sp.load_into(model, src, verify=False, progress=False)
+
+
+def _copy_safetensors(model: StateDict, path: str) -> None:
+    with safe_open(path, framework="pt") as f:
+        for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+            model[key].copy_(f.get_tensor(key))
+
+
+def load_safe_open_shards(model: StateDict, src: str) -> None:
+    for path in files_under(src):
+        if path.endswith(".safetensors"):
+            _copy_safetensors(model, path)
+
+
+def load_safe_open_file(model: StateDict, src: str) -> None:
+    _copy_safetensors(model, os.path.join(src, "model.safetensors"))
+
+
+def load_torch_mmap(model: StateDict, src: str) -> None:
+    loaded = torch.load(os.path.join(src, "model.pt"), weights_only=True, mmap=True)
+    for key, tensor in loaded.items():
+        model[key].copy_(tensor)
+
+
+def load_dcp(model: StateDict, src: str) -> None:
+    dcp.load(model, storage_reader=dcp.FileSystemReader(src))
+
+
+Loader = Callable[[StateDict, str], None]
+
+LOADERS: dict[str, tuple[str, str, Loader]] = {
+    # key: (label, which save it reads, loader)
+    "plain": ("plain preadv (limit, 2 threads)", "plain", load_plain),
+    "sp": ("shardpoint load_into, crc32c", "sp", load_shardpoint),
+    "sp_noverify": ("shardpoint load_into, verify=False", "sp", load_shardpoint_noverify),
+    "st_shards": ("safe_open + copy_, HF shards", "hub", load_safe_open_shards),
+    "st_file": ("safe_open + copy_, one file", "st_file", load_safe_open_file),
+    "torch": ("torch.load(mmap=True) + copy_", "torch", load_torch_mmap),
+    "dcp": ("DCP load (in place)", "dcp", load_dcp),
+}
+
+# ------------------------------------------------------------------------------ sections
+
+
+def save_section(
+    state: StateDict, root: str, durable: bool, rounds: int, outputs: dict[str, str]
+) -> SectionResult:
+    """Interleaved saves; each call writes a fresh path, the previous one is removed first.
+
+    ``outputs`` receives the last path each peer wrote (the loads read those).
+    """
+    mode = "durable" if durable else "pagecache"
+    cases = []
+    for key, (label, saver) in SAVERS.items():
+        counter = iter(range(1_000_000))
+
+        def prepare(key: str = key, counter: Any = counter) -> None:
+            if key in outputs:
+                remove(outputs[key])
+            outputs[key] = os.path.join(root, f"{key}-{mode}-{next(counter)}")
+
+        def run(key: str = key, saver: Saver = saver) -> None:
+            saver(state, outputs[key], durable)
+
+        def check(key: str = key) -> None:
+            if not files_under(outputs[key]):
+                raise RuntimeError(f"{key} saved nothing at {outputs[key]}")
+
+        cases.append(Case(key, label, run, prepare, check))
+    return run_interleaved(f"save {mode}", cases, rounds=rounds, nbytes=tensor_bytes(state))
+
+
+def load_section(
+    expected: dict[str, int], model: StateDict, outputs: dict[str, str], cold: bool, rounds: int
+) -> SectionResult:
+    """Interleaved loads into ``model``; the warm-up round of a warm section checks the bytes."""
+    cases = []
+    for key, (label, source, loader) in LOADERS.items():
+        src = outputs[source]
+        paths = files_under(src)
+
+        def run(loader: Loader = loader, src: str = src) -> None:
+            loader(model, src)
+
+        if cold:
+
+            def prepare(paths: list[str] = paths) -> None:
+                drop_caches(paths)
+
+            def check() -> None:
+                return None
+        else:
+
+            def prepare(paths: list[str] = paths) -> None:
+                for tensor in model.values():
+                    tensor.zero_()  # so that the check sees what this peer wrote
+                read_into_cache(paths)
+
+            def check(key: str = key) -> None:
+                bad = [k for k, crc in fingerprints(model).items() if crc != expected[k]]
+                if bad:
+                    raise RuntimeError(f"load {key} left {len(bad)} tensors wrong, e.g. {bad[0]}")
+
+        cases.append(Case(key, label, run, prepare, check))
+    name = "load cold" if cold else "load warm"
+    return run_interleaved(name, cases, rounds=rounds, nbytes=tensor_bytes(model))
+
+
+# --------------------------------------------------------------------------- peak memory
+
+
+def _rss_child(loader_key: str, src: str, shapes: Shapes, conn: Any) -> None:
+    """In a fresh process: allocate the model, then measure the peak RSS of one load."""
+    try:
+        base = current_rss()
+        model = make_model(shapes)
+        before = current_rss()
+        reset = reset_peak_rss()
+        LOADERS[loader_key][2](model, src)
+        peak = peak_rss()
+        conn.send({"base": base, "before": before, "peak": peak, "reset": reset})
+    except BaseException as exc:
+        conn.send({"error": f"{type(exc).__name__}: {exc}"})
+        raise
+    finally:
+        conn.close()
+
+
+def measure_rss(
+    outputs: dict[str, str], shapes: Shapes, model_bytes: int, keys: list[str]
+) -> dict[str, dict[str, Any]]:
+    """Peak RSS of each load, each in its own spawned process (files warm in the page cache).
+
+    ``over_model`` is the peak during the load minus the RSS just before it, which already
+    holds the interpreter, the libraries and the touched model: what the load itself added.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    results: dict[str, dict[str, Any]] = {}
+    for key in keys:
+        label, source, _loader = LOADERS[key]
+        src = outputs[source]
+        read_into_cache(files_under(src))
+        parent, child = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_rss_child, args=(key, src, shapes, child))
+        proc.start()
+        child.close()
+        got = parent.recv()
+        proc.join()
+        if "error" in got:
+            raise RuntimeError(f"RSS measurement of {key} failed: {got['error']}")
+        got["label"] = label
+        got["model_bytes"] = model_bytes
+        got["over_model"] = got["peak"] - got["before"]
+        results[key] = got
+    return results
+
+
+def format_rss(rss: dict[str, dict[str, Any]]) -> str:
+    width = max(len(r["label"]) for r in rss.values())
+    head = (
+        f"{'':{width}}  {'peak MB':>8} {'peak-model':>10} {'interp MB':>9} {'before MB':>9} "
+        f"{'over model MB':>13}"
+    )
+    lines = [
+        "PEAK RSS OF ONE LOAD (a fresh process each, files in the page cache)",
+        "  interp = interpreter + libraries; before = interp + the touched model, just before the",
+        "  load; over model = peak - before: what the load itself added on top of the model",
+        head,
+        "-" * len(head),
+    ]
+    for r in rss.values():
+        lines.append(
+            f"{r['label']:{width}}  {r['peak'] / 1e6:8.0f} {(r['peak'] - r['model_bytes']) / 1e6:10.0f} "
+            f"{r['base'] / 1e6:9.0f} {r['before'] / 1e6:9.0f} {r['over_model'] / 1e6:13.0f}"
+        )
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------- targets
+
+
+def evaluate_targets(
+    sections: dict[str, SectionResult], rss: dict[str, dict[str, Any]] | None
+) -> list[TargetCheck]:
+    spc, sdur = sections["save_pagecache"], sections["save_durable"]
+    warm, cold = sections["load_warm"], sections["load_cold"]
+    checks = [
+        TargetCheck("save page cache: hub / sp", spc.ratio("hub", "sp"), ">=", 1.5),
+        TargetCheck("save page cache: torch.save / sp", spc.ratio("torch", "sp"), ">=", 2.0),
+        TargetCheck("save page cache: dcp / sp", spc.ratio("dcp", "sp"), ">=", 2.0),
+        TargetCheck("save durable: hub / sp", sdur.ratio("hub", "sp"), ">=", 1.3),
+        TargetCheck(
+            "load cold: safe_open shards / sp (crc)", cold.ratio("st_shards", "sp"), ">=", 1.3
+        ),
+        TargetCheck(
+            "load warm: sp (crc) / safe_open shards", warm.ratio("sp", "st_shards"), "<=", 1.15
+        ),
+        TargetCheck(
+            "load warm: sp verify=False / safe_open shards",
+            warm.ratio("sp_noverify", "st_shards"),
+            "<=",
+            1.0,
+        ),
+        TargetCheck("load warm: dcp / sp (crc)", warm.ratio("dcp", "sp"), ">=", 2.5),
+    ]
+    if rss is not None:
+        for key in ("sp", "sp_noverify"):
+            checks.append(
+                TargetCheck(
+                    f"load RSS over model: {LOADERS[key][0]}",
+                    rss[key]["over_model"] / 1e6,
+                    "<=",
+                    300,
+                    " MB",
+                )
+            )
+    return checks
+
+
+def informational_ratios(sections: dict[str, SectionResult]) -> list[str]:
+    """Ratios with no target that still tell where shardpoint stands."""
+    spc, sdur = sections["save_pagecache"], sections["save_durable"]
+    warm, cold = sections["load_warm"], sections["load_cold"]
+    pairs = [
+        ("save page cache: safetensors one file / sp", spc.ratio("st_file", "sp")),
+        ("save durable: torch.save / sp", sdur.ratio("torch", "sp")),
+        ("save durable: dcp / sp", sdur.ratio("dcp", "sp")),
+        ("save durable: safetensors one file / sp", sdur.ratio("st_file", "sp")),
+        ("load cold: safe_open one file / sp (crc)", cold.ratio("st_file", "sp")),
+        ("load cold: torch.load mmap / sp (crc)", cold.ratio("torch", "sp")),
+        ("load cold: dcp / sp (crc)", cold.ratio("dcp", "sp")),
+        ("load cold: sp verify=False / sp (crc)", cold.ratio("sp_noverify", "sp")),
+        ("load warm: sp (crc) / plain", warm.ratio("sp", "plain")),
+    ]
+    return [f"  info  {name:<52} {value:8.2f}x" for name, value in pairs]
+
+
+# ---------------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--gb", type=float, default=None, help="state dict size in GB (10^9; default 2.15)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="timed rounds after the warm-up (default 3)"
+    )
+    parser.add_argument(
+        "--dir", default=None, help="where to create the scratch directory (default: /tmp)"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 0.2 GB, 1 round, RSS of 3 loads (< 1 minute)",
+    )
+    parser.add_argument(
+        "--no-rss", action="store_true", help="skip the per-process peak RSS measurements"
+    )
+    parser.add_argument(
+        "--json", metavar="PATH", help="also write every measurement to this JSON file"
+    )
+    parser.add_argument("--keep", action="store_true", help="leave the scratch directory in place")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.gb is None:
+        args.gb = 0.2 if args.quick else 2.15
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 3
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    return args
+
+
+def format_loadavg() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+class CpuShare:
+    """How much CPU everything else on the machine used while the benchmark ran."""
+
+    def __init__(self) -> None:
+        self.machine = self._machine_busy()
+        self.own = self._own()
+        self.wall = time.perf_counter()
+
+    @staticmethod
+    def _machine_busy() -> float:
+        t = psutil.cpu_times()
+        return float(t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0))
+
+    @staticmethod
+    def _own() -> float:
+        t = os.times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    def report(self) -> tuple[str, float]:
+        """A line for the output, and the others' share of the machine (0..1)."""
+        wall = time.perf_counter() - self.wall
+        others = max(0.0, (self._machine_busy() - self.machine) - (self._own() - self.own))
+        share = others / (wall * (os.cpu_count() or 1))
+        line = (
+            f"other processes (incl. kernel writeback) used {others:.0f} CPU-s of "
+            f"{wall * (os.cpu_count() or 1):.0f} during the run ({share:.0%}); "
+            f"load average now {format_loadavg()}"
+        )
+        if share > 0.15:
+            line += "\nWARNING: the machine was busy with other work; expect noisy ratios, rerun when quiet"
+        return line, share
+
+
+def describe_setup(args: argparse.Namespace, shape: ModelShape, nbytes: int, root: str) -> str:
+    sp_env = {k: v for k, v in os.environ.items() if k.startswith("SHARDPOINT_")}
+    return "\n".join(
+        [
+            f"shardpoint {sp.__version__}, torch {torch.__version__}, safetensors "
+            f"{safetensors.__version__}, python {platform.python_version()}",
+            f"machine: {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
+            f"drop_caches {'yes' if can_drop_caches() else 'no (fadvise fallback)'}, "
+            f"load average {format_loadavg()}",
+            f"state dict: fp32 Llama-like, vocab {shape.vocab}, hidden {shape.hidden}, "
+            f"intermediate {shape.intermediate}, {shape.layers} layers: {nbytes / 1e9:.3f} GB",
+            f"rounds: 1 warm-up (discarded) + {args.rounds} timed, interleaved; medians",
+            f"shardpoint from {os.path.dirname(sp.__file__)}",
+            f"scratch: {root}" + (f"; env {sp_env}" if sp_env else ""),
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    cpu_share = CpuShare()
+    shape = model_shape_for(args.gb * 1e9)
+    shapes = shape.shapes()
+    root = tempfile.mkdtemp(prefix="shardpoint-bench-", dir=args.dir)
+    try:
+        log_err("building the state dict ...")
+        state = make_state_dict(shapes, args.seed)
+        nbytes = tensor_bytes(state)
+        print(describe_setup(args, shape, nbytes, root), flush=True)
+
+        outputs: dict[str, str] = {}
+        sections: dict[str, SectionResult] = {}
+        sections["save_pagecache"] = save_section(state, root, False, args.rounds, outputs)
+        sections["save_durable"] = save_section(state, root, True, args.rounds, outputs)
+        expected = fingerprints(state)
+        del state  # one state dict in memory at a time: keep reclaim out of the timings
+        model = make_model(shapes)
+        sections["load_warm"] = load_section(
+            expected, model, outputs, cold=False, rounds=args.rounds
+        )
+        sections["load_cold"] = load_section(
+            expected, model, outputs, cold=True, rounds=args.rounds
+        )
+        rss = None
+        if not args.no_rss:
+            del model  # the children allocate their own
+            # A quick run measures only what the targets need; each child costs seconds.
+            keys = ["sp", "sp_noverify", "st_shards"] if args.quick else list(LOADERS)
+            rss = measure_rss(outputs, shapes, nbytes, keys)
+
+        titles = {
+            "save_pagecache": "SAVE, page cache (no fsync)",
+            "save_durable": "SAVE, durable (fsync of every file, directory and parent)",
+            "load_warm": "LOAD into preallocated tensors, warm (files in page cache)",
+            "load_cold": "LOAD into preallocated tensors, cold (caches dropped before each call)",
+        }
+        print()
+        for key, result in sections.items():
+            print(
+                format_section(
+                    f"{titles[key]}, {nbytes / 1e9:.2f} GB, median of {args.rounds}", result
+                )
+            )
+            print()
+        if rss is not None:
+            print(format_rss(rss))
+            print()
+        checks = evaluate_targets(sections, rss)
+        print("TARGETS")
+        for check in checks:
+            print(check.line())
+        print("\n".join(informational_ratios(sections)))
+        failed = sum(not c.passed for c in checks)
+        elapsed = time.perf_counter() - started
+        print(f"\n{len(checks) - failed}/{len(checks)} targets met; run took {elapsed:.0f} s")
+        cpu_line, others_share = cpu_share.report()
+        print(cpu_line)
+
+        if args.json:
+            report = {
+                "setup": {
+                    "bytes": nbytes,
+                    "shape": shape.__dict__,
+                    "rounds": args.rounds,
+                    "cpus": os.cpu_count(),
+                    "torch_threads": torch.get_num_threads(),
+                    "versions": {
+                        "shardpoint": sp.__version__,
+                        "torch": torch.__version__,
+                        "safetensors": safetensors.__version__,
+                    },
+                },
+                "sections": {k: r.to_json() for k, r in sections.items()},
+                "rss": rss,
+                "targets": [c.to_json() for c in checks],
+                "seconds": elapsed,
+                "other_processes_cpu_share": others_share,
+            }
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=2)
+            log_err(f"wrote {args.json}")
+    finally:
+        if args.keep:
+            log_err(f"kept {root}")
+        else:
+            remove(root)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
