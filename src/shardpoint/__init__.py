@@ -58,3 +58,13 @@ __all__ = [
     "load_into",
     "save",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # `sp.integrations` (and `sp.integrations.transformers` / `.lightning`) are imported on
+    # first use, so `import shardpoint` imports neither framework.
+    if name == "integrations":
+        import importlib
+
+        return importlib.import_module(f"{__name__}.integrations")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

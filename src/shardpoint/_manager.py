@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ._async import AsyncSave, async_save
+from ._distributed.group import Group
 from ._format.manifest import MANIFEST_NAME
 from ._read import load_into
 from ._storage.local import TMP_MARKER, fsync_dir, write_small_file
@@ -75,6 +76,10 @@ class CheckpointManager:
         mode: ``"min"`` or ``"max"``: which metric values are best.
         async_save: save in the background (``save`` returns once the state is staged).
         storage_options: for fsspec roots (not in this version).
+        process_group: save and restore collectively over this group (every rank calls
+            ``save`` / ``restore``); only rank 0 writes ``latest``, applies retention and
+            removes stale temporary directories. Without it, the default group is used
+            when it is initialized with several ranks.
         save_kwargs: passed to every save (``max_shard_size=``, ``durable=``, ...).
 
     Example:
@@ -99,6 +104,7 @@ class CheckpointManager:
         mode: str = "min",
         async_save: bool = False,
         storage_options: Mapping[str, Any] | None = None,
+        process_group: Any = None,
         **save_kwargs: Any,
     ) -> None:
         if storage_options is not None:
@@ -117,6 +123,7 @@ class CheckpointManager:
         self.mode = mode
         self.async_save = async_save
         self.save_kwargs = save_kwargs
+        self.process_group = process_group
         self._pending: AsyncSave | None = None
         self._pending_step: int | None = None
         self._lock = threading.Lock()
@@ -204,23 +211,41 @@ class CheckpointManager:
                 + (" after its commit" if done else "; nothing was committed for it")
                 + f": {exc}. Step {step} was not saved either; call save() again to save it"
             ) from exc
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._remove_stale_temps()
-        self._finish_interrupted_retention()
+        coordinator = self._is_coordinator()
+        if coordinator:  # in a process group only rank 0 manages the root
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._remove_stale_temps()
+            self._finish_interrupted_retention()
         metadata = {"step": step, "metrics": _metrics_json(metrics)}
         kwargs = {"overwrite": True, "progress": False, **self.save_kwargs, "metadata": metadata}
+        if self.process_group is not None:
+            kwargs["process_group"] = self.process_group
         path = self.step_path(step)
         if self.async_save:
             handle = async_save(
-                state, path, on_commit=lambda info: self._after_commit(step), **kwargs
+                state, path, on_commit=lambda info: coordinator and self._after_commit(step), **kwargs
             )
             self._pending, self._pending_step = handle, step
             return handle
         from ._api import save
 
         info = save(state, path, **kwargs)
-        self._after_commit(step)
+        if coordinator:
+            self._after_commit(step)
         return info
+
+    def _group(self) -> Group:
+        """The group given (collective restores agree on the step over it), else none."""
+        return Group(self.process_group)
+
+    def _is_coordinator(self) -> bool:
+        """Whether this process manages the root (rank 0 of the group, or of the default
+        group when one is initialized: DTensor states are saved over it)."""
+        if self.process_group is not None:
+            return Group(self.process_group).is_coordinator
+        import torch.distributed as dist
+
+        return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
     def wait(self) -> None:
         """Block until the pending async save finished; raise its error if it failed.
@@ -250,14 +275,17 @@ class CheckpointManager:
         Returns None when the root holds no committed step.
         """
         self.wait()
+        group = self._group()
         if step is None:
-            step = self.latest_step()
+            step = group.broadcast(self.latest_step())  # every rank restores the same step
             if step is None:
                 return None
         elif step not in self.steps():
             raise CheckpointError(
                 f"{self.root} has no committed step {step}; it has {self.steps()}"
             )
+        if self.process_group is not None:
+            load_kwargs.setdefault("process_group", self.process_group)
         load_into(target, self.step_path(step), **load_kwargs)
         return step
 

@@ -14,6 +14,7 @@ from typing import Any
 from ._format.dtypes import dtype_name
 from ._format.index import index_name, render_index
 from ._format.manifest import MANIFEST_NAME, ChunkRef, ComponentRecord, Manifest, TensorRecord
+from ._format.names import check_file_name
 from ._format.safetensors import TensorSpec, plan_file
 from ._io.transfer import FileWrite, write_files
 from ._planning.shards import plan_shards, shard_file_names
@@ -57,8 +58,13 @@ def write_checkpoint(
     metadata: dict[str, Any],
     durable: bool,
     progress: bool | None,
+    extra_files: Mapping[str, bytes] | None = None,
 ) -> SaveInfo:
-    """Write ``prepared`` as an HF-layout checkpoint at ``path``, atomically."""
+    """Write ``prepared`` as an HF-layout checkpoint at ``path``, atomically.
+
+    ``extra_files`` (name -> bytes, e.g. ``config.json``) are written into the same
+    temporary directory before the manifest, so they appear in the same commit.
+    """
     started = time.perf_counter()
     save_id = uuid.uuid4().hex
     file_meta = {"format": "pt", "shardpoint.save_id": save_id}
@@ -85,11 +91,18 @@ def write_checkpoint(
         if len(groups) > 1:
             indexes[index_name(comp.name)] = render_index(weight_map, comp.stored_bytes())
 
+    extras = dict(extra_files or {})
+    for name in extras:
+        check_file_name(name, where=os.fspath(path))
+        if name in files or name in indexes or name == MANIFEST_NAME:
+            raise InvalidStateError(f"extra file {name!r} would replace a file of the checkpoint itself")
     total = prepared.total_bytes()
     txn = LocalTransaction(path, overwrite=overwrite)
     try:
         with byte_progress(total, f"saving {os.path.basename(os.fspath(path))}", progress) as advance:
             crcs = write_files(txn.directory, writes, durable=durable, advance=advance)
+        for name, data in extras.items():
+            txn.write_bytes(name, data, durable=durable)
         records: dict[str, ComponentRecord] = {}
         for comp in prepared.components:
             tensor_records = {}

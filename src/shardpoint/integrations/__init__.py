@@ -1,0 +1,25 @@
+"""Integrations with the frameworks people already train and serve with.
+
+- :mod:`shardpoint.integrations.lightning`: ``ShardpointCheckpointIO``, a ``CheckpointIO``
+  plugin for Lightning's ``Trainer`` (needs ``lightning`` or ``pytorch_lightning``).
+- :mod:`shardpoint.integrations.transformers`: ``save_pretrained`` / ``from_pretrained``
+  for ``transformers`` models (needs ``transformers``).
+
+Each submodule is imported on first use, so ``import shardpoint`` imports neither framework:
+
+>>> import shardpoint as sp
+>>> sp.integrations.transformers.save_pretrained  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+__all__ = ["lightning", "transformers"]
+
+
+def __getattr__(name: str) -> ModuleType:
+    if name in __all__:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,387 @@
+"""``ShardpointCheckpointIO``: Lightning checkpoints as atomic, sharded safetensors directories.
+
+>>> from lightning.pytorch import Trainer  # doctest: +SKIP
+>>> from lightning.pytorch.callbacks import ModelCheckpoint  # doctest: +SKIP
+>>> from shardpoint.integrations.lightning import ShardpointCheckpointIO  # doctest: +SKIP
+>>> trainer = Trainer(plugins=[ShardpointCheckpointIO()],  # doctest: +SKIP
+...                   callbacks=[ModelCheckpoint(save_top_k=2, monitor="val_loss", save_last=True)])
+>>> trainer.fit(model, ckpt_path="last")  # doctest: +SKIP
+
+Each ``.ckpt`` path Lightning asks for becomes a shardpoint checkpoint *directory*: the
+LightningModule's ``state_dict`` is the component ``model`` (``model.safetensors``, which
+``safetensors`` and ``transformers`` tooling open as-is), ``optimizer_states`` the
+component ``optim``, every other top-level key its own component (or, if its name cannot
+name files, an entry of the component ``lightning_extra``). ``load_checkpoint`` gives back
+the dict Lightning saved: same keys, lists stay lists, integer keys (optimizer parameter
+ids) stay integers, tuples stay tuples, ``nan``/``inf`` survive.
+
+Values that are neither tensors, containers nor JSON: mappings (``AttributeDict``) are
+stored as dicts and ``argparse.Namespace`` as the dict of its attributes, which is how
+Lightning itself treats hyperparameters. Anything else (an ``Enum``, a ``Path``, a custom
+object in ``hyper_parameters``) is refused with the key named, unless the plugin is built
+with ``allow_pickle=True``: then such values are pickled into the checkpoint and unpickled
+on load (only load checkpoints you trust; Lightning's ``weights_only=True`` still refuses).
+
+``last.ckpt`` without a second write: Lightning saves ``last`` right after the top-k
+checkpoint of the same step, through a second ``save_checkpoint`` call. When a save has
+the same ``epoch`` and ``global_step`` as this plugin's previous save and every tensor is
+byte-identical to what that checkpoint stores (crc32c of the bytes against the manifest),
+the new directory hard-links the previous one's data files and gets a manifest of its own
+(the JSON parts, e.g. ``ModelCheckpoint.last_model_path``, may differ), committed through
+the same temporary directory and rename as any save. Otherwise, or when linking is not
+possible (another filesystem, the previous checkpoint removed meanwhile), it is written.
+
+Works wrapped in Lightning's ``AsyncCheckpointIO`` (the write runs in its thread). Lightning
+calls ``CheckpointIO`` on global rank 0 with full state dicts; strategies that write
+sharded checkpoints themselves (FSDP ``state_dict_type="sharded"``, DeepSpeed) do not use
+it. ``LightningModule.load_from_checkpoint`` reads with ``torch.load`` and cannot open these
+directories: resume with ``trainer.fit(..., ckpt_path=...)`` (or ``validate`` / ``test``
+with ``ckpt_path``), or take the weights from
+``ShardpointCheckpointIO().load_checkpoint(path)["state_dict"]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import threading
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._prepare import prepare_state
+from .._read import load
+from .._reuse import link_unchanged
+from .._sizes import parse_size
+from .._source import open_checkpoint
+from .._storage.local import TMP_MARKER
+from .._write import json_metadata, write_checkpoint
+from ..errors import CheckpointError, InvalidStateError
+
+
+def _checkpoint_io_bases() -> tuple[type, ...]:
+    """``CheckpointIO`` of every Lightning flavour installed (``lightning``, ``pytorch_lightning``).
+
+    The plugin subclasses each, so both ``lightning.pytorch.Trainer`` and
+    ``pytorch_lightning.Trainer`` accept it.
+    """
+    bases: list[type] = []
+    try:
+        from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+    except ImportError:
+        pass
+    else:
+        bases.append(CheckpointIO)
+    try:
+        from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO as StandaloneCheckpointIO
+    except ImportError:
+        pass
+    else:
+        if StandaloneCheckpointIO not in bases:
+            bases.append(StandaloneCheckpointIO)
+    if not bases:
+        raise ImportError(
+            "shardpoint.integrations.lightning needs Lightning: pip install 'shardpoint[lightning]' "
+            "(or `lightning` / `pytorch_lightning`)"
+        )
+    return tuple(bases)
+
+
+COMPONENT_OF_KEY = {"state_dict": "model", "optimizer_states": "optim"}
+"""Lightning's top-level keys stored under another component name."""
+
+EXTRA_COMPONENT = "lightning_extra"
+"""Component holding top-level keys that cannot name a component (``{key: value}``)."""
+
+METADATA_KEY = "lightning"
+"""Manifest metadata entry: ``{"format": 1, "keys": [[key, component], ...]}``."""
+
+_RESERVED_COMPONENTS = {*COMPONENT_OF_KEY.values(), EXTRA_COMPONENT, "shardpoint", "latest"}
+
+
+def _component_for(key: Any) -> str:
+    """The component a top-level key of a Lightning checkpoint is stored as."""
+    if key in COMPONENT_OF_KEY:
+        return COMPONENT_OF_KEY[key]
+    if (
+        isinstance(key, str)
+        and key not in _RESERVED_COMPONENTS
+        and 0 < len(key) <= 100
+        and (key[0].isascii() and (key[0].isalnum() or key[0] == "_"))
+        and all(c.isascii() and (c.isalnum() or c in "_.-") for c in key)
+    ):
+        return key
+    return EXTRA_COMPONENT
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every ``argparse.Namespace`` replaced by the dict of its attributes."""
+    if isinstance(value, argparse.Namespace):
+        return {k: _plain(v) for k, v in vars(value).items()}
+    if isinstance(value, Mapping) and not isinstance(value, torch.nn.Module):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple) and type(value) is tuple:
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def to_shardpoint_state(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split a Lightning checkpoint dict into shardpoint components, plus manifest metadata.
+
+    >>> state, meta = to_shardpoint_state({"state_dict": {}, "epoch": 1, "my key": 2})
+    >>> sorted(state), meta["lightning"]["keys"]
+    (['epoch', 'lightning_extra', 'model'], [['state_dict', 'model'], ['epoch', 'epoch'], ['my key', 'lightning_extra']])
+    """
+    state: dict[str, Any] = {}
+    keys: list[list[Any]] = []
+    extra: dict[Any, Any] = {}
+    for key, value in checkpoint.items():
+        component = _component_for(key)
+        if component == EXTRA_COMPONENT:
+            extra[key] = _plain(value)
+        else:
+            state[component] = _plain(value)
+        keys.append([key, component])
+    if extra:
+        state[EXTRA_COMPONENT] = extra
+    return state, {METADATA_KEY: {"format": 1, "keys": keys}}
+
+
+def from_shardpoint_state(
+    loaded: Any, metadata: Mapping[str, Any], *, flat: bool = False
+) -> dict[str, Any]:
+    """The Lightning checkpoint dict back from what ``sp.load`` returned.
+
+    A flat checkpoint (a model's state dict, e.g. a Hugging Face directory) comes back as
+    ``{"state_dict": ...}``; a nested one not written by this plugin as its components.
+    """
+    if flat:
+        return {"state_dict": loaded}
+    info = metadata.get(METADATA_KEY)
+    if not isinstance(info, Mapping) or not isinstance(info.get("keys"), list):
+        # Saved by plain `sp.save`, not by this plugin: the components are the keys.
+        return {("state_dict" if k == "model" else k): v for k, v in loaded.items()}
+    checkpoint: dict[str, Any] = {}
+    for key, component in info["keys"]:
+        checkpoint[key] = (
+            loaded[EXTRA_COMPONENT][key] if component == EXTRA_COMPONENT else loaded[component]
+        )
+    return checkpoint
+
+
+@dataclass(frozen=True)
+class _Saved:
+    path: str
+    save_id: str
+    step: tuple[int, int] | None
+
+
+def _step_of(checkpoint: Mapping[str, Any]) -> tuple[int, int] | None:
+    epoch, step = checkpoint.get("epoch"), checkpoint.get("global_step")
+    if isinstance(epoch, int) and isinstance(step, int):
+        return epoch, step
+    return None
+
+
+def _clear_non_directory(path: str) -> None:
+    """Remove a file or symlink at ``path`` (a ``torch.save`` checkpoint, a ``save_last="link"``
+    link), never what a link points to; a directory is left to the atomic replace."""
+    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
+        os.unlink(path)
+
+
+class ShardpointCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
+    """A Lightning ``CheckpointIO`` that saves each checkpoint as a shardpoint directory.
+
+    Args:
+        max_shard_size: largest data file, e.g. ``"5GB"`` (10^9 bytes) or ``"5GiB"``.
+        allow_pickle: store values that are not tensors, containers, mappings, Namespaces
+            or JSON (e.g. an ``Enum`` in ``hyper_parameters``) by pickling them, and unpickle
+            them on load. Off by default: such values are refused with the key named.
+        link_unchanged: save a checkpoint whose tensors equal those of the previous save at
+            the same epoch and step (``last.ckpt``) by hard-linking that save's files.
+        durable: fsync files and directories before a save returns.
+
+    Example:
+        >>> import lightning.pytorch as pl  # doctest: +SKIP
+        >>> trainer = pl.Trainer(plugins=[ShardpointCheckpointIO(max_shard_size="2GB")])  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        *,
+        max_shard_size: int | str = "5GB",
+        allow_pickle: bool = False,
+        link_unchanged: bool = True,
+        durable: bool = True,
+    ) -> None:
+        super().__init__()
+        self.max_shard_bytes = parse_size(max_shard_size)
+        self.allow_pickle = allow_pickle
+        self.link_unchanged = link_unchanged
+        self.durable = durable
+        self.last_save_linked = False
+        """Whether the latest ``save_checkpoint`` linked the previous save's files."""
+        self._previous: _Saved | None = None
+        self._lock = threading.Lock()
+        self._saving = 0
+        self._save_threads: set[int] = set()
+        self._removal_pending: set[str] = set()
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        """Save ``checkpoint`` (Lightning's dict) as a shardpoint checkpoint directory at ``path``.
+
+        An existing checkpoint at ``path`` is replaced atomically; a file or symlink there
+        (an old ``torch.save`` checkpoint, a ``save_last="link"`` link) is removed first.
+
+        Raises:
+            TypeError: ``storage_options`` was given (not supported).
+            InvalidStateError: a value cannot be stored (see ``allow_pickle``).
+        """
+        if storage_options is not None:
+            raise TypeError(
+                f"`Trainer.save_checkpoint(..., storage_options=...)` is not supported by "
+                f"{type(self).__name__}; leave storage_options unset"
+            )
+        location = os.fspath(path)
+        state, metadata = to_shardpoint_state(checkpoint)
+        try:
+            prepared = prepare_state(state, allow_pickle=self.allow_pickle)
+        except InvalidStateError as exc:
+            if self.allow_pickle:
+                raise
+            raise InvalidStateError(
+                f"{exc}. With Lightning, build the plugin as ShardpointCheckpointIO(allow_pickle=True) "
+                "to pickle such values, or keep hyperparameters to JSON values"
+            ) from None
+        meta = json_metadata(metadata)
+        step = _step_of(checkpoint)
+        with self._lock:
+            previous = self._previous
+            self._saving += 1
+            self._save_threads.add(threading.get_ident())
+        saved: tuple[bool, str] | None = None
+        try:
+            saved = self._write(prepared, location, meta, step, previous)
+        finally:
+            with self._lock:
+                self._saving -= 1
+                remove_now = _key(location) in self._removal_pending
+                self._removal_pending.discard(_key(location))
+                if saved is not None:
+                    self.last_save_linked, save_id = saved
+                    self._previous = _Saved(location, save_id, step)
+        if remove_now and saved is not None:
+            _remove_path(location)  # Lightning removed it while the save was queued or running
+
+    def _write(
+        self,
+        prepared: Any,
+        location: str,
+        meta: dict[str, Any],
+        step: tuple[int, int] | None,
+        previous: _Saved | None,
+    ) -> tuple[bool, str]:
+        """Link the previous save's files if nothing changed, else write; (linked, save_id)."""
+        _clear_non_directory(location)
+        info = None
+        if (
+            self.link_unchanged
+            and previous is not None
+            and step is not None
+            and previous.step == step
+        ):
+            info = link_unchanged(
+                prepared,
+                previous.path,
+                location,
+                save_id=previous.save_id,
+                overwrite=True,
+                metadata=meta,
+                durable=self.durable,
+            )
+        if info is not None:
+            return True, info.save_id
+        info = write_checkpoint(
+            prepared,
+            location,
+            max_shard_bytes=self.max_shard_bytes,
+            overwrite=True,
+            metadata=meta,
+            durable=self.durable,
+            progress=False,
+        )
+        return False, info.save_id
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Load the checkpoint dict Lightning saved at ``path``.
+
+        Args:
+            path: the checkpoint directory (``….ckpt``).
+            map_location: a device (``"cpu"``, ``torch.device``) to load tensors onto; other
+                forms (functions, dicts) load to CPU and Lightning moves the states later.
+            weights_only: ``True`` refuses pickled values even with ``allow_pickle=True``.
+
+        Raises:
+            CheckpointNotFoundError: there is no checkpoint at ``path`` (a ``FileNotFoundError``).
+        """
+        device: str | torch.device = "cpu"
+        if isinstance(map_location, (str, torch.device)):
+            device = map_location
+        location = os.fspath(path)
+        allow = self.allow_pickle and weights_only is not True
+        ckpt = open_checkpoint(location)
+        metadata = ckpt.manifest.metadata if ckpt.manifest is not None else {}
+        loaded = load(location, device=device, allow_pickle=allow, progress=False)
+        return from_shardpoint_state(loaded, metadata, flat=ckpt.flat)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove the checkpoint at ``path``: renamed aside first (loaders ignore ``.tmp-``
+        names, so it disappears in one step), then deleted; a file or link is unlinked.
+
+        Under ``AsyncCheckpointIO`` Lightning may ask to remove a checkpoint whose save is
+        still queued or running: when ``path`` does not exist yet and saves run on another
+        thread, the removal is carried out as soon as that save commits.
+        """
+        location = os.fspath(path)
+        with self._lock:
+            if not os.path.lexists(location):
+                me = threading.get_ident()
+                if self._saving or any(t != me for t in self._save_threads):
+                    self._removal_pending.add(_key(location))
+                return
+        _remove_path(location)
+
+
+def _key(path: str) -> str:
+    return os.path.abspath(path)
+
+
+def _remove_path(location: str) -> None:
+    if not os.path.lexists(location):
+        return
+    if os.path.islink(location) or not os.path.isdir(location):
+        os.unlink(location)
+        return
+    head, name = os.path.split(os.path.abspath(location))
+    aside = os.path.join(head, f".{name}{TMP_MARKER}removed-{uuid.uuid4().hex}")
+    try:
+        os.rename(location, aside)
+    except FileNotFoundError:
+        return  # removed meanwhile
+    except OSError as exc:
+        raise CheckpointError(f"cannot remove checkpoint {location}: {exc}") from exc
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+__all__ = ["ShardpointCheckpointIO", "from_shardpoint_state", "to_shardpoint_state"]

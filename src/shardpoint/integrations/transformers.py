@@ -1,0 +1,143 @@
+"""``save_pretrained`` / ``from_pretrained`` for ``transformers`` models, through shardpoint.
+
+>>> import shardpoint as sp
+>>> sp.integrations.transformers.save_pretrained(model, "out/llama")  # doctest: +SKIP
+>>> model = sp.integrations.transformers.from_pretrained(AutoModelForCausalLM, "out/llama")  # doctest: +SKIP
+
+``save_pretrained`` writes what ``transformers``' own ``save_pretrained`` writes for a
+model's weights (``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` plus the
+index, tied weights stored once, ``"format": "pt"``), ``config.json`` and, for models that
+generate, ``generation_config.json``, all in one atomic commit: the directory appears at
+``path`` only when every file is on disk, next to shardpoint's manifest (so ``shardpoint
+verify`` checks every byte, and ``sp.load_into`` reads it). Adapters (PEFT), quantized
+models and remote code are not handled: use ``transformers``' ``save_pretrained`` for those.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import torch
+
+from .._prepare import prepare_state
+from .._sizes import parse_size
+from .._write import SaveInfo, json_metadata, write_checkpoint
+from ..errors import CheckpointError, InvalidStateError
+
+__all__ = ["from_pretrained", "save_pretrained"]
+
+CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
+_SAVE_KWARGS = ("durable", "metadata", "overwrite", "progress")
+
+
+def _weights_to_save(model: Any) -> dict[str, torch.Tensor]:
+    """The model's state dict as ``transformers`` would store it.
+
+    Keys listed in ``_keys_to_ignore_on_save`` are dropped; the names ``transformers``
+    keeps among tied weights come first, so shardpoint stores those and records the others
+    as aliases (absent from the files and the index, as in ``transformers``' output); weight
+    conversions applied at load time (``transformers`` 5) are reverted when there are any.
+    """
+    state = dict(model.state_dict())
+    for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        state.pop(key, None)
+    try:
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+    except ImportError:  # pragma: no cover - older transformers: the first name of a tie is kept
+        kept: dict[str, Any] = state
+    else:
+        kept = remove_tied_weights_from_state_dict(dict(state), model)
+    ordered = {k: v for k, v in state.items() if k in kept}
+    ordered.update((k, v) for k, v in state.items() if k not in kept)
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # pragma: no cover - transformers 4 converts no weights
+        return ordered
+    return dict(revert_weight_conversion(model, ordered))
+
+
+def _config_files(model: Any) -> dict[str, bytes]:
+    """``config.json`` (and ``generation_config.json``) as ``model.save_pretrained`` writes them."""
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__.removeprefix("FSDP")]
+    dtype = getattr(model, "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        config.dtype = str(dtype).split(".")[1]
+    files = {CONFIG_NAME: config.to_json_string(use_diff=True).encode("utf-8")}
+    can_generate = getattr(model, "can_generate", None)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and callable(can_generate) and can_generate():
+        files[GENERATION_CONFIG_NAME] = generation.to_json_string(use_diff=True).encode("utf-8")
+    return files
+
+
+def save_pretrained(
+    model: Any,
+    path: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = "5GB",
+    **save_kwargs: Any,
+) -> SaveInfo:
+    """Save a ``transformers`` model as a directory ``from_pretrained`` loads, atomically.
+
+    Args:
+        model: a ``PreTrainedModel``.
+        path: the directory to create.
+        max_shard_size: largest weight file, e.g. ``"5GB"`` (10^9 bytes) or ``"5GiB"``.
+        **save_kwargs: ``overwrite``, ``metadata``, ``durable``, ``progress``, as for
+            :func:`shardpoint.save`.
+
+    Returns:
+        The :class:`~shardpoint.SaveInfo` of the weights.
+
+    Raises:
+        CheckpointExistsError: ``path`` exists and ``overwrite`` is not set.
+        InvalidStateError: the model is not a ``transformers`` model, or has weights on the
+            meta device.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM  # doctest: +SKIP
+        >>> model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2))  # doctest: +SKIP
+        >>> save_pretrained(model, "out/llama", max_shard_size="2GB")  # doctest: +SKIP
+        >>> LlamaForCausalLM.from_pretrained("out/llama")  # doctest: +SKIP
+    """
+    unknown = sorted(set(save_kwargs) - set(_SAVE_KWARGS))
+    if unknown:
+        raise CheckpointError(
+            f"save_pretrained() got unsupported argument(s) {', '.join(unknown)}; "
+            f"it takes max_shard_size and {', '.join(_SAVE_KWARGS)}"
+        )
+    if not isinstance(model, torch.nn.Module) or getattr(model, "config", None) is None:
+        raise InvalidStateError(
+            f"save_pretrained() takes a transformers PreTrainedModel, not {type(model).__name__}; "
+            "save other modules with sp.save(module.state_dict(), path)"
+        )
+    max_bytes = parse_size(max_shard_size)
+    metadata = json_metadata(save_kwargs.get("metadata"))
+    prepared = prepare_state(_weights_to_save(model))
+    return write_checkpoint(
+        prepared,
+        path,
+        max_shard_bytes=max_bytes,
+        overwrite=bool(save_kwargs.get("overwrite", False)),
+        metadata=metadata,
+        durable=bool(save_kwargs.get("durable", True)),
+        progress=save_kwargs.get("progress"),
+        extra_files=_config_files(model),
+    )
+
+
+def from_pretrained(cls_or_auto: Any, path: str | os.PathLike[str], **kwargs: Any) -> Any:
+    """``cls_or_auto.from_pretrained(path, **kwargs)``: ``transformers``' own loader.
+
+    A directory written by :func:`save_pretrained` is a plain Hugging Face model
+    directory, so ``LlamaForCausalLM``, ``AutoModelForCausalLM`` & co. load it as-is.
+
+    Example:
+        >>> from transformers import AutoModelForCausalLM  # doctest: +SKIP
+        >>> model = from_pretrained(AutoModelForCausalLM, "out/llama")  # doctest: +SKIP
+    """
+    return cls_or_auto.from_pretrained(os.fspath(path), **kwargs)

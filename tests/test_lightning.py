@@ -1,0 +1,339 @@
+"""ShardpointCheckpointIO with a real Lightning Trainer: top-k + last, resume, async, verify."""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import math
+import os
+import re
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
+from lightning.pytorch.utilities.parsing import AttributeDict  # noqa: E402
+
+import shardpoint as sp  # noqa: E402
+from shardpoint._cli.main import main as cli_main  # noqa: E402
+from shardpoint.integrations.lightning import ShardpointCheckpointIO  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::UserWarning", "ignore::DeprecationWarning", "ignore:.*LeafSpec:FutureWarning"
+)
+
+
+class TinyModule(pl.LightningModule):
+    def __init__(self, lr: float = 0.01, width: int = 16) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 1))
+
+    def training_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
+    ) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self.net(x), y))
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        opt = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
+
+
+class LossRecorder(Callback):
+    """The training loss of every optimizer step, by global step."""
+
+    def __init__(self) -> None:
+        self.losses: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+        self.losses[trainer.global_step] = outputs["loss"].item()
+
+
+def _data() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=8)  # 4 steps per epoch
+
+
+def _fit(io, dirpath, *, max_epochs: int, ckpt_path=None, seed: int = 0):  # type: ignore[no-untyped-def]
+    torch.manual_seed(seed)
+    model = TinyModule()
+    recorder = LossRecorder()
+    checkpoint = ModelCheckpoint(dirpath=dirpath, save_top_k=2, monitor="val_loss", save_last=True)
+    trainer = pl.Trainer(
+        max_epochs=max_epochs,
+        plugins=[io],
+        callbacks=[checkpoint, recorder],
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(model, _data(), _data(), ckpt_path=ckpt_path)
+    return model, recorder.losses, checkpoint
+
+
+def _step(name: str) -> int:
+    return int(re.search(r"step=(\d+)", name).group(1))  # type: ignore[union-attr]
+
+
+def _check_run(dirpath, checkpoint: ModelCheckpoint) -> list[str]:  # type: ignore[no-untyped-def]
+    names = sorted(os.listdir(dirpath))
+    topk = sorted((n for n in names if n.startswith("epoch=")), key=_step)
+    # top-2 of three epochs plus last; the displaced one removed; no temporary leftovers.
+    assert len(topk) == 2 and "last.ckpt" in names and len(names) == 3, names
+    assert {os.path.basename(p) for p in checkpoint.best_k_models} == set(topk)
+    for name in names:
+        path = os.path.join(dirpath, name)
+        assert os.path.isdir(path) and os.path.isfile(os.path.join(path, "shardpoint.json"))
+        assert cli_main(["verify", path]) == 0
+    return topk
+
+
+def _assert_linked(last, same_step) -> None:  # type: ignore[no-untyped-def]
+    """last.ckpt shares the data files of the top-k checkpoint of its step: linked, not rewritten."""
+    for fname in ("model.safetensors", "optim.safetensors", "callbacks.safetensors"):
+        a, b = os.stat(last / fname), os.stat(same_step / fname)
+        assert (a.st_ino, a.st_dev) == (b.st_ino, b.st_dev) and a.st_nlink == 2
+
+
+def test_trainer_topk_last_resume_identical(tmp_path) -> None:
+    full_dir, resumed_dir = tmp_path / "full", tmp_path / "resumed"
+    model, losses, checkpoint = _fit(ShardpointCheckpointIO(), full_dir, max_epochs=3)
+    assert sorted(losses) == list(range(1, 13))
+    topk = _check_run(full_dir, checkpoint)
+
+    io = ShardpointCheckpointIO()
+    last = io.load_checkpoint(full_dir / "last.ckpt")
+    assert last["global_step"] == 12 and last["epoch"] == 2
+    assert "epoch=2-step=12.ckpt" in topk
+    _assert_linked(full_dir / "last.ckpt", full_dir / "epoch=2-step=12.ckpt")
+    for key, value in model.state_dict().items():
+        assert torch.equal(last["state_dict"][key], value)
+    (cb_state,) = (v for k, v in last["callbacks"].items() if k.startswith("ModelCheckpoint"))
+    assert cb_state["last_model_path"] == str(full_dir / "last.ckpt")
+    assert isinstance(last["optimizer_states"], list) and sorted(
+        last["optimizer_states"][0]["state"]
+    ) == [0, 1, 2, 3]
+    assert last["hyper_parameters"] == {"lr": 0.01, "width": 16}
+
+    # Resume from the earliest remaining top-k checkpoint, with other initial weights:
+    # every later step's loss and the final weights are bit-identical.
+    start = topk[0]
+    resumed_model, resumed_losses, _ = _fit(
+        ShardpointCheckpointIO(),
+        resumed_dir,
+        max_epochs=3,
+        ckpt_path=str(full_dir / start),
+        seed=123,
+    )
+    assert sorted(resumed_losses) == list(range(_step(start) + 1, 13))
+    assert resumed_losses == {s: losses[s] for s in resumed_losses}
+    for key, value in model.state_dict().items():
+        assert torch.equal(resumed_model.state_dict()[key], value)
+
+
+def test_trainer_under_async_checkpoint_io(tmp_path) -> None:
+    model, losses, checkpoint = _fit(
+        AsyncCheckpointIO(ShardpointCheckpointIO()), tmp_path / "a", max_epochs=3
+    )
+    topk = _check_run(tmp_path / "a", checkpoint)
+    assert "epoch=2-step=12.ckpt" in topk
+    _assert_linked(tmp_path / "a" / "last.ckpt", tmp_path / "a" / "epoch=2-step=12.ckpt")
+    resumed_model, resumed_losses, _ = _fit(
+        AsyncCheckpointIO(ShardpointCheckpointIO()),
+        tmp_path / "b",
+        max_epochs=3,
+        ckpt_path=str(tmp_path / "a" / topk[0]),
+        seed=7,
+    )
+    assert resumed_losses and resumed_losses == {s: losses[s] for s in resumed_losses}
+    for key, value in model.state_dict().items():
+        assert torch.equal(resumed_model.state_dict()[key], value)
+
+
+def _checkpoint_dict() -> dict:
+    return {
+        "epoch": 3,
+        "global_step": 40,
+        "pytorch-lightning_version": "2.6.6",
+        "state_dict": {"net.weight": torch.arange(6.0).reshape(2, 3), "net.bias": torch.zeros(2)},
+        "optimizer_states": [
+            {
+                "state": {0: {"step": torch.tensor(40.0), "exp_avg": torch.ones(2, 3)}, 1: {}},
+                "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": [0, 1]}],
+            }
+        ],
+        "lr_schedulers": [{"base_lrs": [0.1], "last_epoch": 3, "best": math.inf}],
+        "loops": {"fit_loop": {"epoch_progress": {"total": {"ready": 4}}}},
+        "callbacks": {
+            "ModelCheckpoint{'monitor': 'val_loss'}": {"best_model_score": torch.tensor(0.25)}
+        },
+        "hparams_name": "kwargs",
+        "hyper_parameters": AttributeDict(lr=0.1, args=argparse.Namespace(depth=2, act="relu")),
+        "my key/with slash": {"x": 1},
+        "shardpoint": "a key named like a reserved component",
+    }
+
+
+def test_round_trip_structure_and_types(tmp_path) -> None:
+    io = ShardpointCheckpointIO()
+    path = tmp_path / "epoch=3-step=40.ckpt"
+    io.save_checkpoint(_checkpoint_dict(), path)
+    assert sorted(os.listdir(path)) == [
+        "callbacks.safetensors",
+        "model.safetensors",
+        "optim.safetensors",
+        "shardpoint.json",
+    ]
+    got = io.load_checkpoint(path)
+    assert list(got) == list(_checkpoint_dict())
+    assert got["epoch"] == 3 and got["global_step"] == 40
+    assert torch.equal(got["state_dict"]["net.weight"], torch.arange(6.0).reshape(2, 3))
+    opt = got["optimizer_states"]
+    assert isinstance(opt, list) and list(opt[0]["state"]) == [0, 1] and opt[0]["state"][1] == {}
+    assert torch.equal(opt[0]["state"][0]["exp_avg"], torch.ones(2, 3))
+    assert opt[0]["param_groups"][0]["betas"] == (0.9, 0.999)
+    assert got["lr_schedulers"][0]["best"] == math.inf
+    assert got["hyper_parameters"] == {"lr": 0.1, "args": {"depth": 2, "act": "relu"}}
+    assert got["my key/with slash"] == {"x": 1}
+    assert got["shardpoint"] == "a key named like a reserved component"
+    # The model component is a plain safetensors file of the LightningModule's weights.
+    assert sorted(sp.load(path, keys=["model"])["model"]) == ["net.bias", "net.weight"]
+    assert cli_main(["verify", str(path)]) == 0
+
+
+class Color(enum.Enum):
+    RED = "red"
+
+
+def test_objects_need_allow_pickle(tmp_path) -> None:
+    ckpt = {
+        "epoch": 0,
+        "global_step": 1,
+        "state_dict": {"w": torch.ones(1)},
+        "hyper_parameters": {"color": Color.RED},
+    }
+    with pytest.raises(
+        sp.InvalidStateError,
+        match=r"hyper_parameters\['color'\].*ShardpointCheckpointIO\(allow_pickle=True\)",
+    ):
+        ShardpointCheckpointIO().save_checkpoint(ckpt, tmp_path / "a.ckpt")
+    assert not os.path.exists(tmp_path / "a.ckpt")
+
+    io = ShardpointCheckpointIO(allow_pickle=True)
+    io.save_checkpoint(ckpt, tmp_path / "b.ckpt")
+    assert io.load_checkpoint(tmp_path / "b.ckpt")["hyper_parameters"] == {"color": Color.RED}
+    with pytest.raises(sp.UnsafePickleError, match="allow_pickle=True"):
+        ShardpointCheckpointIO().load_checkpoint(tmp_path / "b.ckpt")
+    with pytest.raises(sp.UnsafePickleError):
+        io.load_checkpoint(tmp_path / "b.ckpt", weights_only=True)
+
+
+def test_same_step_links_only_identical_tensors(tmp_path) -> None:
+    io = ShardpointCheckpointIO()
+    ckpt = _checkpoint_dict()
+    io.save_checkpoint(ckpt, tmp_path / "epoch=3-step=40.ckpt")
+    assert not io.last_save_linked
+
+    ckpt["callbacks"]["ModelCheckpoint{'monitor': 'val_loss'}"]["last_model_path"] = "last.ckpt"
+    io.save_checkpoint(ckpt, tmp_path / "last.ckpt")
+    assert io.last_save_linked
+    a, b = (
+        os.stat(tmp_path / n / "model.safetensors") for n in ("epoch=3-step=40.ckpt", "last.ckpt")
+    )
+    assert a.st_ino == b.st_ino
+    got = io.load_checkpoint(tmp_path / "last.ckpt")
+    assert (
+        got["callbacks"]["ModelCheckpoint{'monitor': 'val_loss'}"]["last_model_path"] == "last.ckpt"
+    )
+    assert cli_main(["verify", str(tmp_path / "last.ckpt")]) == 0
+
+    # Same step, but a tensor changed in place (no version bump): written, not linked.
+    ckpt["state_dict"]["net.weight"].data[0, 0] = 100.0
+    io.save_checkpoint(ckpt, tmp_path / "last.ckpt")
+    assert not io.last_save_linked
+    assert (
+        io.load_checkpoint(tmp_path / "last.ckpt")["state_dict"]["net.weight"][0, 0].item() == 100.0
+    )
+    # The earlier checkpoint still holds its own bytes.
+    assert (
+        io.load_checkpoint(tmp_path / "epoch=3-step=40.ckpt")["state_dict"]["net.weight"][
+            0, 0
+        ].item()
+        == 0.0
+    )
+
+    # Another step: always written.
+    ckpt["global_step"] = 41
+    io.save_checkpoint(ckpt, tmp_path / "epoch=3-step=41.ckpt")
+    assert not io.last_save_linked
+
+    # The previous checkpoint removed before the copy: written in full.
+    io.remove_checkpoint(tmp_path / "epoch=3-step=41.ckpt")
+    io.save_checkpoint(ckpt, tmp_path / "last.ckpt")
+    assert not io.last_save_linked
+    assert cli_main(["verify", str(tmp_path / "last.ckpt")]) == 0
+
+
+def test_remove_and_replace_files_and_links(tmp_path) -> None:
+    io = ShardpointCheckpointIO()
+    ckpt = {"epoch": 0, "global_step": 1, "state_dict": {"w": torch.ones(2)}}
+    io.save_checkpoint(ckpt, tmp_path / "epoch=0-step=1.ckpt")
+    # save_last="link" leaves a symlink; a torch.save checkpoint is a file: both replaced.
+    os.symlink("epoch=0-step=1.ckpt", tmp_path / "last.ckpt")
+    io.save_checkpoint(ckpt, tmp_path / "last.ckpt")
+    assert os.path.isdir(tmp_path / "last.ckpt") and not os.path.islink(tmp_path / "last.ckpt")
+    (tmp_path / "old.ckpt").write_bytes(b"torch.save bytes")
+    io.save_checkpoint(ckpt, tmp_path / "old.ckpt")
+    assert torch.equal(io.load_checkpoint(tmp_path / "old.ckpt")["state_dict"]["w"], torch.ones(2))
+
+    os.symlink("epoch=0-step=1.ckpt", tmp_path / "link.ckpt")
+    io.remove_checkpoint(tmp_path / "link.ckpt")
+    assert os.path.isdir(tmp_path / "epoch=0-step=1.ckpt")
+    io.remove_checkpoint(tmp_path / "epoch=0-step=1.ckpt")
+    io.remove_checkpoint(tmp_path / "never-saved.ckpt")
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "old.ckpt"]
+    with pytest.raises(FileNotFoundError):
+        io.load_checkpoint(tmp_path / "epoch=0-step=1.ckpt")
+
+
+def test_storage_options_refused(tmp_path) -> None:
+    with pytest.raises(TypeError, match="storage_options"):
+        ShardpointCheckpointIO().save_checkpoint(
+            {"state_dict": {}}, tmp_path / "x.ckpt", storage_options={"a": 1}
+        )
+
+
+def test_removal_of_a_queued_save_happens_when_it_commits(tmp_path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    ckpt = {"epoch": 0, "global_step": 1, "state_dict": {"w": torch.ones(2)}}
+    io = ShardpointCheckpointIO()
+    with ThreadPoolExecutor(max_workers=1) as pool:  # as AsyncCheckpointIO runs saves
+        pool.submit(io.save_checkpoint, ckpt, tmp_path / "a.ckpt").result()
+        io.remove_checkpoint(tmp_path / "b.ckpt")  # its save is still queued
+        pool.submit(io.save_checkpoint, ckpt, tmp_path / "b.ckpt").result()
+        pool.submit(io.save_checkpoint, ckpt, tmp_path / "b.ckpt").result()  # a later save stays
+    assert sorted(os.listdir(tmp_path)) == ["a.ckpt", "b.ckpt"]
+
+    # Used synchronously, removing a path that does not exist is a no-op.
+    sync = ShardpointCheckpointIO()
+    sync.remove_checkpoint(tmp_path / "c.ckpt")
+    sync.save_checkpoint(ckpt, tmp_path / "c.ckpt")
+    assert os.path.isdir(tmp_path / "c.ckpt")
