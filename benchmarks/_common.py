@@ -142,6 +142,12 @@ def peak_rss() -> int:
 # ------------------------------------------------------------------- interleaved rounds
 
 
+def process_cpu_seconds() -> float:
+    """User + system CPU time of this process so far, all threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 @dataclass(frozen=True)
 class Case:
     """One peer in a section: what to run, and what to do, untimed, just before it."""
@@ -166,6 +172,13 @@ class SectionResult:
     labels: dict[str, str]
     seconds: dict[str, list[float]] = field(default_factory=dict)
     baseline: str = "plain"
+    cpu_seconds: dict[str, list[float]] = field(default_factory=dict)
+    """CPU time of this process (all threads, user + system) per call, where measured: what
+    a busy machine distorts least. Work done by kernel threads (writeback) is not in it."""
+
+    def median_cpu(self, key: str) -> float | None:
+        times = self.cpu_seconds.get(key)
+        return statistics.median(times) if times else None
 
     def median(self, key: str) -> float:
         return statistics.median(self.seconds[key])
@@ -182,6 +195,8 @@ class SectionResult:
                     "label": self.labels[key],
                     "seconds": times,
                     "median_s": self.median(key),
+                    "cpu_seconds": self.cpu_seconds.get(key),
+                    "median_cpu_s": self.median_cpu(key),
                     "gb_per_s": self.nbytes / self.median(key) / 1e9,
                     "vs_baseline": self.ratio(key, self.baseline),
                 }
@@ -203,20 +218,25 @@ def run_interleaved(
     result.baseline = cases[0].key
     for round_no in range(rounds + 1):
         warmup = round_no == 0
+        round_started = time.perf_counter()
         parts = []
         for case in cases:
             case.prepare()
             sync()
+            cpu_before = process_cpu_seconds()
             started = time.perf_counter()
             case.run()
             elapsed = time.perf_counter() - started
+            cpu = process_cpu_seconds() - cpu_before
             if warmup:
                 case.check()
             else:
                 result.seconds.setdefault(case.key, []).append(elapsed)
+                result.cpu_seconds.setdefault(case.key, []).append(cpu)
             parts.append(f"{case.key} {elapsed:.2f}")
         tag = "warm-up" if warmup else f"round {round_no}/{rounds}"
-        log(f"  [{name}] {tag}: " + "  ".join(parts))
+        spent = time.perf_counter() - round_started
+        log(f"  [{name}] {tag}: " + "  ".join(parts) + f"  ({spent:.0f} s with preparation)")
     return result
 
 
@@ -224,16 +244,20 @@ def run_interleaved(
 
 
 def format_section(title: str, result: SectionResult) -> str:
-    """A table: median seconds, GB/s, ratio to the baseline, min-max over rounds."""
+    """A table: median seconds, GB/s, ratio to the baseline, min-max over rounds, CPU seconds."""
     width = max(len(label) for label in result.labels.values())
-    head = f"{'':{width}}  {'median s':>9} {'GB/s':>6} {'vs plain':>9}  {'min-max s':>11}"
+    head = (
+        f"{'':{width}}  {'median s':>9} {'GB/s':>6} {'vs plain':>9}  {'min-max s':<11} {'cpu s':>6}"
+    )
     lines = [title, head, "-" * len(head)]
     for key, label in result.labels.items():
         times = result.seconds[key]
         med = result.median(key)
+        cpu = result.median_cpu(key)
         lines.append(
             f"{label:{width}}  {med:9.3f} {result.nbytes / med / 1e9:6.2f} "
-            f"{result.ratio(key, result.baseline):8.2f}x  {min(times):5.2f}-{max(times):<5.2f}"
+            f"{result.ratio(key, result.baseline):8.2f}x  {min(times):5.2f}-{max(times):<5.2f} "
+            + (f"{cpu:6.2f}" if cpu is not None else f"{'-':>6}")
         )
     return "\n".join(lines)
 
@@ -253,7 +277,7 @@ class TargetCheck:
 
     def line(self) -> str:
         mark = "PASS" if self.passed else "FAIL"
-        return f"  {mark}  {self.name:<52} {self.value:8.2f}{self.unit}  (target {self.op} {self.threshold:g}{self.unit})"
+        return f"  {mark}  {self.name:<52} {self.value:8.3f}{self.unit}  (target {self.op} {self.threshold:g}{self.unit})"
 
     def to_json(self) -> dict[str, object]:
         return {
