@@ -8,6 +8,7 @@ file's safetensors header (read lazily, once, when a tensor of that file is need
 from __future__ import annotations
 
 import os
+import stat
 import threading
 from dataclasses import dataclass, field
 
@@ -39,6 +40,8 @@ class Checkpoint:
     components: dict[str, ComponentRecord]
     flat: bool
     manifest: Manifest | None = None
+    single_file: bool = False
+    """``location`` is the data file itself, not a directory."""
     _headers: dict[str, SafetensorsHeader] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -55,6 +58,10 @@ class Checkpoint:
             )
         return path
 
+    def file_label(self, name: str) -> str:
+        """How errors name data file ``name``: the path the user gave, joined with the name."""
+        return self.location if self.single_file else os.path.join(self.location, name)
+
     def header(self, name: str) -> SafetensorsHeader:
         """The validated header of data file ``name`` (read once, then cached)."""
         with self._lock:
@@ -62,9 +69,9 @@ class Checkpoint:
         if cached is not None:
             return cached
         path = self.file_path(name)
-        where = os.path.join(self.location, name) if self.kind != "hf-file" else self.location
+        where = self.file_label(name)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = _open_regular(path, where=where)
         except FileNotFoundError:
             raise MissingShardError(
                 f"{where} is missing: the checkpoint lists it but it is not there; "
@@ -96,7 +103,7 @@ class Checkpoint:
     def entry(self, chunk: ChunkRef, dtype: str, label: str) -> HeaderEntry:
         """The header entry holding ``chunk``, checked against what the manifest says."""
         header = self.header(chunk.file)
-        where = os.path.join(self.location, chunk.file)
+        where = self.file_label(chunk.file)
         entry = header.entries.get(chunk.key)
         if entry is None:
             raise CorruptCheckpointError(
@@ -111,21 +118,32 @@ class Checkpoint:
         return entry
 
 
+def _open_regular(path: str, *, where: str) -> int:
+    """Open a file for reading, refusing directories, FIFOs and devices (a FIFO would block)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptCheckpointError(
+            f"{where} is not a regular file; the checkpoint is damaged or forged"
+        )
+    return fd
+
+
 def _read_json_file(path: str, *, where: str) -> bytes:
     limit = knobs().max_json_bytes
-    size = os.path.getsize(path)
-    if size > limit:
-        raise CorruptCheckpointError(
-            f"{where} is {size} bytes, over the {limit}-byte limit for JSON files; refusing to parse it"
-        )
-    with open(path, "rb") as f:
+    with os.fdopen(_open_regular(path, where=where), "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise CorruptCheckpointError(
+                f"{where} is {size} bytes, over the {limit}-byte limit for JSON files; refusing to parse it"
+            )
         return f.read(limit + 1)
 
 
 def _from_headers(location: str, directory: str, kind: str, weight_map: dict[str, str] | None,
-                  files: list[str]) -> Checkpoint:
+                  files: list[str], *, single_file: bool = False) -> Checkpoint:
     """A foreign HF checkpoint: one flat component ``model`` described by the headers."""
-    ckpt = Checkpoint(location, directory, kind, {}, flat=True)
+    ckpt = Checkpoint(location, directory, kind, {}, flat=True, single_file=single_file)
     tensors: dict[str, TensorRecord] = {}
     seen_in: dict[str, str] = {}
     for fname in files:
@@ -148,7 +166,7 @@ def _from_headers(location: str, directory: str, kind: str, weight_map: dict[str
         for key, fname in weight_map.items():
             if key not in tensors:
                 raise CorruptCheckpointError(
-                    f"{os.path.join(location, fname)}: tensor {key!r} is listed in the index but "
+                    f"{ckpt.file_label(fname)}: tensor {key!r} is listed in the index but "
                     "absent from this file; the checkpoint is damaged"
                 )
         # Keep the index's order, as transformers does.
@@ -173,8 +191,9 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
                 f"{location} is a file but not a .safetensors file; shardpoint loads checkpoint "
                 "directories and .safetensors files (convert other formats with `shardpoint convert`)"
             )
-        directory, name = os.path.split(os.path.abspath(location))
-        return _from_headers(location, directory, "hf-file", None, [name])
+        # The user named this file: follow it if it is a link (as in a Hugging Face cache).
+        directory, name = os.path.split(os.path.realpath(location))
+        return _from_headers(location, directory, "hf-file", None, [name], single_file=True)
     if not os.path.isdir(location):
         raise CheckpointNotFoundError(f"{location} does not exist; nothing to load")
     names = os.listdir(location)

@@ -38,7 +38,7 @@ def dtype_from_name(name: object, *, where: str) -> torch.dtype:
     """The torch dtype for a safetensors dtype string; ``where`` names the file and tensor."""
     if not isinstance(name, str) or name not in NAME_TO_DTYPE:
         raise UnsupportedFormatError(
-            f"{where}: unknown dtype {name!r}; known dtypes are {', '.join(NAME_TO_DTYPE)}"
+            f"{where}: unknown dtype {repr(name)[:80]}; known dtypes are {', '.join(NAME_TO_DTYPE)}"
         )
     return NAME_TO_DTYPE[name]
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
-from .dtypes import NAME_TO_DTYPE, itemsize
+from .dtypes import dtype_from_name, itemsize
 from .names import check_component_name, check_file_name
-from .safetensors import parse_json_object
+from .safetensors import addressable, parse_json_object
 
 MANIFEST_NAME = "shardpoint.json"
 FORMAT_NAME = "shardpoint"
@@ -129,40 +129,54 @@ def _int_list(value: Any, where: str, what: str) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _shape(value: Any, where: str, what: str) -> tuple[int, ...]:
+    shape = _int_list(value, where, what)
+    _need(addressable(shape), where, f"{what} {str(value)[:80]} is too large for any tensor")
+    return shape
+
+
 def parse_manifest(raw: bytes, *, where: str) -> Manifest:
     """Validate and decode a manifest; ``where`` names the file in errors."""
     doc = parse_json_object(raw, where=where)
     if doc.get("format") != FORMAT_NAME:
-        raise UnsupportedFormatError(f"{where}: 'format' is {doc.get('format')!r}, not 'shardpoint'")
+        raise UnsupportedFormatError(f"{where}: 'format' is {repr(doc.get('format'))[:80]}, not 'shardpoint'")
     version = doc.get("format_version")
     if version != FORMAT_VERSION:
         raise UnsupportedFormatError(
-            f"{where}: format_version {version!r} is not supported by this shardpoint "
+            f"{where}: format_version {repr(version)[:80]} is not supported by this shardpoint "
             f"(reads version {FORMAT_VERSION}); upgrade shardpoint to read it"
         )
     layout = doc.get("layout")
     if layout not in LAYOUTS:
-        raise UnsupportedFormatError(f"{where}: unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
-    world_size = doc.get("world_size")
-    _need(type(world_size) is int and world_size >= 1, where, f"world_size {world_size!r} is invalid")
+        raise UnsupportedFormatError(f"{where}: unknown layout {repr(layout)[:80]}; known: {', '.join(LAYOUTS)}")
+    world_size: Any = doc.get("world_size")
+    _need(type(world_size) is int and world_size >= 1, where, f"world_size {repr(world_size)[:80]} is invalid")
     for key in ("save_id", "created", "library_version"):
         _need(isinstance(doc.get(key), str), where, f"{key!r} is missing or not a string")
     _need(isinstance(doc.get("flat"), bool), where, "'flat' is missing or not a bool")
     metadata = doc.get("metadata", {})
     _need(isinstance(metadata, dict), where, "'metadata' is not an object")
 
-    files_raw = doc.get("files")
+    files_raw: Any = doc.get("files")
     _need(isinstance(files_raw, dict), where, "'files' is missing or not an object")
     files: dict[str, int] = {}
     for fname, info in files_raw.items():
         check_file_name(fname, where=where)
-        size = info.get("size") if isinstance(info, dict) else None
+        size: Any = info.get("size") if isinstance(info, dict) else None
         _need(type(size) is int and size >= 8, where, f"file {fname!r} has invalid size {size!r}")
         files[fname] = size
 
-    comps_raw = doc.get("components")
-    _need(isinstance(comps_raw, dict) and comps_raw, where, "'components' is missing or empty")
+    comps_raw: Any = doc.get("components")
+    _need(isinstance(comps_raw, dict) and bool(comps_raw), where, "'components' is missing or empty")
+    _need(
+        not doc["flat"] or list(comps_raw) == ["model"],
+        where,
+        "a flat checkpoint must have exactly the component 'model'",
+    )
     components: dict[str, ComponentRecord] = {}
+    # Each stored (file, key) backs one chunk of one tensor (tied weights are aliases), so
+    # the tensors of a manifest can never need more memory than its files hold.
+    used: set[tuple[str, str]] = set()
     for cname, craw in comps_raw.items():
         check_component_name(cname, where=where)
         cwhere = f"{where}, component {cname!r}"
@@ -182,11 +196,10 @@ def parse_manifest(raw: bytes, *, where: str) -> Manifest:
             twhere = f"{cwhere}, tensor {tname!r}"
             _need(isinstance(rec, dict), twhere, "entry is not an object")
             dtype = rec.get("dtype")
-            if dtype not in NAME_TO_DTYPE:
-                raise UnsupportedFormatError(f"{twhere}: unknown dtype {dtype!r}")
-            shape = _int_list(rec.get("shape"), twhere, "shape")
-            chunks_raw = rec.get("chunks")
-            _need(isinstance(chunks_raw, list) and chunks_raw, twhere, "'chunks' is missing or empty")
+            item = itemsize(dtype_from_name(dtype, where=twhere))
+            shape = _shape(rec.get("shape"), twhere, "shape")
+            chunks_raw: Any = rec.get("chunks")
+            _need(isinstance(chunks_raw, list) and bool(chunks_raw), twhere, "'chunks' is missing or empty")
             chunks = []
             covered = 0
             for ch in chunks_raw:
@@ -194,8 +207,14 @@ def parse_manifest(raw: bytes, *, where: str) -> Manifest:
                 cfile, ckey = ch.get("file"), ch.get("key")
                 _need(isinstance(cfile, str) and cfile in files, twhere, f"chunk file {cfile!r} is not in 'files'")
                 _need(isinstance(ckey, str), twhere, "chunk key is not a string")
+                _need(
+                    (cfile, ckey) not in used,
+                    twhere,
+                    f"chunk {ckey!r} of {cfile!r} is already used by another tensor",
+                )
+                used.add((cfile, ckey))
                 offs = _int_list(ch.get("offsets"), twhere, "chunk offsets")
-                cshape = _int_list(ch.get("shape"), twhere, "chunk shape")
+                cshape = _shape(ch.get("shape"), twhere, "chunk shape")
                 _need(
                     len(offs) == len(shape) == len(cshape)
                     and all(o + s <= d for o, s, d in zip(offs, cshape, shape)),
@@ -205,14 +224,20 @@ def parse_manifest(raw: bytes, *, where: str) -> Manifest:
                 crc = ch.get("crc32c")
                 _need(crc is None or (type(crc) is int and 0 <= crc < 2**32), twhere, "bad crc32c")
                 _need(
-                    math.prod(cshape) * itemsize(NAME_TO_DTYPE[dtype]) <= files[cfile],
+                    math.prod(cshape) * item <= files[cfile],
                     twhere,
                     f"chunk of shape {list(cshape)} is larger than its file {cfile!r}",
                 )
                 covered += math.prod(cshape)
                 chunks.append(ChunkRef(cfile, ckey, offs, cshape, crc))
+            _need(
+                covered == math.prod(shape),
+                twhere,
+                f"chunks hold {covered} elements, the tensor has {math.prod(shape)}",
+            )
             tensors[tname] = TensorRecord(dtype, shape, tuple(chunks))
         for alias, target in aliases.items():
+            _need(alias not in tensors, cwhere, f"alias {alias!r} is also a stored tensor")
             _need(target in tensors, cwhere, f"alias {alias!r} points to unknown tensor {target!r}")
         components[cname] = ComponentRecord(tree, tensors, dict(aliases))
     return Manifest(
