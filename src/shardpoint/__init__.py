@@ -11,6 +11,8 @@ __version__ = "0.1.0"
 
 from ._api import LoadResult, SaveInfo, load, load_into, save
 from ._async import AsyncSave, async_save
+from ._convert import convert
+from ._diff import DiffReport, TensorDiff, diff
 from ._manager import CheckpointManager
 from ._stateful import RNGState, Stateful, empty_model
 from .errors import (
@@ -41,6 +43,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "ChecksumMismatchError",
     "CorruptCheckpointError",
+    "DiffReport",
     "DistributedCheckpointError",
     "IncompleteCheckpointError",
     "InvalidSizeError",
@@ -50,10 +53,13 @@ __all__ = [
     "MissingShardError",
     "SaveInfo",
     "Stateful",
+    "TensorDiff",
     "UnsafePathError",
     "UnsafePickleError",
     "UnsupportedFormatError",
     "__version__",
+    "convert",
+    "diff",
     "load",
     "load_into",
     "save",

@@ -7,7 +7,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,8 +59,13 @@ def write_checkpoint(
     durable: bool,
     progress: bool | None,
     extra_files: Mapping[str, bytes] | None = None,
+    write: Callable[..., dict[tuple[str, str], int]] = write_files,
 ) -> SaveInfo:
     """Write ``prepared`` as an HF-layout checkpoint at ``path``, atomically.
+
+    ``write`` moves the planned files' bytes (same signature as :func:`write_files`);
+    ``convert`` passes one that produces each tensor only when its turn comes (its
+    ``prepared`` holds ``meta`` descriptors, so planning costs no memory).
 
     ``extra_files`` (name -> bytes, e.g. ``config.json``) are written into the same
     temporary directory before the manifest, so they appear in the same commit.
@@ -100,7 +105,7 @@ def write_checkpoint(
     txn = LocalTransaction(path, overwrite=overwrite)
     try:
         with byte_progress(total, f"saving {os.path.basename(os.fspath(path))}", progress) as advance:
-            crcs = write_files(txn.directory, writes, durable=durable, advance=advance)
+            crcs = write(txn.directory, writes, durable=durable, advance=advance)
         for name, data in extras.items():
             txn.write_bytes(name, data, durable=durable)
         records: dict[str, ComponentRecord] = {}

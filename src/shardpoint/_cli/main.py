@@ -31,6 +31,8 @@ SUBCOMMANDS: dict[str, str] = {
     "inspect": "shardpoint._cli.inspect",
     "verify": "shardpoint._cli.verify",
     "demo": "shardpoint._cli.demo",
+    "convert": "shardpoint._cli.convert",
+    "diff": "shardpoint._cli.diff",
 }
 """Subcommand name -> module implementing it (``HELP``, ``add_arguments``, ``run``)."""
 

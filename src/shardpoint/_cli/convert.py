@@ -1,0 +1,93 @@
+"""Convert a checkpoint to Hugging Face-layout safetensors (a shardpoint checkpoint).
+
+Sources: a torch.save file (.pt/.pth/.bin/.ckpt; a nested training state converts whole,
+one component per top-level key), a Hugging Face .bin sharded directory
+(pytorch_model.bin.index.json), a safetensors checkpoint (shardpoint in any layout, or
+Hugging Face) to reshard or cast, and a torch.distributed.checkpoint (DCP) directory.
+A chunked shardpoint checkpoint (a distributed save) is consolidated into whole tensors.
+
+Tensors are streamed a batch at a time: memory stays about 64 MB (or the largest tensor),
+whatever the size of the model. The output appears at DST only once it is complete.
+
+Pickles are never unpickled without --trust-pickle: torch.save files are read with
+torch.load(weights_only=True), and a file that needs more (custom classes) is refused, as
+is DCP (its .metadata is a pickle). A torch.save file with a .safetensors sibling of the
+same stem (model.pt beside model.safetensors) is read from the sibling; a note says so.
+
+Exit status: 0 converted, 2 usage error or unreadable / refused input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .._convert import run_convert
+from .._sizes import human_size
+from .main import EXIT_OK
+
+HELP = "convert torch.save / HF .bin / DCP / safetensors checkpoints to sharded safetensors"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("src", help="file or directory to convert")
+    parser.add_argument("dst", help="checkpoint directory to create")
+    parser.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="largest output file, e.g. 5GB or 500MiB (default 5GB)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["bf16", "fp16", "fp32"],
+        help="cast every floating-point tensor to this dtype (integer tensors are kept)",
+    )
+    parser.add_argument(
+        "--layout",
+        choices=["hf"],
+        default="hf",
+        help="output layout (hf: whole tensors, HF file names)",
+    )
+    parser.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="allow a full unpickle (runs code from the file): only for files you trust",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an existing checkpoint at DST"
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="processes writing output files in parallel (default 1)",
+    )
+    bar = parser.add_mutually_exclusive_group()
+    bar.add_argument(
+        "--progress", dest="progress", action="store_true", default=None, help="show a progress bar"
+    )
+    bar.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    info, source = run_convert(
+        args.src,
+        args.dst,
+        max_shard_size=args.max_shard_size,
+        dtype=args.dtype,
+        trust_pickle=args.trust_pickle,
+        overwrite=args.overwrite,
+        progress=args.progress,
+        workers=args.workers,
+    )
+    for note in source.notes:
+        print(f"shardpoint: note: {note}", file=sys.stderr)
+    tensors = sum(len(c.stored) for c in source.components)
+    files = len(info.files)
+    print(
+        f"converted {source.spec.path} ({source.describe()}) -> {os.fspath(args.dst)}: "
+        f"{tensors} tensor{'s' if tensors != 1 else ''}, {human_size(info.tensor_bytes)} in "
+        f"{files} file{'s' if files != 1 else ''} ({info.seconds:.1f} s)"
+    )
+    return EXIT_OK

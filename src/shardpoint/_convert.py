@@ -1,0 +1,336 @@
+"""convert: any checkpoint we can read -> an HF-layout shardpoint checkpoint, streaming.
+
+Orchestration only: open the source (``_stream_source``), describe the output as meta
+tensors (output dtype and shape), and hand it to the normal writer (``write_checkpoint``:
+shard planning, indexes, manifest, atomic commit) with a ``write`` step that produces each
+file's tensors a batch at a time from the source. Peak memory is about one batch
+(``BATCH_BYTES``, or one tensor when larger), never the model.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._io.transfer import FileWrite, write_files
+from ._prepare import Component, PreparedState
+from ._sizes import parse_size
+from ._stream_source import (
+    BATCH_BYTES,
+    Ref,
+    SourceSpec,
+    TensorSource,
+    batches,
+    meta_like,
+    open_source,
+    open_spec,
+)
+from ._write import SaveInfo, json_metadata, write_checkpoint
+from .errors import CheckpointError, CorruptCheckpointError
+
+DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """``"bf16"`` / ``"fp16"`` / ``"fp32"`` (or the torch dtype) -> torch dtype.
+
+    >>> parse_dtype("bf16"), parse_dtype(None)
+    (torch.bfloat16, None)
+    """
+    if dtype is None or isinstance(dtype, torch.dtype):
+        if isinstance(dtype, torch.dtype) and not dtype.is_floating_point:
+            raise CheckpointError(
+                f"dtype {dtype} is not a floating-point dtype; use bf16, fp16 or fp32"
+            )
+        return dtype
+    found = DTYPES.get(str(dtype).lower())
+    if found is None:
+        raise CheckpointError(f"unknown dtype {dtype!r}; use bf16, fp16 or fp32")
+    return found
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor of an output file: where it goes and where it comes from."""
+
+    key: str
+    ref: Ref
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _FileJob:
+    name: str
+    header: bytes
+    size: int
+    entries: tuple[_Entry, ...]
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(meta_like(e.dtype, e.shape).nbytes for e in self.entries)
+
+
+def _write_job(
+    source: TensorSource,
+    directory: str,
+    job: _FileJob,
+    dtype: torch.dtype | None,
+    *,
+    durable: bool,
+    advance: Callable[[int], None] | None,
+    budget: int = BATCH_BYTES,
+) -> dict[tuple[str, str], int]:
+    """Write one output file, its tensors read from ``source`` a batch at a time."""
+    crcs: dict[tuple[str, str], int] = {}
+    sizes = []  # memory a tensor holds while written: its source bytes, plus the cast copy
+    for e in job.entries:
+        src = source.descriptor(e.ref)
+        out = meta_like(e.dtype, e.shape).nbytes
+        sizes.append(src.nbytes + (out if src.dtype != e.dtype else 0))
+    first = True
+    for run in batches(sizes, budget):
+        entries = [job.entries[i] for i in run]
+        with source.batch([e.ref for e in entries], dtype) as tensors:
+            for e, t in zip(entries, tensors, strict=True):
+                if t.dtype != e.dtype or tuple(t.shape) != e.shape:
+                    raise CorruptCheckpointError(
+                        f"{source.spec.path}: tensor {e.ref[1]!r} read as {t.dtype}{list(t.shape)}, "
+                        f"expected {e.dtype}{list(e.shape)}; the source changed while converting"
+                    )
+            items = tuple((e.key, t, e.offset) for e, t in zip(entries, tensors, strict=True))
+            part = FileWrite(job.name, job.header if first else b"", job.size, items)
+            # shared: opened without truncation, so the file is filled in several calls.
+            crcs.update(write_files(directory, [part], durable=False, advance=advance, shared=True))
+        del tensors, items, part  # free this batch (cast copies) before reading the next
+        first = False
+    if durable:
+        fd = os.open(os.path.join(directory, job.name), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return crcs
+
+
+# Worker processes (``workers > 1``): each opens the source once and writes whole files.
+_worker_source: TensorSource | None = None
+
+
+def _worker_init(spec: SourceSpec) -> None:
+    global _worker_source
+    torch.set_num_threads(1)
+    _worker_source = open_spec(spec)
+
+
+def _worker_write(
+    directory: str, job: _FileJob, dtype: torch.dtype | None, durable: bool
+) -> dict[tuple[str, str], int]:
+    assert _worker_source is not None
+    return _write_job(_worker_source, directory, job, dtype, durable=durable, advance=None)
+
+
+class _StreamingWrite:
+    """Stands in for ``write_files``: the planned files' tensors come from the source."""
+
+    def __init__(
+        self, source: TensorSource, refs: dict[int, Ref], dtype: torch.dtype | None, workers: int
+    ) -> None:
+        self.source = source
+        self.refs = refs
+        self.dtype = dtype
+        self.workers = workers
+
+    def __call__(
+        self,
+        directory: str,
+        files: Sequence[FileWrite],
+        *,
+        durable: bool,
+        advance: Callable[[int], None] | None = None,
+        **_: Any,
+    ) -> dict[tuple[str, str], int]:
+        jobs = [
+            _FileJob(
+                f.name,
+                f.header,
+                f.size,
+                tuple(
+                    _Entry(k, self.refs[id(t)], off, t.dtype, tuple(t.shape))
+                    for k, t, off in f.tensors
+                ),
+            )
+            for f in files
+        ]
+        crcs: dict[tuple[str, str], int] = {}
+        if self.workers <= 1 or len(jobs) <= 1:
+            for job in jobs:
+                crcs.update(
+                    _write_job(
+                        self.source, directory, job, self.dtype, durable=durable, advance=advance
+                    )
+                )
+            return crcs
+        context = multiprocessing.get_context("spawn")
+        workers = min(self.workers, len(jobs))
+        with ProcessPoolExecutor(
+            workers, mp_context=context, initializer=_worker_init, initargs=(self.source.spec,)
+        ) as pool:
+            futures = [
+                (job, pool.submit(_worker_write, directory, job, self.dtype, durable))
+                for job in jobs
+            ]
+            for job, fut in futures:
+                crcs.update(fut.result())
+                if advance is not None:
+                    advance(job.tensor_bytes)
+        return crcs
+
+
+def output_state(
+    source: TensorSource, dtype: torch.dtype | None
+) -> tuple[PreparedState, dict[int, Ref]]:
+    """The output as meta tensors of the output dtype, and id(descriptor) -> source ref."""
+    refs: dict[int, Ref] = {}
+    components = []
+    for comp in source.components:
+        out: dict[str, torch.Tensor] = {}
+        for name in comp.stored:
+            src = comp.tensors[name]
+            want = dtype if (dtype is not None and src.is_floating_point()) else src.dtype
+            out[name] = meta_like(want, src.shape)
+            refs[id(out[name])] = (comp.name, name)
+        for alias, stored in comp.aliases.items():
+            out[alias] = out[stored]
+        components.append(
+            Component(comp.name, comp.tree, out, list(comp.stored), dict(comp.aliases))
+        )
+    return PreparedState(components, source.flat), refs
+
+
+def run_convert(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = "5GB",
+    dtype: str | torch.dtype | None = None,
+    trust_pickle: bool = False,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    workers: int = 1,
+) -> tuple[SaveInfo, TensorSource]:
+    """``convert``, also returning the (closed) source: its kind and notes, for the CLI."""
+    max_bytes = parse_size(max_shard_size)
+    want = parse_dtype(dtype)
+    if workers < 1:
+        raise CheckpointError(f"workers must be at least 1, not {workers}")
+    source = open_source(src, trust_pickle=trust_pickle)
+    try:
+        prepared, refs = output_state(source, want)
+        info = write_checkpoint(
+            prepared,
+            dst,
+            max_shard_bytes=max_bytes,
+            overwrite=overwrite,
+            metadata=json_metadata(source.metadata),
+            durable=True,
+            progress=progress,
+            write=_StreamingWrite(source, refs, want, workers),
+        )
+    finally:
+        source.close()
+    return info, source
+
+
+def convert(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = "5GB",
+    dtype: str | torch.dtype | None = None,
+    trust_pickle: bool = False,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    workers: int = 1,
+) -> SaveInfo:
+    """Convert a checkpoint to an HF-layout shardpoint checkpoint, tensor by tensor.
+
+    Reads, without ever holding the whole source in memory (peak about one 64 MB batch of
+    tensors, or the largest tensor):
+
+    - a ``torch.save`` file (``.pt`` / ``.pth`` / ``.bin`` / ``.ckpt``), memory-mapped with
+      ``torch.load(weights_only=True, mmap=True)``. A nested training state (model,
+      optimizer state dict, epoch, ...) converts whole: each top-level key becomes a
+      component, as with ``sp.save``. If ``model.pt`` has a ``model.safetensors`` sibling,
+      the sibling is read instead (same tensors, no unpickling).
+    - a Hugging Face ``.bin`` sharded directory (``pytorch_model.bin.index.json``), one
+      shard mapped at a time.
+    - a safetensors checkpoint: ours (any layout: ``chunked`` distributed saves are
+      consolidated into whole tensors here) or a Hugging Face directory / file, to reshard
+      (``max_shard_size``) or cast (``dtype``).
+    - a ``torch.distributed.checkpoint`` (DCP) directory, only with ``trust_pickle=True``
+      (its ``.metadata`` is a pickle); read a batch of tensors per ``dcp.load``.
+
+    The output is written through the normal atomic commit (temporary directory, fsync,
+    indexes, manifest, rename): the ``model`` component is exactly what
+    ``transformers.from_pretrained`` reads.
+
+    Args:
+        src: file or directory to read.
+        dst: the checkpoint directory to create.
+        max_shard_size: largest output file, e.g. ``"5GB"`` or ``"500MiB"``.
+        dtype: cast every floating-point tensor (all components) to ``"bf16"``,
+            ``"fp16"`` or ``"fp32"``; integer and bool tensors are kept.
+        trust_pickle: allow a full unpickle (torch.save files that ``weights_only``
+            refuses, DCP). Unpickling runs code from the file: only for trusted files.
+            Values that are not tensors, containers or JSON are then stored pickled
+            (loading them needs ``allow_pickle=True``).
+        overwrite: replace an existing checkpoint at ``dst`` (atomically).
+        progress: show a progress bar (default: when stderr is a terminal).
+        workers: processes writing output files in parallel (each opens the source and
+            holds one batch; worth it for many output files on fast storage).
+
+    Returns:
+        The :class:`SaveInfo` of the written checkpoint.
+
+    Raises:
+        UnsafePickleError: the source needs a full unpickle and ``trust_pickle`` is False
+            (the message names the file).
+        CheckpointNotFoundError: nothing convert can read at ``src``.
+        CheckpointExistsError: ``dst`` exists and ``overwrite`` is False.
+
+    Example:
+        >>> import torch, shardpoint as sp, tempfile, os
+        >>> d = tempfile.mkdtemp()
+        >>> torch.save({"w": torch.ones(2, 2)}, os.path.join(d, "model.pt"))
+        >>> info = sp.convert(os.path.join(d, "model.pt"), os.path.join(d, "out"), dtype="bf16")
+        >>> sp.load(os.path.join(d, "out"))["w"].dtype
+        torch.bfloat16
+    """
+    info, _ = run_convert(
+        src,
+        dst,
+        max_shard_size=max_shard_size,
+        dtype=dtype,
+        trust_pickle=trust_pickle,
+        overwrite=overwrite,
+        progress=progress,
+        workers=workers,
+    )
+    return info

@@ -1,0 +1,288 @@
+"""diff: compare two checkpoints of any readable format, one batch of tensor pairs at a time.
+
+Keys are the tensor names ``sp.load`` would return (aliases of tied weights included); in
+a nested checkpoint they are ``component/name``. Values are compared like
+``torch.allclose``: ``|a - b| <= atol + rtol * |b|`` element-wise (B is the reference), NaN
+equal to NaN at the same position. Non-tensor values of nested states (epoch, learning
+rates, ...) are compared too.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ._flatten import WRAPPER_TYPES
+from ._format.dtypes import DTYPE_TO_NAME
+from ._stream_source import BATCH_BYTES, Ref, TensorSource, batches, open_source
+from .errors import CheckpointError
+
+_ELEMENTS_PER_STEP = 1 << 20
+"""Elements compared at once (each float64 temporary is 8 MB)."""
+
+
+@dataclass(frozen=True)
+class TensorDiff:
+    """How one tensor present in both checkpoints compares."""
+
+    key: str
+    status: str
+    """``equal`` (identical values), ``close`` (within tolerance), ``changed`` (values outside
+    tolerance), ``dtype`` (dtypes differ; values compared after upcasting) or ``shape``
+    (shapes differ; values not compared)."""
+    dtype_a: str
+    dtype_b: str
+    shape_a: tuple[int, ...]
+    shape_b: tuple[int, ...]
+    max_abs: float | None = None
+    """Largest ``|a - b|`` (nan when a NaN meets a number); None when not compared."""
+    max_rel: float | None = None
+    """Largest ``|a - b| / |b|`` (inf where b is 0 and a is not)."""
+    mismatched: int = 0
+    """Elements outside the tolerance."""
+
+    @property
+    def differs(self) -> bool:
+        return self.status not in ("equal", "close")
+
+
+@dataclass(frozen=True)
+class ValueDiff:
+    """A non-tensor value (JSON leaf of a nested state) that differs or is on one side only."""
+
+    key: str
+    a: Any
+    """The value in A, or ``MISSING``."""
+    b: Any
+
+
+MISSING = "<absent>"
+
+
+@dataclass(frozen=True)
+class DiffReport:
+    """The result of :func:`diff`."""
+
+    a: str
+    b: str
+    atol: float
+    rtol: float
+    only_in_a: list[str] = field(default_factory=list)
+    """Tensor keys present in A only."""
+    only_in_b: list[str] = field(default_factory=list)
+    tensors: list[TensorDiff] = field(default_factory=list)
+    """Every tensor key present in both, in A's order."""
+    values: list[ValueDiff] = field(default_factory=list)
+    """Non-tensor values that differ."""
+    compared_bytes: int = 0
+    """Bytes of tensor data read and compared (A's side)."""
+
+    @property
+    def equal(self) -> bool:
+        """Same keys, shapes and dtypes, all values within tolerance."""
+        return not (self.only_in_a or self.only_in_b or self.values or self.differences)
+
+    @property
+    def differences(self) -> list[TensorDiff]:
+        return [t for t in self.tensors if t.differs]
+
+
+def _dtype_str(dtype: torch.dtype) -> str:
+    return DTYPE_TO_NAME.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def _keys(source: TensorSource) -> dict[str, Ref]:
+    """Load-style key -> (component, stored name), aliases included, in stored order."""
+    out: dict[str, Ref] = {}
+    for comp in source.components:
+        prefix = "" if source.flat else f"{comp.name}/"
+        for name in comp.tensors:
+            out[prefix + name] = (comp.name, comp.aliases.get(name, name))
+    return out
+
+
+def _json_leaves(source: TensorSource) -> dict[str, Any]:
+    """Path -> value of every non-tensor leaf of every component's tree."""
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, path: str) -> None:
+        if not isinstance(node, dict):
+            return
+        kind = node.get("type")
+        if kind in ("json", "float"):
+            value = node.get("value")
+            out[path] = float(value) if kind == "float" and value is not None else value
+        elif kind == "dict":
+            for _, key, child in node.get("items", []):
+                walk(child, f"{path}.{key}" if path else str(key))
+        elif kind in ("list", "tuple"):
+            for i, child in enumerate(node.get("items", [])):
+                walk(child, f"{path}.{i}" if path else str(i))
+        elif kind in WRAPPER_TYPES:
+            walk(node.get("value"), path)
+
+    for comp in source.components:
+        walk(comp.tree, "" if source.flat else comp.name)
+    return out
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Same type and value (NaN equals NaN; 1 and 1.0 and True differ)."""
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return type(a) is type(b) and bool(a == b)
+
+
+def compare_values(
+    a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float
+) -> tuple[float, float, int]:
+    """(max |a-b|, max |a-b|/|b|, elements outside tolerance) of two same-shape tensors."""
+    if a.dtype == b.dtype and torch.equal(a, b):
+        return 0.0, 0.0, 0
+    complex_ = a.is_complex() or b.is_complex()
+    wide = torch.complex128 if complex_ else torch.float64
+    fa, fb = a.reshape(-1), b.reshape(-1)
+    max_abs = max_rel = 0.0
+    bad = 0
+    for start in range(0, fa.numel(), _ELEMENTS_PER_STEP):
+        x = fa[start : start + _ELEMENTS_PER_STEP].to(wide)
+        y = fb[start : start + _ELEMENTS_PER_STEP].to(wide)
+        same = (x == y) | (x.isnan() & y.isnan())
+        d = (x - y).abs()
+        if d.is_complex():
+            d = d.real
+        d = torch.where(same, torch.zeros((), dtype=d.dtype), d)
+        ref = y.abs().real if y.is_complex() else y.abs()
+        ok = same | (d <= atol + rtol * ref)
+        bad += int((~ok).sum())
+        if d.isnan().any():
+            max_abs = max_rel = math.nan
+        elif not math.isnan(max_abs):
+            max_abs = max(max_abs, float(d.max()))
+            rel = torch.where(d == 0, torch.zeros((), dtype=d.dtype), d / ref)
+            max_rel = max(max_rel, float(rel.max()))
+    return max_abs, max_rel, bad
+
+
+def _pairs(
+    a: TensorSource, b: TensorSource, common: list[tuple[str, Ref, Ref]]
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(key, tensor from A, tensor from B) for ``common``, reading a batch at a time."""
+    sizes = [max(a.descriptor(ra).nbytes, b.descriptor(rb).nbytes) for _, ra, rb in common]
+    for run in batches(sizes, BATCH_BYTES // 2):
+        part = [common[i] for i in run]
+        with (
+            a.batch([ra for _, ra, _ in part], None) as xs,
+            b.batch([rb for _, _, rb in part], None) as ys,
+        ):
+            for (key, _, _), x, y in zip(part, xs, ys, strict=True):
+                yield key, x, y
+
+
+def diff(
+    a: str | os.PathLike[str],
+    b: str | os.PathLike[str],
+    *,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    trust_pickle: bool = False,
+) -> DiffReport:
+    """Compare two checkpoints tensor by tensor, streaming (about one batch in memory).
+
+    Reads every format ``convert`` reads (shardpoint, Hugging Face safetensors or ``.bin``
+    shards, ``torch.save`` files via ``torch.load(weights_only=True, mmap=True)``, DCP with
+    ``trust_pickle``). Reports keys only in A / only in B, shape and dtype changes, and per
+    tensor the largest absolute and relative difference.
+
+    Args:
+        a, b: the checkpoints (B is the reference for ``rtol``).
+        atol, rtol: tolerance, element-wise ``|a - b| <= atol + rtol * |b|``.
+        trust_pickle: allow a full unpickle of either side (see ``convert``).
+
+    Returns:
+        A :class:`DiffReport`; ``report.equal`` is True when the keys, shapes and dtypes
+        match and every value is within tolerance.
+
+    Raises:
+        UnsafePickleError, CheckpointNotFoundError, CorruptCheckpointError.
+
+    Example:
+        >>> import torch, shardpoint as sp, tempfile, os
+        >>> d = tempfile.mkdtemp()
+        >>> _ = sp.save({"w": torch.zeros(3)}, os.path.join(d, "a"))
+        >>> _ = sp.save({"w": torch.tensor([0.0, 0.5, 0.0])}, os.path.join(d, "b"))
+        >>> report = sp.diff(os.path.join(d, "a"), os.path.join(d, "b"))
+        >>> report.equal, report.tensors[0].max_abs
+        (False, 0.5)
+    """
+    if atol < 0 or rtol < 0 or math.isnan(atol) or math.isnan(rtol):
+        raise CheckpointError(f"atol and rtol must be >= 0 (got atol={atol}, rtol={rtol})")
+    src_a = open_source(a, trust_pickle=trust_pickle)
+    try:
+        src_b = open_source(b, trust_pickle=trust_pickle)
+        try:
+            return _diff_sources(src_a, src_b, os.fspath(a), os.fspath(b), atol, rtol)
+        finally:
+            src_b.close()
+    finally:
+        src_a.close()
+
+
+def _diff_sources(
+    a: TensorSource, b: TensorSource, name_a: str, name_b: str, atol: float, rtol: float
+) -> DiffReport:
+    keys_a, keys_b = _keys(a), _keys(b)
+    only_a = [k for k in keys_a if k not in keys_b]
+    only_b = [k for k in keys_b if k not in keys_a]
+    results: dict[str, TensorDiff] = {}
+    common: list[tuple[str, Ref, Ref]] = []
+    for key, ra in keys_a.items():
+        rb = keys_b.get(key)
+        if rb is None:
+            continue
+        da, db = a.descriptor(ra), b.descriptor(rb)
+        if tuple(da.shape) != tuple(db.shape):
+            results[key] = TensorDiff(
+                key,
+                "shape",
+                _dtype_str(da.dtype),
+                _dtype_str(db.dtype),
+                tuple(da.shape),
+                tuple(db.shape),
+            )
+        else:
+            common.append((key, ra, rb))
+    compared = 0
+    for key, x, y in _pairs(a, b, common):
+        max_abs, max_rel, bad = compare_values(x, y, atol, rtol)
+        compared += x.nbytes
+        if x.dtype != y.dtype:
+            status = "dtype"
+        elif bad:
+            status = "changed"
+        else:
+            status = "equal" if max_abs == 0 else "close"
+        results[key] = TensorDiff(
+            key,
+            status,
+            _dtype_str(x.dtype),
+            _dtype_str(y.dtype),
+            tuple(x.shape),
+            tuple(y.shape),
+            max_abs,
+            max_rel,
+            bad,
+        )
+    leaves_a, leaves_b = _json_leaves(a), _json_leaves(b)
+    values = [
+        ValueDiff(k, leaves_a.get(k, MISSING), leaves_b.get(k, MISSING))
+        for k in [*leaves_a, *(k for k in leaves_b if k not in leaves_a)]
+        if k not in leaves_a or k not in leaves_b or not _same_value(leaves_a[k], leaves_b[k])
+    ]
+    ordered = [results[k] for k in keys_a if k in results]
+    return DiffReport(name_a, name_b, atol, rtol, only_a, only_b, ordered, values, compared)

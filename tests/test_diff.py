@@ -1,0 +1,216 @@
+"""``sp.diff`` / ``shardpoint diff``: keys, shapes, dtypes, values and tolerance, across formats."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardpoint as sp
+from shardpoint._cli.main import main
+
+
+def _state() -> dict[str, torch.Tensor]:
+    return {
+        "embed.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+        "layer.weight": torch.full((2, 2), 2.0),
+        "layer.bias": torch.tensor([1.0, -1.0], dtype=torch.bfloat16),
+        "steps": torch.tensor([3, 4], dtype=torch.int64),
+    }
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> Path:
+    sp.save(_state(), tmp_path / "a")
+    return tmp_path / "a"
+
+
+def test_equal_across_formats(
+    tmp_path: Path, base: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    torch.save(_state(), tmp_path / "b.pt")
+    report = sp.diff(base, tmp_path / "b.pt")
+    assert report.equal and not report.only_in_a and not report.only_in_b
+    assert [t.status for t in report.tensors] == ["equal"] * 4
+    assert report.compared_bytes == 48 + 16 + 4 + 16
+
+    code, out, err = run_cli(capsys, "diff", base, tmp_path / "b.pt")
+    assert code == 0, err
+    assert out.splitlines()[-1] == "equal: 4 tensors (84 B) match (atol=0, rtol=0)"
+
+
+def test_changed_value_shows_key_and_max_abs(
+    tmp_path: Path, base: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state = _state()
+    state["layer.weight"][1, 0] = 2.5
+    sp.save(state, tmp_path / "b")
+    report = sp.diff(base, tmp_path / "b")
+    assert not report.equal
+    [changed] = report.differences
+    assert (changed.key, changed.status, changed.max_abs, changed.max_rel, changed.mismatched) == (
+        "layer.weight",
+        "changed",
+        0.5,
+        0.2,
+        1,
+    )
+
+    code, out, _ = run_cli(capsys, "diff", base, tmp_path / "b")
+    assert code == 1
+    lines = out.splitlines()
+    assert lines[2].split() == ["KEY", "STATUS", "DTYPE", "SHAPE", "MAX", "ABS", "MAX", "REL"]
+    assert lines[3].split() == [
+        "layer.weight",
+        "changed",
+        "F32",
+        "[2,",
+        "2]",
+        "5.000e-01",
+        "2.000e-01",
+    ]
+    assert lines[-1] == "DIFFERENT: 1 of 4 tensors differ (1 changed) (atol=0, rtol=0)"
+
+
+def test_changed_shape_and_dtype(tmp_path: Path, base: Path) -> None:
+    state = _state()
+    state["embed.weight"] = torch.zeros(4, 4)
+    state["steps"] = state["steps"].to(torch.int32)
+    torch.save(state, tmp_path / "b.pt")
+    report = sp.diff(base, tmp_path / "b.pt")
+    by_key = {t.key: t for t in report.tensors}
+    shape = by_key["embed.weight"]
+    assert (shape.status, shape.shape_a, shape.shape_b, shape.max_abs) == (
+        "shape",
+        (3, 4),
+        (4, 4),
+        None,
+    )
+    dtype = by_key["steps"]
+    assert (dtype.status, dtype.dtype_a, dtype.dtype_b, dtype.max_abs) == (
+        "dtype",
+        "I64",
+        "I32",
+        0.0,
+    )
+    assert {t.key for t in report.differences} == {"embed.weight", "steps"}
+
+
+def test_renamed_key_is_only_in_a_and_only_in_b(
+    tmp_path: Path, base: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state = _state()
+    state["layer.w"] = state.pop("layer.weight")
+    sp.save(state, tmp_path / "b")
+    report = sp.diff(base, tmp_path / "b")
+    assert (report.only_in_a, report.only_in_b) == (["layer.weight"], ["layer.w"])
+    assert not report.differences and not report.equal
+
+    code, out, _ = run_cli(capsys, "diff", base, tmp_path / "b")
+    assert code == 1
+    assert any(line.split() == ["layer.weight", "only", "in", "A"] for line in out.splitlines())
+    assert any(line.split() == ["layer.w", "only", "in", "B"] for line in out.splitlines())
+    assert (
+        out.splitlines()[-1]
+        == "DIFFERENT: 0 of 3 tensors differ, 1 only in A, 1 only in B (atol=0, rtol=0)"
+    )
+
+
+def test_tolerance_is_respected(
+    tmp_path: Path, base: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state = _state()
+    state["embed.weight"] = state["embed.weight"] + 1e-3  # |b| up to 11: relative 1e-3 .. 1
+    sp.save(state, tmp_path / "b")
+    assert run_cli(capsys, "diff", base, tmp_path / "b")[0] == 1
+    code, out, _ = run_cli(capsys, "diff", base, tmp_path / "b", "--atol", "1e-2")
+    assert code == 0
+    assert out.splitlines()[-1] == (
+        "equal: 4 tensors (84 B) match, 1 within tolerance but not identical (atol=0.01, rtol=0)"
+    )
+    assert run_cli(capsys, "diff", base, tmp_path / "b", "--atol", "1e-4")[0] == 1
+    # relative: b holds 0.001 where a holds 0, so rtol alone (< 1) never covers that element
+    assert run_cli(capsys, "diff", base, tmp_path / "b", "--rtol", "0.5")[0] == 1
+    assert run_cli(capsys, "diff", base, tmp_path / "b", "--rtol", "1.0")[0] == 0
+    report = sp.diff(base, tmp_path / "b", atol=1e-4)
+    [t] = report.differences
+    assert t.mismatched == 12 and t.max_abs == pytest.approx(1e-3, rel=1e-3)
+    assert t.max_rel == pytest.approx(1.0, rel=1e-3)  # 0.001 / |0.001| at the first element
+
+
+def test_nan_equal_at_same_position_and_json_output(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a = {"x": torch.tensor([1.0, math.nan, 3.0])}
+    sp.save(a, tmp_path / "a")
+    torch.save({"x": torch.tensor([1.0, math.nan, 3.0])}, tmp_path / "same.pt")
+    torch.save({"x": torch.tensor([1.0, 2.0, 3.0])}, tmp_path / "other.pt")
+    assert sp.diff(tmp_path / "a", tmp_path / "same.pt").equal
+
+    code, out, _ = run_cli(capsys, "diff", tmp_path / "a", tmp_path / "other.pt", "--json")
+    assert code == 1
+    doc = json.loads(out)
+    assert doc["equal"] is False and doc["only_in_a"] == [] and doc["only_in_b"] == []
+    assert doc["tensors"] == [
+        {
+            "key": "x",
+            "status": "changed",
+            "dtype_a": "F32",
+            "dtype_b": "F32",
+            "shape_a": [3],
+            "shape_b": [3],
+            "max_abs": "nan",
+            "max_rel": "nan",
+            "mismatched": 1,
+        }
+    ]
+
+
+def test_nested_states_compare_tensors_and_plain_values(tmp_path: Path) -> None:
+    model = torch.nn.Linear(3, 2)
+    sp.save({"model": model, "epoch": 3, "lr": 0.1}, tmp_path / "a")
+    sp.save({"model": model, "epoch": 4, "lr": 0.1}, tmp_path / "b")
+    report = sp.diff(tmp_path / "a", tmp_path / "b")
+    assert [t.key for t in report.tensors] == ["model/weight", "model/bias"]
+    assert not report.differences
+    assert [(v.key, v.a, v.b) for v in report.values] == [("epoch", 3, 4)]
+    assert not report.equal
+
+
+def test_errors_exit_2(tmp_path: Path, base: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "diff", base, tmp_path / "missing")
+    assert code == 2 and out == "" and "does not exist" in err
+
+    torch.save({"w": torch.ones(1), "c": argparse.Namespace(lr=0.1)}, tmp_path / "pickled.pt")
+    code, _, err = run_cli(capsys, "diff", base, tmp_path / "pickled.pt")
+    assert code == 2 and str(tmp_path / "pickled.pt") in err and "--trust-pickle" in err
+    with pytest.raises(sp.CheckpointError, match="atol and rtol must be >= 0"):
+        sp.diff(base, base, atol=-1)
+
+
+def test_diff_a_converted_dcp_checkpoint(tmp_path: Path) -> None:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": {"w": torch.randn(4, 4), "b": torch.zeros(4)}, "step": 5}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(tmp_path / "dcp"))
+    with pytest.raises(sp.UnsafePickleError):
+        sp.diff(tmp_path / "dcp", tmp_path / "dcp")
+    sp.convert(tmp_path / "dcp", tmp_path / "out", trust_pickle=True, dtype="bf16")
+    report = sp.diff(tmp_path / "dcp", tmp_path / "out", trust_pickle=True)
+    assert [t.status for t in report.tensors] == ["dtype", "dtype"]
+    assert report.tensors[0].max_rel is not None and report.tensors[0].max_rel < 2**-8
+    assert not report.values and not report.only_in_a and not report.only_in_b
