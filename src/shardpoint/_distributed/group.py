@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..errors import CheckpointError, DistributedCheckpointError
+from ..errors import CheckpointError, DistributedCheckpointError, InvalidStateError
 
 T = TypeVar("T")
 
@@ -88,13 +88,13 @@ class Group:
         exc: BaseException | None = None
         try:
             result = fn()
-        except Exception as caught:  # noqa: BLE001 - reported to every rank below
+        except Exception as caught:  # reported to every rank below
             exc = caught
             error = f"{type(caught).__name__}: {caught}"
         if not self.distributed:
             if exc is not None:
                 raise exc
-            return result  # type: ignore[no-any-return]
+            return result
         errors = self.all_gather(error)
         failed = {rank: text for rank, text in enumerate(errors) if text is not None}
         if failed:
@@ -104,16 +104,33 @@ class Group:
             if exc is not None and not isinstance(exc, CheckpointError):
                 message += "\n" + "".join(traceback.format_exception_only(type(exc), exc)).strip()
             raise DistributedCheckpointError(message, failed) from exc
-        return result  # type: ignore[no-any-return]
+        return result
 
 
-def local_chunk(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]:
-    """(global shape, offsets of the local chunk, local tensor) of a DTensor or a plain tensor."""
+def local_chunk(
+    tensor: torch.Tensor, name: str | None = None
+) -> tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]:
+    """(global shape, offsets of the local chunk, local tensor) of a DTensor or a plain tensor.
+
+    A DTensor with a ``Partial`` placement is refused: its local values are addends of a
+    pending reduction, not a piece of the tensor, so saving (or filling) them as one would
+    silently store (or load) wrong values. ``name`` labels the error.
+    """
     if type(tensor).__name__ != "DTensor":
         return tuple(tensor.shape), (0,) * tensor.dim(), tensor
+    dtensor: Any = tensor
+    placements = tuple(dtensor.placements)
+    if any(getattr(p, "is_partial", lambda: False)() for p in placements):
+        what = f"tensor {name!r}" if name is not None else "a DTensor"
+        raise InvalidStateError(
+            f"{what} has placements {placements}: a Partial placement holds a pending "
+            "reduction, so the local values are not the tensor's. Reduce it first, e.g. "
+            "`t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in "
+            "t.placements])`, or pass `t.full_tensor()`"
+        )
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     global_shape = tuple(tensor.shape)
-    _, offsets = compute_local_shape_and_global_offset(global_shape, tensor.device_mesh, tensor.placements)
-    local = tensor.to_local()
+    _, offsets = compute_local_shape_and_global_offset(global_shape, dtensor.device_mesh, placements)
+    local: torch.Tensor = dtensor.to_local()
     return global_shape, tuple(int(o) for o in offsets), local

@@ -54,7 +54,7 @@ def _plan_local(prepared: PreparedState) -> tuple[list[ChunkPlan], dict[tuple[st
             if name in comp.placements:
                 (global_shape, offsets), local = comp.placements[name], tensor
             else:
-                global_shape, offsets, local = local_chunk(tensor)
+                global_shape, offsets, local = local_chunk(tensor, name)
             local = local.detach()
             nbytes = local.numel() * local.element_size()
             chunks.append(
@@ -205,8 +205,8 @@ def _chunked_records(
     for comp in prepared.components:
         tensors = {}
         for name, plan in order.get(comp.name, {}).items():
-            refs = sorted(chunks.get((comp.name, name), []), key=lambda r: r.offsets)
-            tensors[name] = TensorRecord(plan.dtype, plan.global_shape, tuple(refs))
+            placed = sorted(chunks.get((comp.name, name), []), key=lambda r: r.offsets)
+            tensors[name] = TensorRecord(plan.dtype, plan.global_shape, tuple(placed))
         records[comp.name] = ComponentRecord(comp.tree, tensors, dict(comp.aliases))
     return records, dict(sorted(files.items())), {}
 
@@ -230,7 +230,7 @@ def _hf_files(
         sizes = [(n, math.prod(p.global_shape) * itemsizes[n]) for n, p in plans.items()]
         groups = plan_shards(sizes, max_shard_bytes)
         weight_map: dict[str, str] = {}
-        for fname, names in zip(shard_file_names(component, len(groups)), groups):
+        for fname, names in zip(shard_file_names(component, len(groups)), groups, strict=True):
             specs = [TensorSpec(n, plans[n].dtype, plans[n].global_shape, dict(sizes)[n]) for n in names]
             layout = plan_file(specs, file_meta)
             headers[fname] = (layout.header, layout.size)

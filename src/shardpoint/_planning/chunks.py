@@ -70,11 +70,11 @@ def intersect(
     >>> intersect((0, 0), (4, 4), (2, 1), (4, 2))
     ((2, 1), (2, 2))
     """
-    lo = [max(a, b) for a, b in zip(a_offsets, b_offsets)]
-    hi = [min(a + s, b + t) for a, s, b, t in zip(a_offsets, a_shape, b_offsets, b_shape)]
-    if any(h <= l for l, h in zip(lo, hi)) and len(lo) > 0:
+    lo = [max(a, b) for a, b in zip(a_offsets, b_offsets, strict=True)]
+    hi = [min(a + s, b + t) for a, s, b, t in zip(a_offsets, a_shape, b_offsets, b_shape, strict=True)]
+    if any(end <= start for start, end in zip(lo, hi, strict=True)) and len(lo) > 0:
         return None
-    return tuple(lo), tuple(h - l for l, h in zip(lo, hi))
+    return tuple(lo), tuple(end - start for start, end in zip(lo, hi, strict=True))
 
 
 def byte_runs(
