@@ -225,7 +225,8 @@ def table(
     title: str, labels: dict[str, str], times: dict[str, list[float]], nbytes: int, base: str
 ) -> str:
     width = max(len(v) for v in labels.values())
-    head = f"{'':{width}}  {'median s':>9} {'GB/s':>6} {'vs limit':>9}  {'min-max s':>11}"
+    versus = "vs limit" if base == "plain" else f"vs {base}"
+    head = f"{'':{width}}  {'median s':>9} {'GB/s':>6} {versus:>9}  {'min-max s':>11}"
     lines = [title, head, "-" * len(head)]
     for key, label in labels.items():
         med = statistics.median(times[key])
