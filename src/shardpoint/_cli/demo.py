@@ -5,6 +5,8 @@
 2. Train a small GPT-style model with a CheckpointManager (async saves, keep_last=2) in a
    child process, SIGKILL it mid-run, resume from the newest committed step, and check
    that the resumed loss curve is bit-identical to an uninterrupted run.
+3. Train with FSDP2 on 2 ranks (gloo), checkpoint, and resume from that checkpoint on 1 and
+   on 3 ranks: the state is restored bit for bit and the loss curve carries on.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import tempfile
 import time
 from typing import Any
 
-HELP = "run the end-to-end demo (save/inspect/verify/load, then train, kill and resume)"
+HELP = "run the end-to-end demo (save/inspect/verify/load; train, kill, resume; 2 ranks -> 1 and 3)"
 
 SAVE_EVERY = 4
 
@@ -280,5 +282,8 @@ def run(args: argparse.Namespace) -> int:
         os.makedirs(workdir, exist_ok=True)
         ok = _part_one(workdir, args.size_mb)
         ok = _part_two(workdir, args.steps, args.seed) and ok
+        from .demo_ranks import part_three
+
+        ok = part_three(workdir) and ok
     print(f"\ndemo {'passed' if ok else 'FAILED'} in {time.perf_counter() - started:.1f} s")
     return 0 if ok else 1
