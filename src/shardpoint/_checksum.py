@@ -6,18 +6,42 @@ one crc32c per stored tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
-
-import crc32c as _crc32c
 
 from .errors import CheckpointError
 
 _POLY_REVERSED = 0x82F63B78
+_CHECK_INPUT, _CHECK_VALUE = b"123456789", 0xE3069283  # the catalogue's crc32c check value
+
+
+def _pick_implementation() -> tuple[str, Callable[..., int]]:
+    """The fastest crc32c at hand that gives the right answer.
+
+    ``fastcrc`` folds with carry-less multiplies (AVX-512 VPCLMULQDQ where the CPU has it):
+    ~80 GB/s on data in cache, so checksumming a segment that was just read or is about to
+    be written costs a few percent of moving it. ``crc32c`` (SSE4.2, ~20 GB/s in cache) is
+    the fallback.
+    """
+    try:
+        import fastcrc
+
+        fast = fastcrc.crc32.iscsi
+        if fast(_CHECK_INPUT) == _CHECK_VALUE and fast(_CHECK_INPUT[4:], fast(_CHECK_INPUT[:4])) == _CHECK_VALUE:
+            return "fastcrc", fast
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover - depends on the install
+        pass
+    import crc32c as _crc32c
+
+    return "crc32c", _crc32c.crc32c
+
+
+IMPLEMENTATION, _crc = _pick_implementation()
 
 
 def crc32c(data: object, value: int = 0) -> int:
-    """crc32c of a bytes-like object (released GIL for large buffers), continuing ``value``."""
-    return int(_crc32c.crc32c(data, value))
+    """crc32c (Castagnoli) of a bytes-like object, continuing ``value``."""
+    return int(_crc(data, value))
 
 
 def _gf2_times(matrix: list[int], vec: int) -> int:

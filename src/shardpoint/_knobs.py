@@ -36,7 +36,11 @@ class Knobs:
     read_threads: int
     """Threads reading tensors concurrently on load."""
     io_segment_bytes: int
-    """Bytes moved per write/read syscall; crc32c runs on each segment while it is in cache."""
+    """Bytes moved per write/read syscall. Small enough to stay in the CPU cache (L2), so
+    crc32c runs on each segment just before it is written, or just after it was read, from
+    cache: with a fast crc32c that makes verification cost a few percent, not a second pass
+    over memory. (Large reads gain nothing from bigger syscalls: the kernel's readahead
+    already issues large requests.)"""
     staging_buffer_bytes: int
     """Size of each reusable staging buffer for dtype casts and device copies on load."""
     max_header_bytes: int
@@ -45,6 +49,19 @@ class Knobs:
     """Largest index or manifest accepted."""
     verify_checksums: bool
     """Check crc32c whenever a whole stored tensor is read."""
+    collective_timeout_s: int
+    """Seconds a rank waits for the others' reports in a collective save or load phase
+    before it gives up on them (a rank that died is noticed at once, not after this)."""
+    remote_threads: int
+    """Concurrent uploads (one file each) and ranged reads on fsspec URLs (``s3://``...)."""
+    remote_block_bytes: int
+    """Bytes per upload part on fsspec URLs (s3fs uploads one multipart part per block)."""
+    remote_read_bytes: int
+    """Bytes per ranged read (one GET) on fsspec URLs."""
+    remote_retries: int
+    """Retries of a transient remote error (connection reset, 5xx, throttling) before giving up."""
+    remote_backoff_ms: int
+    """First retry delay; it doubles with each further retry."""
 
 
 def knobs() -> Knobs:
@@ -52,9 +69,15 @@ def knobs() -> Knobs:
     return Knobs(
         write_threads=_env_int("SHARDPOINT_WRITE_THREADS", 4),
         read_threads=_env_int("SHARDPOINT_READ_THREADS", 2),
-        io_segment_bytes=_env_int("SHARDPOINT_IO_SEGMENT_BYTES", 8 << 20),
+        io_segment_bytes=_env_int("SHARDPOINT_IO_SEGMENT_BYTES", 512 << 10),
         staging_buffer_bytes=_env_int("SHARDPOINT_STAGING_BUFFER_BYTES", 64 << 20),
         max_header_bytes=_env_int("SHARDPOINT_MAX_HEADER_BYTES", 100_000_000),
         max_json_bytes=_env_int("SHARDPOINT_MAX_JSON_BYTES", 256 << 20),
         verify_checksums=_env_bool("SHARDPOINT_VERIFY", True),
+        collective_timeout_s=_env_int("SHARDPOINT_COLLECTIVE_TIMEOUT", 1800),
+        remote_threads=_env_int("SHARDPOINT_REMOTE_THREADS", 8),
+        remote_block_bytes=_env_int("SHARDPOINT_REMOTE_BLOCK_BYTES", 32 << 20),
+        remote_read_bytes=_env_int("SHARDPOINT_REMOTE_READ_BYTES", 16 << 20),
+        remote_retries=_env_int("SHARDPOINT_REMOTE_RETRIES", 4),
+        remote_backoff_ms=_env_int("SHARDPOINT_REMOTE_BACKOFF_MS", 200),
     )
