@@ -34,7 +34,8 @@ class Knobs:
     write_threads: int
     """Threads writing data files concurrently (syscalls release the GIL)."""
     read_threads: int
-    """Threads reading tensors concurrently on load."""
+    """Threads reading tensors concurrently on load. More than the cores: on a cold read
+    each thread waits on the disk, and more requests in flight keep it busy."""
     io_segment_bytes: int
     """Bytes moved per write/read syscall. Small enough to stay in the CPU cache (L2), so
     crc32c runs on each segment just before it is written, or just after it was read, from
@@ -68,7 +69,7 @@ def knobs() -> Knobs:
     """Read the knobs now (environment variables are consulted on every call)."""
     return Knobs(
         write_threads=_env_int("SHARDPOINT_WRITE_THREADS", 4),
-        read_threads=_env_int("SHARDPOINT_READ_THREADS", 2),
+        read_threads=_env_int("SHARDPOINT_READ_THREADS", 4),
         io_segment_bytes=_env_int("SHARDPOINT_IO_SEGMENT_BYTES", 512 << 10),
         staging_buffer_bytes=_env_int("SHARDPOINT_STAGING_BUFFER_BYTES", 64 << 20),
         max_header_bytes=_env_int("SHARDPOINT_MAX_HEADER_BYTES", 100_000_000),
