@@ -151,6 +151,7 @@ def convert_hub(pt: str, out: str) -> None:
     from huggingface_hub import save_torch_state_dict
 
     state = torch.load(pt, weights_only=True)
+    os.makedirs(out)
     save_torch_state_dict(state, out, max_shard_size=SHARD_SIZE)
 
 

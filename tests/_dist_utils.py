@@ -4,7 +4,8 @@
 one gloo process group on a free loopback port, and calls ``fn(rank, world_size, *args)``
 in each. Every rank's traceback, a rank that dies without one (a crash, a signal) and a
 rank that hangs past ``timeout`` become one ``AssertionError`` in the calling test, naming
-the ranks. ``fn`` must be importable by name (a module-level function).
+the ranks. ``fn`` must be importable by name (a module-level function). Ranks listed in
+``may_be_killed`` are expected to die of SIGKILL (a fault test kills them): not a failure.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import faulthandler
 import gc
 import multiprocessing as mp
 import os
+import signal
 import socket
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +70,13 @@ def _entry(
         os._exit(1)  # skip atexit handlers that may block on a broken process group
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0) -> None:
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 240.0,
+    may_be_killed: Collection[int] = (),
+) -> None:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; raise what they raise."""
     ctx = mp.get_context("spawn")
     port = free_port()
@@ -87,7 +95,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         killed: set[int] = set()
         while any(p.is_alive() for p in procs):
             now = time.monotonic()
-            if first_failure is None and any(p.exitcode not in (None, 0) for p in procs):
+            if first_failure is None and any(
+                p.exitcode not in (None, 0) and not (r in may_be_killed and p.exitcode == -signal.SIGKILL)
+                for r, p in enumerate(procs)
+            ):
                 first_failure = now
             if now > deadline or (
                 first_failure is not None and now > first_failure + GRACE_SECONDS
@@ -109,6 +120,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             elif rank in killed:
                 why = "timed out" if timed_out else "was stopped after another rank failed"
                 problems.append(f"--- rank {rank} {why} (killed)")
+            elif rank in may_be_killed:
+                if p.exitcode != -signal.SIGKILL:
+                    problems.append(f"--- rank {rank} was to be killed but exited with {p.exitcode}")
             elif p.exitcode != 0:
                 problems.append(
                     f"--- rank {rank} died with exit code {p.exitcode} (see its stderr)"

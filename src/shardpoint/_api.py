@@ -20,8 +20,10 @@ __all__ = ["LoadResult", "SaveInfo", "load", "load_into", "save"]
 def check_options(layout: str | None, storage_options: Any) -> None:
     if layout not in (None, "hf", "chunked"):
         raise CheckpointError(f"unknown layout {layout!r}; use 'hf' (whole tensors) or 'chunked' (per-rank files)")
-    if storage_options is not None:
-        raise CheckpointError("storage_options is not available in this version of shardpoint")
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise CheckpointError(
+            f"storage_options must be a dict of fsspec filesystem options, not {type(storage_options).__name__}"
+        )
 
 
 def write_prepared(
@@ -35,6 +37,7 @@ def write_prepared(
     metadata: dict[str, Any],
     durable: bool,
     progress: bool | None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> SaveInfo:
     """Write in one process (layout hf) or collectively (default layout chunked)."""
     if group.distributed or layout == "chunked":
@@ -48,6 +51,7 @@ def write_prepared(
             metadata=metadata,
             durable=durable,
             progress=progress,
+            storage_options=storage_options,
         )
     return write_checkpoint(
         prepared,
@@ -57,6 +61,7 @@ def write_prepared(
         metadata=metadata,
         durable=durable,
         progress=progress,
+        storage_options=storage_options,
     )
 
 
@@ -85,7 +90,11 @@ def save(
 
     Args:
         state: ``model.state_dict()``, a module, or a mapping of components.
-        path: the checkpoint directory to create.
+        path: the checkpoint directory to create, or an fsspec URL (``s3://bucket/run/step-100``,
+            ``gs://…``, ``memory://…``; needs ``pip install 'shardpoint[s3]'`` for S3). On an
+            object store the data objects are uploaded concurrently (multipart, discarded on
+            failure), then the indexes, then ``shardpoint.json`` last: a prefix without it
+            never loads.
         max_shard_size: largest data file, e.g. ``"5GB"`` (10^9) or ``"5GiB"`` (2^30), or an int.
         layout: ``"hf"`` (every tensor whole, HF files; the default in one process) or
             ``"chunked"`` (each rank writes the chunks it holds to its own files; the
@@ -94,7 +103,8 @@ def save(
             own shards. Without it, a state holding DTensors is saved over the default group.
         overwrite: replace an existing checkpoint at ``path`` (atomically).
         metadata: JSON values stored in the manifest.
-        storage_options: for fsspec URLs (not in this version; must be None).
+        storage_options: options of the URL's fsspec filesystem, e.g. for S3 ``{"key": …,
+            "secret": …, "client_kwargs": {"endpoint_url": "http://127.0.0.1:8333"}}``.
         progress: show a progress bar (default: when stderr is a terminal).
         durable: fsync files and directories before returning (default True).
         allow_pickle: pickle values that are not tensors, containers or JSON (loading them
@@ -105,6 +115,7 @@ def save(
 
     Raises:
         CheckpointExistsError: ``path`` exists and ``overwrite`` is False.
+        StorageError: the object store failed (after bounded retries of transient errors).
         InvalidStateError: a value cannot be stored (sparse, meta, unsupported dtype, object).
         InvalidSizeError: ``max_shard_size`` cannot be parsed.
 
@@ -114,6 +125,9 @@ def save(
         >>> info = sp.save({"w": torch.ones(2, 2)}, os.path.join(d, "ckpt"))
         >>> sorted(info.files)
         ['model.safetensors']
+        >>> info = sp.save({"w": torch.ones(2)}, "memory://doc/ckpt")  # any fsspec URL
+        >>> sp.load("memory://doc/ckpt")["w"].tolist()
+        [1.0, 1.0]
     """
     max_bytes = parse_size(max_shard_size)
     check_options(layout, storage_options)
@@ -132,4 +146,5 @@ def save(
         metadata=json_metadata(metadata),
         durable=durable,
         progress=progress,
+        storage_options=storage_options,
     )

@@ -228,6 +228,7 @@ def async_save(
                 metadata=meta,
                 durable=durable,
                 progress=progress,
+                storage_options=storage_options,
             )
             if on_commit is not None:
                 on_commit(info)

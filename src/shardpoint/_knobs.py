@@ -77,7 +77,7 @@ def knobs() -> Knobs:
         verify_checksums=_env_bool("SHARDPOINT_VERIFY", True),
         collective_timeout_s=_env_int("SHARDPOINT_COLLECTIVE_TIMEOUT", 1800),
         remote_threads=_env_int("SHARDPOINT_REMOTE_THREADS", 8),
-        remote_block_bytes=_env_int("SHARDPOINT_REMOTE_BLOCK_BYTES", 32 << 20),
+        remote_block_bytes=_env_int("SHARDPOINT_REMOTE_BLOCK_BYTES", 16 << 20),
         remote_read_bytes=_env_int("SHARDPOINT_REMOTE_READ_BYTES", 16 << 20),
         remote_retries=_env_int("SHARDPOINT_REMOTE_RETRIES", 4),
         remote_backoff_ms=_env_int("SHARDPOINT_REMOTE_BACKOFF_MS", 200),

@@ -7,6 +7,12 @@ Layout::
       step-000200/
       latest              text file naming the newest committed step (a hint, verified)
 
+On an object store (``root`` an fsspec URL such as ``s3://bucket/run``) the same layout is
+kept as prefixes: a step is committed when ``step-<n>/shardpoint.json`` exists (one listing
+of the root finds them all), ``latest`` is one small object written in one request (a hint,
+verified the same way), retention deletes a step's manifest first and then its objects, and
+step prefixes without a manifest (interrupted saves) are ignored and removed by the next save.
+
 ``latest`` is replaced atomically (write a temp file, fsync, rename) after each commit. It
 is only a hint: ``restore`` checks that the step it names is committed, and otherwise
 scans for the newest committed step. Retention deletes only after a new step committed and
@@ -36,6 +42,7 @@ from ._distributed.group import Group
 from ._format.manifest import MANIFEST_NAME
 from ._read import load_into
 from ._storage.local import TMP_MARKER, fsync_dir, write_small_file
+from ._storage.remote import RemoteStore, store_for
 from ._write import SaveInfo
 from .errors import CheckpointError, CorruptCheckpointError
 
@@ -75,7 +82,8 @@ class CheckpointManager:
         metric: name of the metric in ``save(..., metrics=)`` that ranks steps.
         mode: ``"min"`` or ``"max"``: which metric values are best.
         async_save: save in the background (``save`` returns once the state is staged).
-        storage_options: for fsspec roots (not in this version).
+        storage_options: options of the fsspec filesystem when ``root`` is a URL
+            (``s3://bucket/run``); see :func:`shardpoint.save`.
         process_group: save and restore collectively over this group (every rank calls
             ``save`` / ``restore``); only rank 0 writes ``latest``, applies retention and
             removes stale temporary directories. Without it, the default group is used
@@ -107,8 +115,6 @@ class CheckpointManager:
         process_group: Any = None,
         **save_kwargs: Any,
     ) -> None:
-        if storage_options is not None:
-            raise CheckpointError("storage_options is not available in this version of shardpoint")
         if mode not in ("min", "max"):
             raise ValueError(f"mode must be 'min' or 'max', not {mode!r}")
         if keep_best and not metric:
@@ -116,7 +122,10 @@ class CheckpointManager:
         for name, value in (("keep_last", keep_last), ("keep_best", keep_best)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, not {value!r}")
-        self.root = Path(root)
+        self._remote = store_for(root, storage_options)
+        self.root: Path | str = Path(root) if self._remote is None else self._remote.url
+        self._dir = Path(root) if self._remote is None else Path()
+        self.storage_options = storage_options
         self.keep_last = keep_last
         self.keep_best = keep_best
         self.metric = metric
@@ -130,15 +139,20 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ queries
 
-    def step_path(self, step: int) -> Path:
-        return self.root / step_dir_name(step)
+    def step_path(self, step: int) -> Path | str:
+        """Where step ``step`` lives: a directory, or a URL on an object store."""
+        if self._remote is not None:
+            return self._remote.url_of(step_dir_name(step))
+        return self._dir / step_dir_name(step)
 
     def steps(self) -> list[int]:
         """Committed steps, oldest first (a step dir without a manifest is not one)."""
-        if not self.root.is_dir():
+        if self._remote is not None:
+            return _remote_steps(self._remote)
+        if not self._dir.is_dir():
             return []
         found = []
-        for entry in os.scandir(self.root):
+        for entry in os.scandir(self._dir):
             match = _STEP_RE.match(entry.name)
             if match and entry.is_dir() and os.path.isfile(os.path.join(entry.path, MANIFEST_NAME)):
                 found.append(int(match.group(1)))
@@ -154,17 +168,24 @@ class CheckpointManager:
 
     def _read_latest(self) -> int | None:
         try:
-            raw = (self.root / LATEST_NAME).read_text(encoding="utf-8", errors="replace")[:64]
-        except OSError:
+            if self._remote is not None:
+                raw = self._remote.get(LATEST_NAME, limit=64).decode("utf-8", errors="replace")
+            else:
+                raw = (self._dir / LATEST_NAME).read_text(encoding="utf-8", errors="replace")[:64]
+        except (OSError, CheckpointError):
             return None
         match = _STEP_RE.match(raw.strip())
         return int(match.group(1)) if match else None
 
     def metrics(self, step: int) -> dict[str, Any]:
         """The metrics recorded with ``step``."""
-        path = self.step_path(step) / MANIFEST_NAME
+        path = f"{self.step_path(step)}/{MANIFEST_NAME}"
         try:
-            doc = json.loads(path.read_bytes())
+            if self._remote is not None:
+                raw = self._remote.child(step_dir_name(step)).get(MANIFEST_NAME, limit=1 << 30)
+            else:
+                raw = (self._dir / step_dir_name(step) / MANIFEST_NAME).read_bytes()
+            doc = json.loads(raw)
             stored = dict(doc.get("metadata", {}).get("metrics", {}))
         except (OSError, ValueError, TypeError, AttributeError) as exc:
             raise CorruptCheckpointError(
@@ -213,11 +234,14 @@ class CheckpointManager:
             ) from exc
         coordinator = self._is_coordinator()
         if coordinator:  # in a process group only rank 0 manages the root
-            self.root.mkdir(parents=True, exist_ok=True)
+            if self._remote is None:
+                self._dir.mkdir(parents=True, exist_ok=True)
             self._remove_stale_temps()
             self._finish_interrupted_retention()
         metadata = {"step": step, "metrics": _metrics_json(metrics)}
         kwargs = {"overwrite": True, "progress": False, **self.save_kwargs, "metadata": metadata}
+        if self.storage_options is not None:
+            kwargs["storage_options"] = self.storage_options
         if self.process_group is not None:
             kwargs["process_group"] = self.process_group
         path = self.step_path(step)
@@ -286,6 +310,8 @@ class CheckpointManager:
             )
         if self.process_group is not None:
             load_kwargs.setdefault("process_group", self.process_group)
+        if self.storage_options is not None:
+            load_kwargs.setdefault("storage_options", self.storage_options)
         load_into(target, self.step_path(step), **load_kwargs)
         return step
 
@@ -295,10 +321,19 @@ class CheckpointManager:
         with self._lock:
             steps = self.steps()
             newest = max(steps) if steps else step
-            tmp = self.root / f".{LATEST_NAME}{TMP_MARKER}{uuid.uuid4().hex}"
-            write_small_file(str(tmp), (step_dir_name(newest) + "\n").encode(), durable=True)
-            os.replace(tmp, self.root / LATEST_NAME)
-            fsync_dir(self.root)
+            pointer = (step_dir_name(newest) + "\n").encode()
+            if self._remote is not None:
+                self._remote.put(LATEST_NAME, pointer)  # one PUT: whole or absent
+            else:
+                tmp = self._dir / f".{LATEST_NAME}{TMP_MARKER}{uuid.uuid4().hex}"
+                try:
+                    write_small_file(str(tmp), pointer, durable=True)
+                    os.replace(tmp, self._dir / LATEST_NAME)
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)  # a disk that is full must not keep a torn pointer
+                    raise
+                fsync_dir(self._dir)
             self._apply_retention(newest)
 
     def _finish_interrupted_retention(self) -> None:
@@ -320,8 +355,11 @@ class CheckpointManager:
                 self._delete(step)
 
     def _delete(self, step: int) -> None:
-        path = self.step_path(step)
-        doomed = self.root / f".{path.name}{TMP_MARKER}del-{uuid.uuid4().hex}"
+        if self._remote is not None:
+            self._remote.child(step_dir_name(step)).delete_tree()  # the manifest first
+            return
+        path = self._dir / step_dir_name(step)
+        doomed = self._dir / f".{path.name}{TMP_MARKER}del-{uuid.uuid4().hex}"
         try:
             os.rename(path, doomed)
         except FileNotFoundError:
@@ -330,10 +368,42 @@ class CheckpointManager:
 
     def _remove_stale_temps(self) -> None:
         """Remove temp dirs/files left by crashed saves (none of ours is in flight here)."""
-        for entry in os.scandir(self.root):
+        if self._remote is not None:
+            for name in _remote_uncommitted(self._remote):
+                self._remote.child(name).delete_tree()
+            return
+        for entry in os.scandir(self._dir):
             if entry.name.startswith(".") and TMP_MARKER in entry.name:
                 if entry.is_dir(follow_symlinks=False):
                     shutil.rmtree(entry.path, ignore_errors=True)
                 else:
                     with contextlib.suppress(OSError):
                         os.unlink(entry.path)
+
+
+# ----------------------------------------------------------------------- object stores
+
+
+def _remote_layout(store: RemoteStore) -> dict[str, set[str]]:
+    """``step-<n>`` prefix -> names of the objects directly in it (one listing of the root)."""
+    steps: dict[str, set[str]] = {}
+    for name in store.find():
+        top, sep, rest = name.partition("/")
+        if sep and _STEP_RE.match(top):
+            steps.setdefault(top, set()).add(rest)
+    return steps
+
+
+def _remote_steps(store: RemoteStore) -> list[int]:
+    """Committed steps under a remote root: prefixes ``step-<n>/`` holding a manifest."""
+    found = []
+    for top, names in _remote_layout(store).items():
+        match = _STEP_RE.match(top)
+        if match and MANIFEST_NAME in names:
+            found.append(int(match.group(1)))
+    return sorted(found)
+
+
+def _remote_uncommitted(store: RemoteStore) -> list[str]:
+    """Step prefixes with objects but no manifest: saves that were interrupted."""
+    return sorted(top for top, names in _remote_layout(store).items() if MANIFEST_NAME not in names)

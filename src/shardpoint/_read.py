@@ -18,14 +18,24 @@ import torch
 from ._distributed.group import Group, local_chunk
 from ._flatten import WRAPPER_TYPES, tree_tensor_names, unflatten_state
 from ._format.manifest import ComponentRecord, TensorRecord
+from ._io.memory import empty_for_read
 from ._io.transfer import ReadTask, run_reads
 from ._knobs import knobs
 from ._planning.chunks import byte_runs, intersect
 from ._prepare import storage_key
 from ._progress import byte_progress
+from ._read_pickled import is_pickled_weights, load_pickled, load_pickled_into
+from ._sizes import parse_size
 from ._source import Checkpoint, open_checkpoint
 from ._stateful import Stateful, find_modules, optimizer_state_for, parameter_names
-from .errors import CheckpointError, CorruptCheckpointError, InvalidStateError, LoadMismatchError
+from ._storage.remote import run_remote_reads
+from .errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    InvalidSizeError,
+    InvalidStateError,
+    LoadMismatchError,
+)
 
 
 @dataclass(frozen=True)
@@ -49,9 +59,10 @@ class LoadResult:
 class ReadBatch:
     """Collects reads from one checkpoint and runs them together on the I/O pool."""
 
-    def __init__(self, ckpt: Checkpoint, *, verify: bool) -> None:
+    def __init__(self, ckpt: Checkpoint, *, verify: bool, staging_bytes: int | None = None) -> None:
         self.ckpt = ckpt
         self.verify = verify
+        self.staging_bytes = staging_bytes
         self.tasks: list[ReadTask] = []
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -84,7 +95,9 @@ class ReadBatch:
             view = dest[tuple(slice(o - t, o - t + n) for o, t, n in zip(box_offsets, offsets, box_shape))]
             relative = tuple(o - c for o, c in zip(box_offsets, chunk.offsets))
             whole = box_shape == chunk.shape
-            if view.is_contiguous() and view.device.type == "cpu":
+            if view.is_contiguous():
+                # Straight into the destination (a GPU tensor is filled through the
+                # bounded staging buffers of run_reads, never a full host copy).
                 buffer = view
             else:
                 buffer = torch.empty(box_shape, dtype=entry.dtype)
@@ -124,7 +137,7 @@ class ReadBatch:
         """A new tensor that will hold ``record`` once the batch has run."""
         stored = self.ckpt.entry(record.chunks[0], record.dtype, label).dtype
         want = dtype if (dtype is not None and stored.is_floating_point) else stored
-        dest = torch.empty(record.shape, dtype=want, device=device)
+        dest = empty_for_read(record.shape, dtype=want, device=device)
         self.fill(record, dest, label)
         return dest
 
@@ -132,9 +145,21 @@ class ReadBatch:
         total = sum(t.nbytes for t in self.tasks)
         desc = f"loading {os.path.basename(os.path.normpath(self.ckpt.location))}"
         with torch.no_grad(), byte_progress(total, desc, progress) as advance:
-            run_reads(self.tasks, advance=advance)
+            if self.ckpt.store is not None:
+                run_remote_reads(self.ckpt.store, self.tasks, advance=advance)
+            else:
+                run_reads(self.tasks, advance=advance, staging_bytes=self.staging_bytes)
             for dest, temp in self._copies:
                 dest.copy_(temp)
+
+
+def _buffer_size(value: int | str | None) -> int | None:
+    if value is None:
+        return None
+    size = parse_size(value)
+    if size < 4096:
+        raise InvalidSizeError(f"max_buffer_bytes={value!r} is too small; use at least 4 KiB, e.g. '16MiB'")
+    return size
 
 
 def resolve_verify(verify: bool | None) -> bool:
@@ -194,25 +219,32 @@ def load(
     progress: bool | None = None,
     verify: bool | None = None,
     allow_pickle: bool = False,
+    max_buffer_bytes: int | str | None = None,
 ) -> Any:
     """Load a checkpoint as a new state: a flat state dict, or the nested state saved.
 
-    Reads shardpoint checkpoints, HF safetensors directories (index or single file) and
-    single ``.safetensors`` files. Each tensor is read straight into freshly allocated
+    Reads shardpoint checkpoints, HF safetensors directories (index or single file),
+    single ``.safetensors`` files, and HF ``.bin`` weights (``pytorch_model.bin``, sharded
+    or not, or one ``.bin`` / ``.pt`` file: ``torch.load(weights_only=True, mmap=True)``, a
+    batch at a time). Each tensor is read straight into freshly allocated
     memory (no mmap residency, no second copy); crc32c is checked unless ``verify=False``.
     In a nested state, modules, optimizers and ``Stateful`` objects come back as their
     state dicts (optimizer state keyed by parameter name).
 
     Args:
-        path: checkpoint directory or ``.safetensors`` file.
+        path: checkpoint directory or ``.safetensors`` file (local HF ``.bin`` weights too), or an fsspec URL of either
+            (``s3://bucket/run/step-100``): only the byte ranges needed are read, concurrently.
         keys: tensor names to read (flat checkpoints) or components (nested ones).
         device: where the tensors go (read through a bounded staging buffer if not CPU).
         dtype: cast floating-point tensors to this dtype while reading.
         mmap: return CPU tensors backed by the files' pages (zero-copy, lazy; not verified).
-        storage_options: for fsspec URLs (not in this version).
+        storage_options: options of the URL's fsspec filesystem (see :func:`shardpoint.save`).
         progress: show a progress bar (default: when stderr is a terminal).
         verify: check crc32c (default on; ``SHARDPOINT_VERIFY=0`` turns it off).
         allow_pickle: unpickle values that were saved with ``allow_pickle=True``.
+        max_buffer_bytes: size of each reader thread's reusable staging buffer, used only
+            where bytes cannot land in the destination directly (a dtype cast, a GPU);
+            e.g. ``"16MiB"``. Default: the ``SHARDPOINT_STAGING_BUFFER_BYTES`` knob (64 MiB).
 
     Returns:
         ``dict[str, Tensor]`` for a flat checkpoint; the nested state otherwise.
@@ -227,11 +259,15 @@ def load(
         >>> sp.load(d)["w"].tolist()
         [0.0, 1.0, 2.0, 3.0]
     """
-    if storage_options is not None:
-        raise CheckpointError("storage_options is not available in this version of shardpoint")
-    ckpt = open_checkpoint(path)
+    if is_pickled_weights(path):
+        if mmap:
+            raise CheckpointError(f"{os.fspath(path)} holds .bin (torch.save) weights; mmap=True needs safetensors")
+        return load_pickled(path, keys=keys, device=torch.device(device), dtype=dtype)
+    ckpt = open_checkpoint(path, storage_options)
+    if mmap and ckpt.store is not None:
+        raise CheckpointError(f"{ckpt.location}: mmap=True needs local files; load it with mmap=False")
     device = torch.device(device)
-    batch = ReadBatch(ckpt, verify=resolve_verify(verify) and not mmap)
+    batch = ReadBatch(ckpt, verify=resolve_verify(verify) and not mmap, staging_bytes=_buffer_size(max_buffer_bytes))
     maps: dict[str, Any] = {}
     loaded: dict[str, dict[str, torch.Tensor]] = {}
     selection = _selection(ckpt, keys)
@@ -295,6 +331,20 @@ def _assign(module: torch.nn.Module, name: str, value: torch.Tensor) -> bool:
     return False
 
 
+def _placement(
+    key: str, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None,
+    device_map: Mapping[str, Any],
+) -> tuple[torch.device, torch.dtype]:
+    """Device and dtype for materializing meta tensor ``key``: the longest matching
+    ``device_map`` prefix (module names, as Accelerate's), else ``device``."""
+    best = -1
+    for prefix, target in device_map.items():
+        if (prefix == "" or key == prefix or key.startswith(prefix + ".")) and len(prefix) > best:
+            best, device = len(prefix), torch.device(target)
+    want = dtype if (dtype is not None and tensor.dtype.is_floating_point) else tensor.dtype
+    return device, want
+
+
 class _Planner:
     """Walks a target beside the saved trees; records reads, report entries and fix-ups."""
 
@@ -312,15 +362,7 @@ class _Planner:
         self.device_map: dict[str, Any] = {}
 
     def placement(self, key: str, tensor: torch.Tensor) -> tuple[torch.device, torch.dtype]:
-        """Device and dtype for materializing meta tensor ``key``: the longest matching
-        ``device_map`` prefix (module names, as Accelerate's), else ``device``."""
-        device = self.device
-        best = -1
-        for prefix, target in self.device_map.items():
-            if (prefix == "" or key == prefix or key.startswith(prefix + ".")) and len(prefix) > best:
-                best, device = len(prefix), torch.device(target)
-        dtype = self.dtype if (self.dtype is not None and tensor.dtype.is_floating_point) else tensor.dtype
-        return device, dtype
+        return _placement(key, tensor, self.device, self.dtype, self.device_map)
 
     # A subtree read into new tensors, turned into a value after the batch ran.
     def build(self, comp: ComponentRecord, node: dict[str, Any], apply: Callable[[Any], None], path: str) -> None:
@@ -375,7 +417,7 @@ class _Planner:
                     device, dtype = self.placement(key, tensor)
                     if device.type == "meta":
                         continue  # the device map keeps it off this process
-                    new = torch.empty(tensor.shape, dtype=dtype, device=device)
+                    new = empty_for_read(tensor.shape, dtype=dtype, device=device)
                     self.batch.fill(record, new, stored)
                     value = (
                         torch.nn.Parameter(new, requires_grad=tensor.requires_grad)
@@ -483,6 +525,7 @@ def load_into(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     device_map: Mapping[str, str | torch.device] | None = None,
+    max_buffer_bytes: int | str | None = None,
 ) -> LoadResult:
     """Load a checkpoint into existing objects, in place.
 
@@ -496,7 +539,8 @@ def load_into(
 
     Args:
         target: the objects to fill.
-        path: checkpoint directory or ``.safetensors`` file.
+        path: checkpoint directory or ``.safetensors`` file (local HF ``.bin`` weights too), or an fsspec URL of either
+            (``s3://bucket/run/step-100``): only the byte ranges needed are read, concurrently.
         strict: raise :class:`LoadMismatchError` (before changing anything) when keys are
             missing, unexpected or mis-shaped.
         progress: show a progress bar (default: when stderr is a terminal).
@@ -508,6 +552,11 @@ def load_into(
             materialized (one tensor at a time, read straight into its final memory).
         device_map: module-name prefix -> device for ``meta`` parameters (the longest
             prefix wins; ``"meta"`` leaves them unmaterialized), as Accelerate's.
+        storage_options: options of the URL's fsspec filesystem (see :func:`shardpoint.save`).
+        max_buffer_bytes: size of each reader thread's reusable staging buffer (dtype
+            casts, GPU destinations): peak host memory is what stays on the host plus
+            about ``read threads x max_buffer_bytes`` (x 2 for a GPU, where the next read
+            overlaps the previous copy). Default: ``SHARDPOINT_STAGING_BUFFER_BYTES``.
 
     Returns:
         A :class:`LoadResult` listing missing, unexpected and mismatched keys and the
@@ -521,12 +570,11 @@ def load_into(
         >>> sp.load_into(torch.nn.Linear(2, 2), d).ok
         True
     """
-    if storage_options is not None:
-        raise CheckpointError("storage_options is not available in this version of shardpoint")
     group = Group(process_group)
     return group.phase(
         f"loading {os.fspath(path)}",
-        lambda: _load_into(target, path, strict, progress, verify, allow_pickle, device, dtype, device_map),
+        lambda: _load_into(target, path, strict, progress, verify, allow_pickle, device, dtype, device_map,
+                           _buffer_size(max_buffer_bytes), storage_options),
     )
 
 
@@ -540,9 +588,18 @@ def _load_into(
     device: str | torch.device,
     dtype: torch.dtype | None,
     device_map: Mapping[str, str | torch.device] | None,
+    staging_bytes: int | None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> LoadResult:
-    ckpt = open_checkpoint(path)
-    batch = ReadBatch(ckpt, verify=resolve_verify(verify))
+    if is_pickled_weights(path):
+        return load_pickled_into(
+            target, path, strict=strict,
+            placement=lambda k, t: _placement(k, t, torch.device(device), dtype, dict(device_map or {})),
+            assign=lambda m, k, v: None if _assign(m, k, v) else m.load_state_dict({k: v}, strict=False, assign=True),
+            mismatch_message=_mismatch_message,
+        )
+    ckpt = open_checkpoint(path, storage_options)
+    batch = ReadBatch(ckpt, verify=resolve_verify(verify), staging_bytes=staging_bytes)
     planner = _Planner(ckpt, batch, allow_pickle=allow_pickle)
     planner.device = torch.device(device)
     planner.dtype = dtype

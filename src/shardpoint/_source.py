@@ -10,15 +10,25 @@ from __future__ import annotations
 import os
 import stat
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ._format.dtypes import DTYPE_TO_NAME
 from ._format.index import parse_index
-from ._format.manifest import MANIFEST_NAME, ChunkRef, ComponentRecord, Manifest, TensorRecord, parse_manifest
+from ._format.manifest import (
+    MANIFEST_NAME,
+    ChunkRef,
+    ComponentRecord,
+    Manifest,
+    TensorRecord,
+    parse_manifest,
+)
 from ._format.names import check_file_name
-from ._format.safetensors import HeaderEntry, SafetensorsHeader, read_header
+from ._format.safetensors import HeaderEntry, SafetensorsHeader, read_header, read_header_with
 from ._knobs import knobs
 from ._storage.local import TMP_MARKER
+from ._storage.remote import PENDING_NAME, RemoteStore, header_reader, resolve
 from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -42,12 +52,21 @@ class Checkpoint:
     manifest: Manifest | None = None
     single_file: bool = False
     """``location`` is the data file itself, not a directory."""
+    store: RemoteStore | None = None
+    """The prefix on an object store (fsspec URL) holding the files; None for local files."""
+    sizes: dict[str, int] = field(default_factory=dict)
+    """Object sizes listed when a remote checkpoint was opened."""
     _headers: dict[str, SafetensorsHeader] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def file_path(self, name: str) -> str:
-        """Absolute path of a data file, refusing names or symlinks that leave the directory."""
+        """Absolute path of a data file, refusing names or symlinks that leave the directory.
+
+        For a remote checkpoint: the object's name under ``store`` (a plain basename).
+        """
         check_file_name(name, where=self.location)
+        if self.store is not None:
+            return name
         path = os.path.join(self.directory, name)
         real_dir = os.path.realpath(self.directory)
         real = os.path.realpath(path)
@@ -70,6 +89,11 @@ class Checkpoint:
             return cached
         path = self.file_path(name)
         where = self.file_label(name)
+        if self.store is not None:
+            header = self._remote_header(name, where)
+            with self._lock:
+                self._headers[name] = header
+            return header
         try:
             fd = _open_regular(path, where=where)
         except FileNotFoundError:
@@ -89,6 +113,38 @@ class Checkpoint:
             header = read_header(fd, size, name=where, max_header_bytes=knobs().max_header_bytes)
         finally:
             os.close(fd)
+        self._check_save_id(header, where)
+        with self._lock:
+            self._headers[name] = header
+        return header
+
+    def _remote_header(self, name: str, where: str) -> SafetensorsHeader:
+        assert self.store is not None
+        size = self.sizes.get(name)
+        missing = MissingShardError(
+            f"{where} is missing: the checkpoint lists it but the store does not have it "
+            "(deleted?); the checkpoint is incomplete (upload the object again or load another checkpoint)"
+        )
+        if size is None:
+            raise missing
+        if self.manifest is not None:
+            expected = self.manifest.files.get(name)
+            if expected is not None and size != expected:
+                raise CorruptCheckpointError(
+                    f"{where} is {size} bytes but the manifest recorded {expected}; "
+                    "the object is truncated, padded or from another save"
+                )
+        try:
+            header = read_header_with(
+                header_reader(self.store, name, size), size, name=where,
+                max_header_bytes=knobs().max_header_bytes,
+            )
+        except FileNotFoundError:
+            raise missing from None
+        self._check_save_id(header, where)
+        return header
+
+    def _check_save_id(self, header: SafetensorsHeader, where: str) -> None:
         if self.manifest is not None:
             save_id = header.metadata.get("shardpoint.save_id")
             if save_id is not None and save_id != self.manifest.save_id:
@@ -96,9 +152,6 @@ class Checkpoint:
                     f"{where} belongs to another save (save_id {save_id}, the manifest says "
                     f"{self.manifest.save_id}); a shard was swapped in from another checkpoint"
                 )
-        with self._lock:
-            self._headers[name] = header
-        return header
 
     def entry(self, chunk: ChunkRef, dtype: str, label: str) -> HeaderEntry:
         """The header entry holding ``chunk``, checked against what the manifest says."""
@@ -141,9 +194,11 @@ def _read_json_file(path: str, *, where: str) -> bytes:
 
 
 def _from_headers(location: str, directory: str, kind: str, weight_map: dict[str, str] | None,
-                  files: list[str], *, single_file: bool = False) -> Checkpoint:
+                  files: list[str], *, single_file: bool = False, store: RemoteStore | None = None,
+                  sizes: dict[str, int] | None = None) -> Checkpoint:
     """A foreign HF checkpoint: one flat component ``model`` described by the headers."""
-    ckpt = Checkpoint(location, directory, kind, {}, flat=True, single_file=single_file)
+    ckpt = Checkpoint(location, directory, kind, {}, flat=True, single_file=single_file,
+                      store=store, sizes=dict(sizes or {}))
     tensors: dict[str, TensorRecord] = {}
     seen_in: dict[str, str] = {}
     for fname in files:
@@ -176,8 +231,14 @@ def _from_headers(location: str, directory: str, kind: str, weight_map: dict[str
     return ckpt
 
 
-def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-    """Open a checkpoint directory (ours or HF) or a single ``.safetensors`` file."""
+def open_checkpoint(
+    path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> Checkpoint:
+    """Open a checkpoint directory (ours or HF) or a single ``.safetensors`` file, local or
+    at an fsspec URL (``storage_options`` go to its filesystem)."""
+    path, store = resolve(path, storage_options)
+    if store is not None:
+        return _open_remote(store)
     location = os.fspath(path)
     base = os.path.basename(os.path.normpath(location))
     if TMP_MARKER in base and base.startswith("."):
@@ -233,3 +294,52 @@ def is_tmp(name: str) -> bool:
 
 def dtype_str(dtype: object) -> str:
     return DTYPE_TO_NAME.get(dtype, str(dtype))  # type: ignore[call-overload]
+
+
+def _open_remote(store: RemoteStore) -> Checkpoint:
+    """Open a checkpoint under a prefix of an object store, or a single remote ``.safetensors``.
+
+    A prefix holding ``shardpoint.pending`` but no manifest is a save that never committed:
+    refused, never read as a Hugging Face checkpoint.
+    """
+    location = store.url
+    if location.endswith(".safetensors"):
+        info = store.info()
+        if info is not None and info.get("type") == "file":
+            parent, name = store.parent_and_name()
+            return _from_headers(location, parent.url, "hf-file", None, [name], single_file=True,
+                                 store=parent, sizes={name: int(info.get("size") or 0)})
+    names, _ = store.entries()
+    if not names:
+        raise CheckpointNotFoundError(f"{location} holds no objects; nothing to load")
+    limit = knobs().max_json_bytes
+    if MANIFEST_NAME in names:
+        where = store.url_of(MANIFEST_NAME)
+        manifest = parse_manifest(store.get(MANIFEST_NAME, limit=limit), where=where)
+        return Checkpoint(location, location, "shardpoint", manifest.components, manifest.flat,
+                          manifest, store=store, sizes=names)
+    if PENDING_NAME in names:
+        raise IncompleteCheckpointError(
+            f"{location} is a save that never committed ({PENDING_NAME} is there, "
+            f"{MANIFEST_NAME} is not): it was interrupted or is still running. Load the previous "
+            "checkpoint; the next save to this prefix (or CheckpointManager.save) replaces it"
+        )
+    indexes = sorted(n for n in names if n.endswith(".safetensors.index.json"))
+    singles = sorted(n for n in names if n.endswith(".safetensors"))
+    if "model.safetensors.index.json" in indexes:
+        indexes = ["model.safetensors.index.json"]
+    if "model.safetensors" in singles:
+        return _from_headers(location, location, "hf-file", None, ["model.safetensors"],
+                             store=store, sizes=names)
+    if len(indexes) == 1:
+        where = store.url_of(indexes[0])
+        index = parse_index(store.get(indexes[0], limit=limit), where=where)
+        files = list(dict.fromkeys(index.weight_map.values()))
+        return _from_headers(location, location, "hf-index", index.weight_map, files,
+                             store=store, sizes=names)
+    if len(singles) == 1:
+        return _from_headers(location, location, "hf-file", None, singles, store=store, sizes=names)
+    raise CheckpointNotFoundError(
+        f"{location} is not a checkpoint: no shardpoint.json, no *.safetensors.index.json and "
+        f"no single .safetensors file (found {len(singles)} .safetensors files, {len(indexes)} indexes)"
+    )

@@ -17,9 +17,10 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from ._checksum import crc32c
 from ._format.dtypes import NAME_TO_DTYPE, itemsize
@@ -29,6 +30,7 @@ from ._format.safetensors import SafetensorsHeader
 from ._knobs import knobs
 from ._progress import byte_progress
 from ._source import Checkpoint, _read_json_file, is_tmp, open_checkpoint
+from ._storage.remote import PENDING_NAME, RemoteStore, resolve
 from .errors import CheckpointError, CheckpointNotFoundError
 
 __all__ = ["VerifyReport", "verify_checkpoint"]
@@ -98,11 +100,15 @@ def verify_checkpoint(
     *,
     checksums: bool = True,
     progress: bool | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> VerifyReport:
     """Check that a checkpoint is whole, without loading it; collect every problem.
 
     Args:
-        path: checkpoint directory (shardpoint or HF) or a single ``.safetensors`` file.
+        path: checkpoint directory (shardpoint or HF) or a single ``.safetensors`` file,
+            or an fsspec URL of either (``s3://bucket/run/step-100``; checksumming then
+            streams every object through ranged reads).
+        storage_options: options of the URL's fsspec filesystem (see ``shardpoint.save``).
         checksums: also read every stored tensor and compare its crc32c (the slow part;
             ``False`` checks structure only: manifest, file sizes, headers, entries).
         progress: show a progress bar while checksumming (default: when stderr is a terminal).
@@ -122,6 +128,9 @@ def verify_checkpoint(
         >>> report.ok, report.files_checked, report.bytes_checked
         (True, 1, 16)
     """
+    path, store = resolve(path, storage_options)
+    if store is not None:
+        return _verify_remote(store, storage_options, checksums=checksums, progress=progress)
     location = os.fspath(path)
     if not os.path.lexists(location):
         raise CheckpointNotFoundError(f"{location} does not exist; nothing to verify")
@@ -153,11 +162,56 @@ def verify_checkpoint(
 # ------------------------------------------------------------------------ shardpoint
 
 
+def _verify_remote(
+    store: RemoteStore,
+    storage_options: Mapping[str, Any] | None,
+    *,
+    checksums: bool,
+    progress: bool | None,
+) -> VerifyReport:
+    """``verify_checkpoint`` for a prefix (or single ``.safetensors`` object) on a store."""
+    location = store.url
+    if location.endswith(".safetensors"):
+        info = store.info()
+        if info is not None and info.get("type") == "file":
+            parent, name = store.parent_and_name()
+            sizes = {name: int(info.get("size") or 0)}
+            return _verify_foreign(location, parent.url, "hf-file", None, [name], checksums=checksums,
+                                   store=parent, sizes=sizes)
+    sizes = store.list()
+    if not sizes:
+        raise CheckpointNotFoundError(f"{location} holds no objects; nothing to verify")
+    if MANIFEST_NAME in sizes:
+        return _verify_shardpoint(location, list(sizes), checksums=checksums, progress=progress,
+                                  storage_options=storage_options)
+    if PENDING_NAME in sizes:
+        message = (
+            f"{location} is a save that never committed ({PENDING_NAME} is there, {MANIFEST_NAME} "
+            "is not); it is not a checkpoint. Verify the previous one, or save again"
+        )
+        return VerifyReport(location, "shardpoint", [message], [], 0, 0, 0, False)
+    kind, index, files = _locate_foreign(location, list(sizes))
+    return _verify_foreign(location, location, kind, index, files, checksums=checksums,
+                           store=store, sizes=sizes)
+
+
+def _read_json(ckpt: Checkpoint, name: str, where: str) -> bytes:
+    """An index of ``ckpt``, local or remote, size-capped."""
+    if ckpt.store is not None:
+        return ckpt.store.get(name, limit=knobs().max_json_bytes)
+    return _read_json_file(where, where=where)
+
+
 def _verify_shardpoint(
-    location: str, names: list[str], *, checksums: bool, progress: bool | None
+    location: str,
+    names: list[str],
+    *,
+    checksums: bool,
+    progress: bool | None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> VerifyReport:
     try:
-        ckpt = open_checkpoint(location)
+        ckpt = open_checkpoint(location, storage_options)
     except CheckpointNotFoundError:
         raise
     except CheckpointError as exc:
@@ -208,7 +262,7 @@ def _verify_shardpoint(
                 f'{where}: __metadata__ has no "format": "pt"; transformers refuses such files'
             )
 
-    expected_indexes = _check_indexes(location, manifest, names, found)
+    expected_indexes = _check_indexes(ckpt, manifest, names, found)
     accounted = {MANIFEST_NAME, *manifest.files, *expected_indexes}
     for name in sorted(names):
         if name not in accounted:
@@ -237,9 +291,10 @@ def _verify_shardpoint(
 
 
 def _check_indexes(
-    location: str, manifest: Manifest, names: list[str], found: _Findings
+    ckpt: Checkpoint, manifest: Manifest, names: list[str], found: _Findings
 ) -> set[str]:
     """Check each component's HF index against the manifest; return the index names expected."""
+    location = ckpt.location
     expected: set[str] = set()
     if manifest.layout != "hf":
         return expected
@@ -259,7 +314,7 @@ def _check_indexes(
             )
             continue
         try:
-            raw = _read_json_file(where, where=where)
+            raw = _read_json(ckpt, iname, where)
             index = parse_index(raw, where=where)
         except CheckpointError as exc:
             found.problem("", str(exc))
@@ -314,16 +369,18 @@ def _verify_foreign(
     files: list[str],
     *,
     checksums: bool,
+    store: RemoteStore | None = None,
+    sizes: dict[str, int] | None = None,
 ) -> VerifyReport:
     found = _Findings()
-    ckpt = Checkpoint(location, directory, kind, {}, flat=True)
+    ckpt = Checkpoint(location, directory, kind, {}, flat=True, store=store, sizes=dict(sizes or {}))
     # ``location`` is the data file itself: errors name it, not ``location/name``.
     ckpt.single_file = location != directory
     weight_map: dict[str, str] | None = None
     if index is not None:
         where = os.path.join(location, index)
         try:
-            raw = _read_json_file(where, where=where)
+            raw = _read_json(ckpt, index, where)
             weight_map = parse_index(raw, where=where).weight_map
         except CheckpointError as exc:
             return VerifyReport(location, kind, [str(exc)], [], 0, 0, 0, False)
@@ -376,7 +433,8 @@ def _verify_foreign(
 
     if location == directory:
         accounted = set(files) | ({index} if index else set())
-        for name in sorted(os.listdir(directory)):
+        listing = sorted(ckpt.sizes) if store is not None else sorted(os.listdir(directory))
+        for name in listing:
             if name not in accounted and name.endswith((".safetensors", ".safetensors.index.json")):
                 found.warnings.append(
                     f"{os.path.join(location, name)} is not part of the checkpoint "
@@ -470,6 +528,8 @@ def _crc_file(
     where = _file_label(ckpt, fname)
     problems: list[str] = []
     read = 0
+    if ckpt.store is not None:
+        return _crc_object(ckpt.store, fname, where, items, advance=advance)
     try:
         fd = os.open(ckpt.file_path(fname), os.O_RDONLY)
     except (OSError, CheckpointError) as exc:
@@ -507,6 +567,40 @@ def _crc_file(
                 )
     finally:
         os.close(fd)
+    return read, problems
+
+
+def _crc_object(
+    store: RemoteStore,
+    fname: str,
+    where: str,
+    items: list[_CrcItem],
+    *,
+    advance: Callable[[int], None] | None,
+) -> tuple[int, list[str]]:
+    """crc32c of each item of one remote object, one ranged read per piece."""
+    piece = knobs().remote_read_bytes
+    problems: list[str] = []
+    read = 0
+    for item in sorted(items, key=lambda i: i.start):
+        crc, pos, end = 0, item.start, item.start + item.nbytes
+        try:
+            while pos < end:
+                data = store.read_range(fname, pos, min(piece, end - pos))
+                crc = crc32c(data, crc)
+                pos += len(data)
+                read += len(data)
+                if advance is not None:
+                    advance(len(data))
+        except (OSError, CheckpointError) as exc:
+            problems.append(f"{where}, tensor {item.label!r}: read failed at byte {pos}: {exc}")
+            continue
+        if crc != item.crc32c:
+            problems.append(
+                f"{where}, tensor {item.label!r}: crc32c of the stored bytes is {crc:#010x}, "
+                f"the manifest recorded {item.crc32c:#010x}; the object is damaged. Restore it "
+                "from a copy, or use an earlier checkpoint"
+            )
     return read, problems
 
 

@@ -20,7 +20,7 @@ from ._io.transfer import FileWrite, write_files
 from ._planning.shards import plan_shards, shard_file_names
 from ._prepare import PreparedState
 from ._progress import byte_progress
-from ._storage.local import LocalTransaction
+from ._storage import Transaction, open_transaction
 from .errors import InvalidStateError
 
 
@@ -60,6 +60,7 @@ def write_checkpoint(
     progress: bool | None,
     extra_files: Mapping[str, bytes] | None = None,
     write: Callable[..., dict[tuple[str, str], int]] = write_files,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> SaveInfo:
     """Write ``prepared`` as an HF-layout checkpoint at ``path``, atomically.
 
@@ -69,6 +70,9 @@ def write_checkpoint(
 
     ``extra_files`` (name -> bytes, e.g. ``config.json``) are written into the same
     temporary directory before the manifest, so they appear in the same commit.
+
+    ``path`` may be an fsspec URL (``storage_options`` go to its filesystem): the files are
+    then uploaded under the final prefix and the manifest last (see ``_storage/remote.py``).
     """
     started = time.perf_counter()
     save_id = uuid.uuid4().hex
@@ -102,10 +106,11 @@ def write_checkpoint(
         if name in files or name in indexes or name == MANIFEST_NAME:
             raise InvalidStateError(f"extra file {name!r} would replace a file of the checkpoint itself")
     total = prepared.total_bytes()
-    txn = LocalTransaction(path, overwrite=overwrite)
+    txn = open_transaction(path, overwrite=overwrite, storage_options=storage_options)
     try:
         with byte_progress(total, f"saving {os.path.basename(os.fspath(path))}", progress) as advance:
-            crcs = write(txn.directory, writes, durable=durable, advance=advance)
+            custom = None if write is write_files else write
+            crcs = txn.write_files(writes, durable=durable, advance=advance, write=custom)
         for name, data in extras.items():
             txn.write_bytes(name, data, durable=durable)
         records: dict[str, ComponentRecord] = {}
@@ -138,7 +143,7 @@ def write_checkpoint(
 
 
 def write_manifest(
-    txn: LocalTransaction,
+    txn: Transaction,
     prepared: PreparedState,
     records: dict[str, ComponentRecord],
     files: dict[str, int],

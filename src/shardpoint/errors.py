@@ -19,6 +19,7 @@ __all__ = [
     "InvalidSizeError",
     "LoadMismatchError",
     "MissingShardError",
+    "StorageError",
     "UnsafePathError",
     "UnsafePickleError",
     "UnsupportedFormatError",
@@ -55,6 +56,14 @@ class IncompleteCheckpointError(CorruptCheckpointError):
 
 class UnsafePathError(CorruptCheckpointError):
     """A file name in an index or manifest would leave the checkpoint directory."""
+
+
+class StorageError(CheckpointError, OSError):
+    """A remote store (an fsspec URL such as ``s3://``) failed: after the bounded retries of
+    a transient error, or at once for a permanent one (access denied, no such bucket).
+
+    The message names the object and the operation.
+    """
 
 
 class UnsupportedFormatError(CheckpointError, ValueError):

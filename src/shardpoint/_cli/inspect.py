@@ -43,6 +43,7 @@ from .._format.dtypes import NAME_TO_DTYPE, itemsize
 from .._format.manifest import FORMAT_VERSION
 from .._sizes import human_size
 from .._source import Checkpoint, open_checkpoint
+from .main import add_storage_options
 
 HELP = "show format, files, dtypes and tensors of a checkpoint"
 
@@ -52,9 +53,12 @@ DEFAULT_LIMIT = 50
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "path", help="checkpoint directory (shardpoint or Hugging Face) or .safetensors file"
+        "path",
+        help="checkpoint directory (shardpoint or Hugging Face) or .safetensors file, or an "
+        "fsspec URL of either (s3://bucket/run/step-100)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object (keys above)")
+    add_storage_options(parser)
     parser.add_argument(
         "--filter",
         metavar="PATTERN",
@@ -80,7 +84,7 @@ def _count_arg(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    ckpt = open_checkpoint(args.path)
+    ckpt = open_checkpoint(args.path, args.storage_options)
     limit = args.limit if args.limit is not None else (0 if args.json else DEFAULT_LIMIT)
     doc = describe(ckpt, pattern=args.filter, limit=limit)
     if args.json:

@@ -47,6 +47,30 @@ def error(message: object) -> None:
     print(f"shardpoint: error: {text}", file=sys.stderr)
 
 
+def storage_options_arg(text: str) -> dict[str, object]:
+    """``--storage-options '{"key": ..., "client_kwargs": {"endpoint_url": ...}}'`` (JSON)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object of fsspec filesystem options")
+    return value
+
+
+def add_storage_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--storage-options",
+        type=storage_options_arg,
+        metavar="JSON",
+        help="fsspec filesystem options for a URL path (s3://...), as a JSON object, e.g. "
+        '\'{"client_kwargs": {"endpoint_url": "http://127.0.0.1:8333"}}\'; S3 credentials '
+        "also come from the usual AWS environment variables",
+    )
+
+
 def _command_module(name: str) -> ModuleType:
     return importlib.import_module(SUBCOMMANDS[name])
 

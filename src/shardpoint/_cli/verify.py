@@ -24,22 +24,27 @@ import json
 from .._sizes import human_size
 from .._verify import VerifyReport, verify_checkpoint
 from ..errors import CheckpointError, CheckpointNotFoundError
-from .main import EXIT_DAMAGED, EXIT_OK, error
+from .main import EXIT_DAMAGED, EXIT_OK, add_storage_options, error
 
 HELP = "check that a checkpoint is whole: files, sizes, headers and crc32c of every tensor"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "path", help="checkpoint directory (shardpoint or Hugging Face) or .safetensors file"
+        "path",
+        help="checkpoint directory (shardpoint or Hugging Face) or .safetensors file, or an "
+        "fsspec URL of either (s3://bucket/run/step-100)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object (keys above)")
     parser.add_argument("--quick", action="store_true", help="check structure only; skip crc32c")
+    add_storage_options(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        report = verify_checkpoint(args.path, checksums=not args.quick)
+        report = verify_checkpoint(
+            args.path, checksums=not args.quick, storage_options=args.storage_options
+        )
     except CheckpointNotFoundError:
         raise  # exit 2: nothing to verify at that path
     except CheckpointError as exc:

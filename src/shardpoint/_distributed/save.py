@@ -14,7 +14,9 @@ naming the failed ranks, and nothing is committed):
 4. commit: the coordinator gathers chunk records and crc32c, writes the index and the
    manifest, and renames the directory into place.
 
-No full tensor is gathered anywhere; this needs a filesystem every rank sees.
+No full tensor is gathered anywhere; this needs a filesystem every rank sees, or an
+fsspec URL (layout ``chunked`` only: each rank uploads its own objects under the final
+prefix, the coordinator uploads the manifest last once every rank reported success).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import math
 import os
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,8 +40,10 @@ from .._planning.chunks import ChunkPlan, assign_writers, byte_runs
 from .._planning.shards import plan_shards, shard_file_names
 from .._prepare import PreparedState
 from .._progress import byte_progress
-from .._storage.local import LocalTransaction
+from .._storage import Transaction, open_transaction
+from .._storage.remote import resolve, write_files_at
 from .._write import SaveInfo, write_manifest
+from ..errors import CheckpointError
 from .group import Group, local_chunk
 
 Ident = tuple[str, str, tuple[int, ...], tuple[int, ...]]
@@ -90,20 +94,28 @@ def write_distributed(
     metadata: dict[str, Any],
     durable: bool,
     progress: bool | None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> SaveInfo:
     """Save collectively over ``group``; every rank calls this with its own shards."""
     started = time.perf_counter()
+    if layout == "hf" and resolve(path, storage_options)[1] is not None:
+        raise CheckpointError(
+            f"{os.fspath(path)}: layout='hf' in a collective save needs a shared POSIX "
+            "filesystem (ranks write parts of the same files), which an object store is not. "
+            "Save with layout='chunked' (each rank uploads its own files), then "
+            "`shardpoint convert` it to HF files where you need them"
+        )
     mine, local_tensors = group.phase("planning the save", lambda: _plan_local(prepared))
     all_plans = group.all_gather(mine)
     owner = assign_writers([[p for p in plans if _wanted(p)] for plans in all_plans])
     to_write = [p for p in mine if _wanted(p) and owner.get(p.ident) == group.rank]
     save_id = group.broadcast(uuid.uuid4().hex)
-    txn: LocalTransaction | None = None
+    txn: Transaction | None = None
 
     def open_directory() -> str | None:
         nonlocal txn
         if group.is_coordinator:
-            txn = LocalTransaction(path, overwrite=overwrite)
+            txn = open_transaction(path, overwrite=overwrite, storage_options=storage_options)
             return txn.directory
         return None
 
@@ -116,7 +128,7 @@ def write_distributed(
         with byte_progress(nbytes, f"saving rank {group.rank}", progress) as advance:
             if layout == "chunked":
                 return (*_write_chunked(to_write, local_tensors, directory, group.rank, max_shard_bytes,
-                                        file_meta, durable, advance), [])
+                                        file_meta, durable, advance, storage_options), [])
             return [], {}, _write_hf_part(to_write, local_tensors, all_plans, directory, max_shard_bytes,
                                           file_meta, durable, advance, group.is_coordinator)
 
@@ -142,13 +154,8 @@ def write_distributed(
             txn.abort()
         raise
     total = sum({p.ident: p.nbytes for plans in all_plans for p in plans if _wanted(p)}.values())
-    files = group.broadcast({} if txn is None else _list_files(str(txn.final)))
+    files = group.broadcast({} if txn is None else txn.data_files())
     return SaveInfo(os.fspath(path), save_id, files, total, time.perf_counter() - started)
-
-
-def _list_files(directory: str) -> dict[str, int]:
-    return {n: os.path.getsize(os.path.join(directory, n)) for n in sorted(os.listdir(directory))
-            if n.endswith(".safetensors")}
 
 
 # --------------------------------------------------------------------------- chunked
@@ -163,6 +170,7 @@ def _write_chunked(
     file_meta: dict[str, str],
     durable: bool,
     advance: Any,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> tuple[list[tuple[str, str, ChunkRef]], dict[str, int]]:
     by_component: dict[str, list[ChunkPlan]] = {}
     for plan in to_write:
@@ -181,7 +189,8 @@ def _write_chunked(
             writes.append(FileWrite(fname, layout.header, layout.size, tensors))
             files[fname] = layout.size
             placed.extend((by_name[n], fname) for n in names)
-    crcs = write_files(directory, writes, durable=durable, advance=advance)
+    crcs = write_files_at(directory, writes, durable=durable, advance=advance,
+                          storage_options=storage_options, local=write_files)
     refs = [
         (p.component, p.name, ChunkRef(fname, p.name, p.offsets, p.shape, crcs[(fname, p.name)]))
         for p, fname in placed

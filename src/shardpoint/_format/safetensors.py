@@ -11,7 +11,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -238,12 +238,22 @@ def validate_header(raw: bytes, file_size: int, *, name: str) -> SafetensorsHead
 
 def read_header(fd: int, file_size: int, *, name: str, max_header_bytes: int) -> SafetensorsHeader:
     """Read and validate the header of an open safetensors file."""
+    return read_header_with(
+        lambda n, offset: os.pread(fd, n, offset), file_size, name=name, max_header_bytes=max_header_bytes
+    )
+
+
+def read_header_with(
+    pread: Callable[[int, int], bytes], file_size: int, *, name: str, max_header_bytes: int
+) -> SafetensorsHeader:
+    """Read and validate a safetensors header through ``pread(n, offset)`` (a local file
+    descriptor, or ranged reads of an object in a store)."""
     if file_size < 8:
         raise CorruptCheckpointError(
             f"{name} is {file_size} bytes, shorter than the 8-byte safetensors length prefix; "
             "the file is truncated"
         )
-    (length,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    (length,) = struct.unpack("<Q", pread(8, 0))
     if length > max_header_bytes:
         raise CorruptCheckpointError(
             f"{name}: header length {length} exceeds the {max_header_bytes}-byte limit; "
@@ -254,7 +264,7 @@ def read_header(fd: int, file_size: int, *, name: str, max_header_bytes: int) ->
             f"{name}: header length {length} runs past the end of the {file_size}-byte file; "
             "the file is truncated or not safetensors"
         )
-    raw = os.pread(fd, length, 8)
+    raw = pread(length, 8)
     if len(raw) != length:
         raise CorruptCheckpointError(f"{name}: file shrank while its header was read")
     return validate_header(raw, file_size, name=name)

@@ -1,0 +1,205 @@
+"""``sp.load`` / ``sp.load_into`` of Hugging Face ``.bin`` weights (``torch.save`` files).
+
+A model directory with ``pytorch_model.bin`` or ``pytorch_model.bin.index.json`` (and no
+safetensors files), or a ``.bin`` / ``.pt`` file itself, is read with
+``torch.load(weights_only=True, mmap=True)`` one batch of tensors at a time (the streaming
+sources of ``convert``): each tensor is copied to its destination and the mapped pages are
+dropped again, so memory stays the target plus about one batch. Nothing is unpickled beyond
+what ``weights_only`` allows, and only zip-format files are read (their pickle is small
+and goes through ``weights_only``'s restricted unpickler; a legacy pre-1.6 file is one
+big pickle): anything else is refused (``sp.convert(..., trust_pickle=True)`` is the way
+for trusted files). There is no crc32c in these files, so
+nothing is verified beyond their structure.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .errors import (
+    CheckpointError,
+    InvalidStateError,
+    LoadMismatchError,
+    UnsafePickleError,
+    UnsupportedFormatError,
+)
+
+Placement = Callable[[str, torch.Tensor], tuple[torch.device, torch.dtype]]
+
+
+def is_pickled_weights(path: str | os.PathLike[str]) -> bool:
+    """True for a local ``.bin`` / ``.pt`` file or an HF directory of ``.bin`` weights only."""
+    from ._stream_source import resolve_source
+
+    location = os.fspath(path)
+    if "://" in location or not os.path.exists(location):
+        return False
+    try:
+        _real, kind, _notes = resolve_source(location)
+    except CheckpointError:
+        return False
+    return kind in ("torch-save", "hf-bin")
+
+
+def _refuse_legacy_pickles(path: str | os.PathLike[str]) -> None:
+    """Only zip-format ``torch.save`` files (every one since torch 1.6) are read here: their
+    tensors are mapped, and their small pickle goes through ``weights_only``'s restricted
+    unpickler. A legacy file is one big pickle; it is for ``convert --trust-pickle``."""
+    from ._stream_source import resolve_source
+
+    real, kind, _notes = resolve_source(path)
+    files = [real] if kind == "torch-save" else sorted(
+        os.path.join(real, n) for n in os.listdir(real) if n.endswith(".bin")
+    )
+    for name in files:
+        with open(name, "rb") as f:
+            magic = f.read(4)
+        if magic != b"PK\x03\x04":
+            raise UnsupportedFormatError(
+                f"{name} is not a zip-format torch.save file (a legacy pre-1.6 pickle, or not "
+                "torch.save at all); sp.load reads only zip-format .bin/.pt weights. If you trust "
+                "whoever wrote it, convert it once: `shardpoint convert SRC DST --trust-pickle`"
+            )
+
+
+def _open_flat(path: str | os.PathLike[str]) -> tuple[Any, Any]:
+    from ._stream_source import open_source
+
+    _refuse_legacy_pickles(path)
+    try:
+        source = open_source(path)
+    except UnsafePickleError as exc:
+        reason = str(exc).split(". Pass trust_pickle")[0]
+        raise UnsafePickleError(
+            f"{reason}. sp.load never runs a full unpickle; if you trust whoever wrote the file, "
+            "convert it once with `shardpoint convert SRC DST --trust-pickle` and load DST"
+        ) from None
+    if not source.flat:
+        source.close()
+        raise InvalidStateError(
+            f"{os.fspath(path)} holds a nested torch.save state (not a flat state dict); "
+            "convert it first: `shardpoint convert SRC DST`, then load DST"
+        )
+    return source, source.components[0]
+
+
+def _batches(source: Any, comp: Any, names: Sequence[str]) -> list[list[str]]:
+    from ._stream_source import batches
+
+    sizes = [comp.tensors[n].numel() * comp.tensors[n].element_size() for n in names]
+    return [[names[i] for i in group] for group in batches(sizes)]
+
+
+def load_pickled(
+    path: str | os.PathLike[str],
+    *,
+    keys: Sequence[str] | None,
+    device: torch.device,
+    dtype: torch.dtype | None,
+) -> dict[str, torch.Tensor]:
+    """``sp.load`` of ``.bin`` weights: a flat state dict of fresh tensors."""
+    source, comp = _open_flat(path)
+    try:
+        wanted = list(comp.stored) + list(comp.aliases) if keys is None else [keys] if isinstance(keys, str) else list(keys)
+        unknown = [k for k in wanted if k not in comp.tensors]
+        if unknown:
+            raise CheckpointError(
+                f"{os.fspath(path)} has no tensor named {', '.join(map(repr, unknown[:10]))}; "
+                "`shardpoint inspect` lists the names"
+            )
+        stored = list(dict.fromkeys(comp.aliases.get(k, k) for k in wanted))
+        out: dict[str, torch.Tensor] = {}
+        for group in _batches(source, comp, stored):
+            with source.batch([(comp.name, n) for n in group], dtype) as tensors:
+                for name, value in zip(group, tensors, strict=True):
+                    out[name] = value.to(device=device, copy=True)
+        return {k: out[comp.aliases.get(k, k)] for k in wanted}
+    finally:
+        source.close()
+
+
+def load_pickled_into(
+    target: Any,
+    path: str | os.PathLike[str],
+    *,
+    strict: bool,
+    placement: Placement,
+    assign: Callable[[torch.nn.Module, str, torch.Tensor], None],
+    mismatch_message: Callable[[str, Any], str],
+) -> Any:
+    """``sp.load_into`` of ``.bin`` weights into a module or a flat dict of tensors."""
+    from ._read import LoadResult
+
+    if isinstance(target, torch.nn.Module):
+        module: torch.nn.Module | None = target
+        targets = target.state_dict(keep_vars=True)
+    elif isinstance(target, Mapping) and all(isinstance(v, torch.Tensor) for v in target.values()):
+        module, targets = None, dict(target)
+    else:
+        raise InvalidStateError(
+            f"{os.fspath(path)} holds a flat state dict; load it into a module or a dict of tensors"
+        )
+    source, comp = _open_flat(path)
+    try:
+        location = os.fspath(path)
+        saved = comp.tensors
+        mismatched = [
+            (k, tuple(saved[k].shape), tuple(t.shape))
+            for k, t in targets.items()
+            if k in saved and tuple(saved[k].shape) != tuple(t.shape)
+        ]
+        def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+            return a is b or (a.device.type != "meta" and a.data_ptr() == b.data_ptr() and a.data_ptr() != 0)
+
+        present = [k for k in targets if k in saved]
+        tied = {  # a target key absent from the file but tied to one present: covered by it
+            k: twin for k in targets if k not in saved
+            for twin in [next((p for p in present if same(targets[k], targets[p])), None)] if twin
+        }
+        result = LoadResult(
+            missing_keys=[k for k in targets if k not in saved and k not in tied],
+            unexpected_keys=[k for k in saved if k not in targets],
+            mismatched_keys=mismatched,
+        )
+        if strict and not result.ok:
+            raise LoadMismatchError(mismatch_message(location, result))
+        skip = {m[0] for m in mismatched}
+        matched = [k for k in targets if k in saved and k not in skip]
+        by_stored: dict[str, list[str]] = {}
+        for key in matched:
+            by_stored.setdefault(comp.aliases.get(key, key), []).append(key)
+        for key, twin in tied.items():
+            if twin in matched:
+                by_stored[comp.aliases.get(twin, twin)].append(key)
+        read = 0
+        with torch.no_grad():
+            for group in _batches(source, comp, list(by_stored)):
+                with source.batch([(comp.name, n) for n in group], None) as tensors:
+                    for name, value in zip(group, tensors, strict=True):
+                        read += value.numel() * value.element_size()
+                        made: torch.Tensor | None = None
+                        for key in by_stored[name]:
+                            dest = targets[key]
+                            if dest.device.type != "meta":
+                                if key not in tied:  # a tied twin shares the memory just filled
+                                    dest.copy_(value)
+                                continue
+                            if module is None:
+                                raise InvalidStateError(
+                                    f"target tensor {key!r} is on the meta device; pass the module itself"
+                                )
+                            device, want = placement(key, dest)
+                            if device.type == "meta":
+                                continue
+                            if made is None:  # tied keys get the same new tensor
+                                made = value.to(device=device, dtype=want, copy=True)
+                                if isinstance(dest, torch.nn.Parameter):
+                                    made = torch.nn.Parameter(made, requires_grad=dest.requires_grad)
+                            assign(module, key, made)
+        return LoadResult(result.missing_keys, result.unexpected_keys, result.mismatched_keys, bytes_read=read)
+    finally:
+        source.close()

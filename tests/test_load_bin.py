@@ -1,0 +1,97 @@
+"""sp.load / sp.load_into read Hugging Face ``.bin`` weights (torch.save), sharded or not."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import shardpoint as sp
+
+transformers = pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+
+class Opaque:
+    """An arbitrary object: torch.load(weights_only=True) refuses it, and so do we."""
+
+
+def _model(seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, tie_word_embeddings=True)
+    return LlamaForCausalLM(config).eval()
+
+
+def _save_bin(sd: dict[str, torch.Tensor], directory, shards: int) -> None:
+    """The HF .bin layout: pytorch_model.bin, or shards + pytorch_model.bin.index.json."""
+    os.makedirs(directory)
+    names = list(sd)
+    if shards == 1:
+        torch.save(sd, os.path.join(directory, "pytorch_model.bin"))
+        return
+    weight_map = {}
+    for i in range(shards):
+        fname = f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin"
+        part = {k: sd[k] for k in names[i::shards]}
+        torch.save(part, os.path.join(directory, fname))
+        weight_map.update(dict.fromkeys(part, fname))
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in sd.values())},
+             "weight_map": weight_map}
+    with open(os.path.join(directory, "pytorch_model.bin.index.json"), "w") as f:
+        json.dump(index, f)
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_load_and_load_into_hf_bin_directory(tmp_path, shards):
+    src = _model(0)
+    sd = {k: v for k, v in src.state_dict().items() if k != "lm_head.weight"}  # tied: HF drops it
+    _save_bin(sd, tmp_path / "bin", shards)
+
+    loaded = sp.load(tmp_path / "bin")
+    assert sorted(loaded) == sorted(sd)
+    for k, v in sd.items():
+        assert torch.equal(loaded[k], v), k
+    assert sp.load(tmp_path / "bin", keys=["model.norm.weight"], dtype=torch.bfloat16)["model.norm.weight"].dtype == torch.bfloat16
+
+    dst = _model(1)
+    result = sp.load_into(dst, tmp_path / "bin")  # strict: the tied lm_head counts as covered
+    assert result.ok and result.bytes_read == sum(v.numel() * v.element_size() for v in sd.values())
+    for k, v in src.state_dict().items():
+        assert torch.equal(dst.state_dict()[k], v), k
+
+    meta = sp.empty_model(lambda: _model(2))
+    sp.load_into(meta, tmp_path / "bin", dtype=torch.bfloat16)
+    assert meta.lm_head.weight is meta.model.embed_tokens.weight  # still tied
+    assert meta.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert torch.equal(meta.model.norm.weight, src.model.norm.weight.bfloat16())
+    assert not any(p.device.type == "meta" for p in meta.parameters())
+
+
+def test_load_into_bin_reports_mismatches(tmp_path):
+    sd = _model(0).state_dict()
+    sd.pop("model.norm.weight")
+    sd["extra.weight"] = torch.ones(2)
+    _save_bin(sd, tmp_path / "bin", 1)
+    with pytest.raises(sp.LoadMismatchError, match=r"missing from the checkpoint: 'model.norm.weight'") as err:
+        sp.load_into(_model(1), tmp_path / "bin")
+    assert "unexpected (in the checkpoint, not the target): 'extra.weight'" in str(err.value)
+    result = sp.load_into(_model(1), tmp_path / "bin", strict=False)
+    assert result.missing_keys == ["model.norm.weight"] and result.unexpected_keys == ["extra.weight"]
+
+
+def test_single_pt_file_and_refusals(tmp_path):
+    sd = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3, dtype=torch.int64)}
+    torch.save(sd, tmp_path / "w.pt")
+    out = sp.load(tmp_path / "w.pt")
+    assert torch.equal(out["a"], sd["a"]) and torch.equal(out["b"], sd["b"])
+    # A nested training state in a .pt is for `convert`, which keeps its structure.
+    torch.save({"model": sd, "epoch": 3}, tmp_path / "nested.pt")
+    with pytest.raises(sp.InvalidStateError, match=r"nested.pt holds a nested torch.save state.*shardpoint convert"):
+        sp.load(tmp_path / "nested.pt")
+
+    torch.save({"w": torch.ones(1), "obj": Opaque()}, tmp_path / "evil.bin")
+    with pytest.raises(sp.UnsafePickleError, match=r"evil.bin cannot be loaded with weights_only=True.*shardpoint convert SRC DST --trust-pickle"):
+        sp.load(tmp_path / "evil.bin")
