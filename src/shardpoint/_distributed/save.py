@@ -36,7 +36,7 @@ from .._format.index import index_name, render_index
 from .._format.manifest import ChunkRef, ComponentRecord, TensorRecord
 from .._format.safetensors import TensorSpec, plan_file
 from .._io.transfer import FileWrite, write_files
-from .._planning.chunks import ChunkPlan, assign_writers, byte_runs
+from .._planning.chunks import ChunkPlan, assign_writers, byte_runs, split_replicated
 from .._planning.shards import plan_shards, shard_file_names
 from .._prepare import PreparedState
 from .._progress import byte_progress
@@ -107,6 +107,10 @@ def write_distributed(
         )
     mine, local_tensors = group.phase("planning the save", lambda: _plan_local(prepared))
     all_plans = group.all_gather(mine)
+    local_offsets = {(p.component, p.name): p.offsets for p in mine}
+    if layout == "chunked":  # large replicated tensors: one row piece per holder
+        all_plans = split_replicated(all_plans)
+        mine = all_plans[group.rank]
     owner = assign_writers([[p for p in plans if _wanted(p)] for plans in all_plans])
     to_write = [p for p in mine if _wanted(p) and owner.get(p.ident) == group.rank]
     save_id = group.broadcast(uuid.uuid4().hex)
@@ -127,7 +131,8 @@ def write_distributed(
         nbytes = sum(p.nbytes for p in to_write)
         with byte_progress(nbytes, f"saving rank {group.rank}", progress) as advance:
             if layout == "chunked":
-                return (*_write_chunked(to_write, local_tensors, directory, group.rank, max_shard_bytes,
+                pieces = {(p.component, p.name): _piece(p, local_tensors, local_offsets) for p in to_write}
+                return (*_write_chunked(to_write, pieces, directory, group.rank, max_shard_bytes,
                                         file_meta, durable, advance, storage_options), [])
             return [], {}, _write_hf_part(to_write, local_tensors, all_plans, directory, max_shard_bytes,
                                           file_meta, durable, advance, group.is_coordinator)
@@ -159,6 +164,20 @@ def write_distributed(
 
 
 # --------------------------------------------------------------------------- chunked
+
+
+def _piece(
+    plan: ChunkPlan,
+    local_tensors: Mapping[tuple[str, str], torch.Tensor],
+    local_offsets: Mapping[tuple[str, str], tuple[int, ...]],
+) -> torch.Tensor:
+    """The part of this rank's chunk that ``plan`` covers: all of it, or a row piece of it
+    (:func:`split_replicated`)."""
+    key = (plan.component, plan.name)
+    tensor = local_tensors[key]
+    if tuple(tensor.shape) == plan.shape:
+        return tensor
+    return tensor.narrow(0, plan.offsets[0] - local_offsets[key][0], plan.shape[0])
 
 
 def _write_chunked(

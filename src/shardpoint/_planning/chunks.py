@@ -62,6 +62,53 @@ def assign_writers(plans: Sequence[Sequence[ChunkPlan]]) -> dict[tuple[str, str,
     return owner
 
 
+def split_replicated(plans: Sequence[Sequence[ChunkPlan]], *, pieces_per_rank: int = 8) -> list[list[ChunkPlan]]:
+    """Cut large replicated chunks into one row piece per holder, so every rank writes a share.
+
+    A chunk that several ranks hold (a DDP-replicated tensor, or ``Replicate()`` on a mesh
+    dimension) and that is larger than ``1 / (pieces_per_rank x world)`` of all replicated
+    bytes is split along dim 0 as evenly as its rows allow; piece ``j`` is kept only in the
+    list of the ``j``-th holder, who alone will write it. Smaller chunks stay whole and are
+    balanced by :func:`assign_writers`. Whole-tensor writers (one embedding is often a fifth
+    of a model) would otherwise leave the bytes per rank far apart.
+
+    >>> w = ChunkPlan("model", "w", "F32", (4, 2), (0, 0), (4, 2), 32)
+    >>> [[(p.offsets, p.shape) for p in ranks] for ranks in split_replicated([[w], [w]])]
+    [[((0, 0), (2, 2))], [((2, 0), (2, 2))]]
+    """
+    holders: dict[tuple[str, str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    for rank, chunks in enumerate(plans):
+        for chunk in chunks:
+            holders.setdefault(chunk.ident, []).append(rank)
+    shared = {ident for ident, ranks in holders.items() if len(ranks) > 1}
+    sizes = {c.ident: c.nbytes for chunks in plans for c in chunks if c.ident in shared}
+    threshold = sum(sizes.values()) / (pieces_per_rank * max(1, len(plans)))
+    out: list[list[ChunkPlan]] = [[] for _ in plans]
+    for rank, chunks in enumerate(plans):
+        for chunk in chunks:
+            ranks = holders[chunk.ident]
+            rows = chunk.shape[0] if chunk.shape else 0
+            if chunk.ident not in shared or chunk.nbytes <= threshold or rows < 2:
+                out[rank].append(chunk)
+                continue
+            count = min(len(ranks), rows)
+            j = ranks.index(rank)
+            if j >= count:
+                continue  # more holders than rows: the first `rows` holders write them
+            base, extra = divmod(rows, count)
+            start = j * base + min(j, extra)
+            length = base + (1 if j < extra else 0)
+            row_bytes = chunk.nbytes // rows
+            out[rank].append(
+                ChunkPlan(
+                    chunk.component, chunk.name, chunk.dtype, chunk.global_shape,
+                    (chunk.offsets[0] + start, *chunk.offsets[1:]), (length, *chunk.shape[1:]),
+                    length * row_bytes,
+                )
+            )
+    return out
+
+
 def intersect(
     a_offsets: Sequence[int], a_shape: Sequence[int], b_offsets: Sequence[int], b_shape: Sequence[int]
 ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

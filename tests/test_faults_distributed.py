@@ -1,0 +1,309 @@
+"""Distributed faults on 3 gloo ranks: a rank raising in each phase, a rank killed, a hang.
+
+Every save is a collective save of DTensors (``Shard(0)`` and ``Replicate``) on a 1-D mesh,
+so every rank writes files of its own. Each rank records what it raised (type, message,
+failed ranks, seconds) in a JSON file; the test compares them across ranks: all ranks raise
+a :class:`DistributedCheckpointError` with the same summary naming the failed rank, within
+a bounded time (a dead rank is noticed when its connection closes, long before
+``SHARDPOINT_COLLECTIVE_TIMEOUT``), nothing is committed, the previous checkpoint still
+loads bit for bit, and no temporary directory is left (or, when the coordinator itself was
+killed, the next save removes it). ``tests/test_distributed.py`` already covers a rank
+failing its write on 2 ranks (sync, async, both layouts, overwrite).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardpoint as sp
+from _dist_utils import run_ranks
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed"),
+]
+
+WORLD = 3
+ROWS = 4  # rows of the sharded tensor per rank
+BOUND_S = 30.0  # how long a rank may take to notice that a peer died (the timeout is 600 s)
+
+
+def reference(version: int) -> dict[str, torch.Tensor]:
+    return {
+        "w": torch.arange(WORLD * ROWS * 8, dtype=torch.float32).reshape(WORLD * ROWS, 8) + 1000 * version,
+        "b": torch.arange(6, dtype=torch.float32) + version,
+    }
+
+
+def sharded(version: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    ref = reference(version)
+    return {"w": distribute_tensor(ref["w"], mesh, [Shard(0)]), "b": distribute_tensor(ref["b"], mesh, [Replicate()])}
+
+
+def record(root: Path, name: str, rank: int, run: Callable[[], Any]) -> None:
+    """Run ``run`` and write what it raised to ``root/name-r<rank>.json``."""
+    started = time.monotonic()
+    doc: dict[str, Any] = {"ok": True}
+    try:
+        run()
+    except Exception as exc:
+        doc = {
+            "ok": False,
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "failed": sorted(getattr(exc, "failed_ranks", {})),
+            "checkpoint_error": isinstance(exc, sp.CheckpointError),
+        }
+    doc["seconds"] = time.monotonic() - started
+    (root / f"{name}-r{rank}.json").write_text(json.dumps(doc))
+
+
+def outcomes(root: Path, name: str, ranks: list[int]) -> list[dict[str, Any]]:
+    return [json.loads((root / f"{name}-r{r}.json").read_text()) for r in ranks]
+
+
+def assert_same_error(docs: list[dict[str, Any]], victim: int, text: str, where: str) -> None:
+    """Every rank raised a DistributedCheckpointError naming ``victim`` with the same summary."""
+    for doc in docs:
+        assert doc["ok"] is False, f"{where}: a rank did not raise: {doc}"
+        assert doc["type"] == "DistributedCheckpointError" and doc["checkpoint_error"], (where, doc)
+        assert doc["failed"] == [victim], (where, doc)
+        assert f"failed on rank {victim} (rank {victim}: " in doc["message"], (where, doc)
+        assert text in doc["message"], (where, text, doc)
+        assert doc["seconds"] < BOUND_S, (where, doc)
+    summaries = {doc["message"].splitlines()[0] for doc in docs}
+    assert len(summaries) == 1, f"{where}: the ranks disagree: {summaries}"
+
+
+def load_exact(path: Path, version: int, where: str) -> None:
+    loaded = sp.load(path)
+    for key, expected in reference(version).items():
+        assert torch.equal(loaded[key], expected), f"{where}: {key} is not version {version}"
+
+
+def tmp_entries(root: Path) -> list[str]:
+    return sorted(n for n in os.listdir(root) if ".tmp-" in n)
+
+
+# ------------------------------------------------------------------ a rank raises
+
+
+class Injected(RuntimeError):
+    pass
+
+
+def raise_worker(rank: int, world: int, root_str: str) -> None:
+    import torch.distributed as dist
+
+    import shardpoint._distributed.save as collective
+    from shardpoint._storage import local as sp_local
+
+    root = Path(root_str)
+    sp.save(sharded(1), root / "previous")
+    state = sharded(2)
+
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise Injected(f"injected on rank {rank}")
+
+    def eio_rename(*args: Any) -> int:
+        import ctypes
+        import errno
+
+        ctypes.set_errno(errno.EIO)
+        return -1
+
+    # (name, victim rank, module, attribute, replacement, how the save is called)
+    cases: list[tuple[str, int, Any, str, Any, str]] = [
+        ("plan", 1, collective, "_plan_local", fail, "sync"),
+        ("plan-async", 2, collective, "_plan_local", fail, "async"),
+        ("write", 2, collective, "write_files", fail, "sync"),
+        ("write-hf", 1, collective, "write_files", fail, "hf"),
+        ("commit", 0, collective, "write_manifest", fail, "sync"),
+        ("commit-async", 0, collective, "write_manifest", fail, "async"),
+        ("commit-rename-eio", 0, sp_local, "_renameat2", eio_rename, "overwrite"),
+    ]
+    for name, victim, module, attr, replacement, how in cases:
+        target = root / ("previous" if how == "overwrite" else name)
+        real = getattr(module, attr)
+        if rank == victim:
+            setattr(module, attr, replacement)
+        try:
+            if how == "async":
+                record(root, name, rank, lambda t=target: sp.async_save(state, t).result())
+            elif how == "hf":
+                record(root, name, rank, lambda t=target: sp.save(state, t, layout="hf"))
+            else:
+                record(root, name, rank, lambda t=target, o=how == "overwrite": sp.save(state, t, overwrite=o))
+        finally:
+            setattr(module, attr, real)
+        dist.barrier()  # every rank has finished this case (the coordinator has cleaned up)
+
+    # Opening the directory fails on the coordinator alone: a plain file is in the way.
+    if rank == 0:
+        (root / "blocked").write_text("not a checkpoint")
+    dist.barrier()
+    record(root, "open", rank, lambda: sp.save(state, root / "blocked", overwrite=True))
+    dist.barrier()
+    sp.save(state, root / "after")  # the group still works
+
+
+def test_a_rank_raising_in_each_phase_fails_every_rank_alike(tmp_path: Path) -> None:
+    run_ranks(raise_worker, WORLD, str(tmp_path), timeout=240)
+    ranks = list(range(WORLD))
+    expected = {
+        "plan": (1, "planning the save", "Injected: injected on rank 1"),
+        "plan-async": (2, "planning the save", "Injected: injected on rank 2"),
+        "write": (2, "writing the checkpoint files", "Injected: injected on rank 2"),
+        "write-hf": (1, "writing the checkpoint files", "Injected: injected on rank 1"),
+        "commit": (0, "committing the checkpoint", "Injected: injected on rank 0"),
+        "commit-async": (0, "committing the checkpoint", "Injected: injected on rank 0"),
+        "commit-rename-eio": (0, "committing the checkpoint", "Input/output error"),
+        "open": (0, "creating the checkpoint directory", "exists and is not a shardpoint checkpoint"),
+    }
+    for name, (victim, phase, text) in expected.items():
+        docs = outcomes(tmp_path, name, ranks)
+        assert_same_error(docs, victim, text, name)
+        assert docs[0]["message"].startswith(f"{phase} failed on rank {victim}"), docs[0]
+        if name not in ("commit-rename-eio", "open"):
+            assert not (tmp_path / name).exists(), f"{name}: something was committed"
+    load_exact(tmp_path / "previous", 1, "after a failed overwrite")
+    load_exact(tmp_path / "after", 2, "the save after the faults")
+    assert (tmp_path / "blocked").read_text() == "not a checkpoint"
+    assert tmp_entries(tmp_path) == []
+
+
+# -------------------------------------------------------------------- a rank dies
+
+
+def kill_worker(rank: int, world: int, root_str: str, victim: int, where: str) -> None:
+    """``victim`` SIGKILLs itself at ``where``: mid-write (after its first data write), also
+    with the coordinator held back until it is dead, or in the coordinator's commit (the
+    manifest being written, before the rename)."""
+    import torch.distributed as dist
+
+    import shardpoint._distributed.save as collective
+    from shardpoint._io import transfer
+
+    root = Path(root_str)
+    sp.save(sharded(1), root / "previous")
+    pids: list[Any] = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    state = sharded(2)
+    if rank == 0 and where == "write-first":
+        # The coordinator reaches its report only once the victim is dead (a pidfd becomes
+        # readable when the process exits): the "already gone" order, every time.
+        real_write = collective.write_files
+
+        def write_after_victim_died(*args: Any, **kwargs: Any) -> Any:
+            out = real_write(*args, **kwargs)
+            pidfd = os.pidfd_open(pids[victim])
+            try:
+                ready, _, _ = select.select([pidfd], [], [], 60)
+                assert ready, "the victim did not die"
+            finally:
+                os.close(pidfd)
+            return out
+
+        collective.write_files = write_after_victim_died  # type: ignore[assignment]
+    if rank == victim and where.startswith("write"):
+        real_pwrite = transfer._pwrite_all
+
+        def pwrite_then_die(fd: int, view: memoryview, offset: int) -> None:
+            real_pwrite(fd, view, offset)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        transfer._pwrite_all = pwrite_then_die  # type: ignore[assignment]
+    if rank == victim and where == "commit":
+        real_manifest = collective.write_manifest
+
+        def manifest_then_die(txn: Any, *args: Any, **kwargs: Any) -> None:
+            real_manifest(txn, *args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        collective.write_manifest = manifest_then_die  # type: ignore[assignment]
+    record(root, "killed", rank, lambda: sp.save(state, root / "previous", overwrite=True))
+    # No collective after this: a peer is dead. Leave without waiting for one.
+
+
+@pytest.mark.parametrize(
+    ("victim", "where"),
+    [(2, "write"), (2, "write-first"), (0, "commit")],
+    ids=["rank2-mid-write", "rank2-dead-before-the-coordinator-reports", "coordinator-mid-commit"],
+)
+def test_a_rank_killed_mid_save_fails_the_others_promptly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, victim: int, where: str
+) -> None:
+    monkeypatch.setenv("SHARDPOINT_COLLECTIVE_TIMEOUT", "600")
+    run_ranks(kill_worker, WORLD, str(tmp_path), victim, where, timeout=180, may_be_killed=[victim])
+    survivors = [r for r in range(WORLD) if r != victim]
+    docs = outcomes(tmp_path, "killed", survivors)
+    text = "stopped responding: its process died or dropped the connection"
+    if victim == 0:
+        text = "the coordinator stopped responding"
+    assert_same_error(docs, victim, text, f"rank {victim} killed in {where}")
+    assert not (tmp_path / f"killed-r{victim}.json").exists()
+    load_exact(tmp_path / "previous", 1, "after the kill")  # the overwrite never committed
+    if victim != 0:
+        assert tmp_entries(tmp_path) == []  # the coordinator cleaned up before raising
+    else:
+        assert len(tmp_entries(tmp_path)) == 1  # the dead coordinator's, manifest and all
+        with pytest.raises(sp.IncompleteCheckpointError):
+            sp.load(tmp_path / tmp_entries(tmp_path)[0])
+        sp.save(reference(3), tmp_path / "previous", overwrite=True)  # the next save cleans up
+        assert tmp_entries(tmp_path) == []
+        load_exact(tmp_path / "previous", 3, "the next save")
+
+
+# -------------------------------------------------------------------- a rank hangs
+
+
+def hang_worker(rank: int, world: int, root_str: str) -> None:
+    """Rank 1 stops (a stuck disk) in its write for longer than the collective timeout."""
+    import shardpoint._distributed.save as collective
+
+    root = Path(root_str)
+    state = sharded(2)
+    if rank == 1:
+        real = collective.write_files
+
+        def stuck(*args: Any, **kwargs: Any) -> Any:
+            threading.Event().wait(5)  # nothing sets it: the rank is stuck for 5 s
+            return real(*args, **kwargs)
+
+        collective.write_files = stuck  # type: ignore[assignment]
+    record(root, "hang", rank, lambda: sp.save(state, root / "ckpt"))
+
+
+def test_a_hanging_rank_is_given_up_on_after_the_collective_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SHARDPOINT_COLLECTIVE_TIMEOUT", "2")
+    run_ranks(hang_worker, WORLD, str(tmp_path), timeout=120)
+    coordinator, stuck, other = outcomes(tmp_path, "hang", [0, 1, 2])
+    # The coordinator names the rank that did not report in time...
+    assert coordinator["failed"] == [1], coordinator
+    assert "rank 1: sent no report within 2 s" in coordinator["message"], coordinator
+    assert 2 <= coordinator["seconds"] < BOUND_S, coordinator
+    # ...and gloo then closes all its connections, so the others learn only that the
+    # coordinator gave up (its error names the hung rank): every rank fails, none hangs.
+    for doc in (stuck, other):
+        assert doc["type"] == "DistributedCheckpointError" and 0 in doc["failed"], doc
+        assert "the coordinator stopped responding" in doc["message"], doc
+        assert doc["seconds"] < BOUND_S, doc
+    assert not (tmp_path / "ckpt").exists()
+    assert tmp_entries(tmp_path) == []
