@@ -126,8 +126,8 @@ def test_golden_bytes_of_a_tiny_file(tmp_path):
     (n,) = struct.unpack("<Q", raw[:8])
     header = raw[8 : 8 + n]
     expected = (
-        '{"__metadata__":{"format":"pt","shardpoint.save_id":"%s"},'
-        '"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}' % info.save_id
+        f'{{"__metadata__":{{"format":"pt","shardpoint.save_id":"{info.save_id}"}},'
+        '"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
     ).encode()
     assert header.rstrip(b" ") == expected
     assert (8 + n) % 8 == 0

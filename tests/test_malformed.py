@@ -242,8 +242,7 @@ FILE_CASES = [
     pytest.param(
         _st(
             (
-                '{"w": %s, "w": %s}'
-                % (json.dumps(_f32([2], [0, 8])), json.dumps(_f32([2], [0, 8])))
+                f'{{"w": {json.dumps(_f32([2], [0, 8]))}, "w": {json.dumps(_f32([2], [0, 8]))}}}'
             ).encode(),
             EIGHT,
         ),

@@ -28,7 +28,7 @@ def test_a_dominant_replicated_tensor_is_shared_by_every_rank(world):
     state = [_plan("embed", (32000, 512)), *(_plan(f"layer{i}", (512, 512)) for i in range(40)), _plan("norm", (512,))]
     whole = _writer_bytes([list(state) for _ in range(world)])
     assert max(whole) > 1.5 * min(whole)  # whole tensors cannot balance this state
-    split = split_replicated([list(state) for _ in range(world)])
+    split = split_replicated([list(state) for _ in range(world)], min_piece_bytes=1 << 20)
     load = _writer_bytes(split)
     assert sum(load) == sum(p.nbytes for p in state)
     assert max(load) <= 1.10 * min(load), load
@@ -36,7 +36,7 @@ def test_a_dominant_replicated_tensor_is_shared_by_every_rank(world):
 
 def test_pieces_tile_each_tensor_exactly_once():
     embed = _plan("embed", (10, 3))
-    split = split_replicated([[embed], [embed], [embed], [embed]])
+    split = split_replicated([[embed], [embed], [embed], [embed]], min_piece_bytes=1)
     rows = sorted((p.offsets[0], p.shape[0]) for ranks in split for p in ranks)
     assert rows == [(0, 3), (3, 3), (6, 2), (8, 2)]
     assert all(len(ranks) == 1 for ranks in split)  # piece j lives only with holder j
@@ -47,13 +47,21 @@ def test_sharded_small_and_one_row_chunks_stay_whole():
     shard0 = ChunkPlan("model", "w", "F32", (4, 4), (0, 0), (2, 4), 32)
     shard1 = ChunkPlan("model", "w", "F32", (4, 4), (2, 0), (2, 4), 32)
     row = _plan("bias", (1, 4096))
-    split = split_replicated([[shard0, row], [shard1, row]])
+    split = split_replicated([[shard0, row], [shard1, row]], min_piece_bytes=1)
     assert split == [[shard0, row], [shard1, row]]
+
+
+def test_no_piece_below_the_minimum_size():
+    big = _plan("e", (1000, 1024))  # 4 MB
+    assert split_replicated([[big], [big]], min_piece_bytes=4 << 20) == [[big], [big]]  # tiny: whole
+    pieces = split_replicated([[big] for _ in range(4)], min_piece_bytes=1 << 20)
+    assert [len(r) for r in pieces] == [1, 1, 1, 0]  # 3 pieces of >= 1 MiB, not 4 smaller ones
+    assert sum(p.nbytes for r in pieces for p in r) == big.nbytes
 
 
 def test_more_holders_than_rows():
     tiny = _plan("t", (2, 1000))
-    split = split_replicated([[tiny] for _ in range(4)])
+    split = split_replicated([[tiny] for _ in range(4)], min_piece_bytes=1)
     assert [[(p.offsets, p.shape) for p in ranks] for ranks in split] == [
         [((0, 0), (1, 1000))], [((1, 0), (1, 1000))], [], []
     ]

@@ -24,7 +24,7 @@ def _assert_same(a, b, path="state"):
             _assert_same(a[k], b[k], f"{path}[{k!r}]")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=False)):
             _assert_same(x, y, f"{path}[{i}]")
     elif isinstance(a, float) and math.isnan(a):
         assert math.isnan(b), path

@@ -246,9 +246,12 @@ class CheckpointManager:
             kwargs["process_group"] = self.process_group
         path = self.step_path(step)
         if self.async_save:
-            handle = async_save(
-                state, path, on_commit=lambda info: coordinator and self._after_commit(step), **kwargs
-            )
+
+            def on_commit(info: SaveInfo) -> None:
+                if coordinator:
+                    self._after_commit(step)
+
+            handle = async_save(state, path, on_commit=on_commit, **kwargs)
             self._pending, self._pending_step = handle, step
             return handle
         from ._api import save

@@ -18,7 +18,6 @@ import torch
 from ._distributed.group import Group, local_chunk
 from ._flatten import WRAPPER_TYPES, tree_tensor_names, unflatten_state
 from ._format.manifest import ComponentRecord, TensorRecord
-from ._io.memory import empty_for_read
 from ._io.transfer import ReadTask, run_reads
 from ._knobs import knobs
 from ._planning.chunks import byte_runs, intersect
@@ -92,8 +91,8 @@ class ReadBatch:
             entry = self.ckpt.entry(chunk, record.dtype, label)
             box_offsets, box_shape = box
             covered += math.prod(box_shape)
-            view = dest[tuple(slice(o - t, o - t + n) for o, t, n in zip(box_offsets, offsets, box_shape))]
-            relative = tuple(o - c for o, c in zip(box_offsets, chunk.offsets))
+            view = dest[tuple(slice(o - t, o - t + n) for o, t, n in zip(box_offsets, offsets, box_shape, strict=False))]
+            relative = tuple(o - c for o, c in zip(box_offsets, chunk.offsets, strict=False))
             whole = box_shape == chunk.shape
             if view.is_contiguous():
                 # Straight into the destination (a GPU tensor is filled through the
@@ -137,7 +136,7 @@ class ReadBatch:
         """A new tensor that will hold ``record`` once the batch has run."""
         stored = self.ckpt.entry(record.chunks[0], record.dtype, label).dtype
         want = dtype if (dtype is not None and stored.is_floating_point) else stored
-        dest = empty_for_read(record.shape, dtype=want, device=device)
+        dest = torch.empty(record.shape, dtype=want, device=device)
         self.fill(record, dest, label)
         return dest
 
@@ -331,6 +330,17 @@ def _assign(module: torch.nn.Module, name: str, value: torch.Tensor) -> bool:
     return False
 
 
+def _item_setter(
+    container: MutableMapping[Any, Any] | MutableSequence[Any], key: Any
+) -> Callable[[Any], None]:
+    """A callback that stores its argument as ``container[key]``."""
+
+    def store(value: Any) -> None:
+        container.__setitem__(key, value)
+
+    return store
+
+
 def _placement(
     key: str, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None,
     device_map: Mapping[str, Any],
@@ -417,7 +427,7 @@ class _Planner:
                     device, dtype = self.placement(key, tensor)
                     if device.type == "meta":
                         continue  # the device map keeps it off this process
-                    new = empty_for_read(tensor.shape, dtype=dtype, device=device)
+                    new = torch.empty(tensor.shape, dtype=dtype, device=device)
                     self.batch.fill(record, new, stored)
                     value = (
                         torch.nn.Parameter(new, requires_grad=tensor.requires_grad)
@@ -426,13 +436,17 @@ class _Planner:
                     )
                     materialized[id(tensor)] = value
                 for k in [key, *(t for t, twin in tied.items() if twin == key)]:
-                    self.post.append(lambda m=module, k=k, v=value: _assign(m, k, v) or
-                                     m.load_state_dict({k: v}, strict=False, assign=True))
+
+                    def put(m: torch.nn.Module = module, k: str = k, v: torch.Tensor = value) -> None:
+                        if not _assign(m, k, v):
+                            m.load_state_dict({k: v}, strict=False, assign=True)
+
+                    self.post.append(put)
                 continue
             if any(_same_memory(tensor, f) for f in filled):
                 continue  # tied to a tensor already being filled
             filled.append(tensor)
-            global_shape, offsets, local = local_chunk(tensor)
+            _global_shape, offsets, local = local_chunk(tensor)
             self.batch.fill(record, local.detach(), stored, offsets)
 
     def node(self, target: Any, node: dict[str, Any], comp: ComponentRecord, path: str,
@@ -450,11 +464,11 @@ class _Planner:
             if kind != "optimizer":
                 raise LoadMismatchError(f"{self.ckpt.location}: {path!r} was not saved from an optimizer")
             by_name = node.get("by_name", False)
-            names = self.param_names
+            param_names = self.param_names
             where = f"{self.ckpt.location}, {path}"
 
             def load_optimizer(value: Any, opt: torch.optim.Optimizer = target) -> None:
-                sd = optimizer_state_for(opt, value, names, where=where) if by_name else value
+                sd = optimizer_state_for(opt, value, param_names, where=where) if by_name else value
                 opt.load_state_dict(sd)
 
             self.build(comp, node, load_optimizer, path)
@@ -474,16 +488,14 @@ class _Planner:
                 saved_keys.add(key)
                 child_path = f"{path}.{key}" if path else str(key)
                 if key in target:
-                    self.node(target[key], child, comp, child_path,
-                              lambda v, t=target, k=key: t.__setitem__(k, v))
+                    self.node(target[key], child, comp, child_path, _item_setter(target, key))
                 else:
-                    self.build(comp, child, lambda v, t=target, k=key: t.__setitem__(k, v), child_path)
+                    self.build(comp, child, _item_setter(target, key), child_path)
             self.missing.extend(f"{path}.{k}" if path else str(k) for k in target if k not in saved_keys)
             return
         if isinstance(target, MutableSequence) and inner.get("type") in ("list", "tuple") and len(target) == len(inner["items"]):
             for i, child in enumerate(inner["items"]):
-                self.node(target[i], child, comp, f"{path}.{i}",
-                          lambda v, t=target, k=i: t.__setitem__(k, v))
+                self.node(target[i], child, comp, f"{path}.{i}", _item_setter(target, i))
             return
         if setter is None:
             raise InvalidStateError(

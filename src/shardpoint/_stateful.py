@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 
@@ -64,12 +64,12 @@ def optimizer_state_by_name(optimizer: torch.optim.Optimizer, names: Mapping[int
     if any(not n for g in group_names for n in g):
         return Tagged("optimizer", sd, {"by_name": False})
     id_to_name = {}
-    for saved_group, gnames in zip(sd["param_groups"], group_names):
-        for pid, name in zip(saved_group["params"], gnames):
+    for saved_group, gnames in zip(sd["param_groups"], group_names, strict=False):
+        for pid, name in zip(saved_group["params"], gnames, strict=False):
             id_to_name[pid] = name
     state = {id_to_name[pid]: value for pid, value in sd["state"].items()}
     groups = []
-    for saved_group, gnames in zip(sd["param_groups"], group_names):
+    for saved_group, gnames in zip(sd["param_groups"], group_names, strict=False):
         groups.append({**saved_group, "params": list(gnames)})
     return Tagged("optimizer", {"state": state, "param_groups": groups}, {"by_name": True})
 
@@ -90,7 +90,7 @@ def optimizer_state_for(
     groups = []
     pid = 0
     missing = []
-    for group, saved_group in zip(optimizer.param_groups, saved_groups):
+    for group, saved_group in zip(optimizer.param_groups, saved_groups, strict=False):
         ids = []
         for param in group["params"]:
             name = names.get(id(param))
@@ -156,7 +156,12 @@ class RNGState:
         except ImportError:  # pragma: no cover - numpy is a dependency
             pass
         else:
-            kind, keys, pos, has_gauss, cached = np.random.get_state()
+            # The legacy global generator is always MT19937, so ``legacy=True`` (the default)
+            # always returns the tuple; numpy's stubs type the call without ``legacy`` as the
+            # dict form and the call with it as either form.
+            kind, keys, pos, has_gauss, cached = cast(
+                "tuple[str, np.ndarray[Any, Any], int, int, float]", np.random.get_state(legacy=True)
+            )
             sd["numpy"] = {
                 "kind": kind,
                 "keys": torch.from_numpy(keys.astype("int64")),

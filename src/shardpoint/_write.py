@@ -44,7 +44,7 @@ def json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     if not isinstance(metadata, Mapping):
         raise InvalidStateError(f"metadata must be a dict of JSON values, not {type(metadata).__name__}")
     try:
-        return json.loads(json.dumps(dict(metadata), allow_nan=False))  # type: ignore[no-any-return]
+        return json.loads(json.dumps(dict(metadata), allow_nan=False))
     except (TypeError, ValueError) as exc:
         raise InvalidStateError(f"metadata must hold only JSON values (no nan/inf): {exc}") from None
 
@@ -87,7 +87,7 @@ def write_checkpoint(
         sizes = [(n, comp.tensors[n].numel() * comp.tensors[n].element_size()) for n in comp.stored]
         groups = plan_shards(sizes, max_shard_bytes)
         weight_map: dict[str, str] = {}
-        for fname, group in zip(shard_file_names(comp.name, len(groups)), groups):
+        for fname, group in zip(shard_file_names(comp.name, len(groups)), groups, strict=False):
             specs = []
             for key in group:
                 t = comp.tensors[key]

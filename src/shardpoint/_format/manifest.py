@@ -217,7 +217,7 @@ def parse_manifest(raw: bytes, *, where: str) -> Manifest:
                 cshape = _shape(ch.get("shape"), twhere, "chunk shape")
                 _need(
                     len(offs) == len(shape) == len(cshape)
-                    and all(o + s <= d for o, s, d in zip(offs, cshape, shape)),
+                    and all(o + s <= d for o, s, d in zip(offs, cshape, shape, strict=False)),
                     twhere,
                     f"chunk at {list(offs)} of shape {list(cshape)} does not fit shape {list(shape)}",
                 )

@@ -35,7 +35,8 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     if tensor.numel() == 0:
         return memoryview(b"")
     flat = tensor.detach().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    # ``ndarray.data`` is ``memoryview(array)``; numpy types ``__buffer__`` for Python 3.12+ only.
+    return flat.view(torch.uint8).numpy().data.cast("B")
 
 
 def contiguous_cpu(tensor: torch.Tensor) -> torch.Tensor:
@@ -170,7 +171,7 @@ def write_files(
                 for start, end in spans:
                     items.append((f.name, key, tensor, offset, start, end))
             per_file.append(items)
-        work = []
+        work: list[tuple[str, str, torch.Tensor, int, int, int]] = []
         for i in range(max((len(x) for x in per_file), default=0)):
             work.extend(items[i] for items in per_file if i < len(items))
 
@@ -330,7 +331,9 @@ def run_reads(
             slot, buffer = staging.take(max(staging_bytes, end - start), for_device=task.dest.device)
             view = byte_view(buffer)[: end - start]
         crc = 0
-        segment = cfg.io_segment_bytes
+        # Segments exist so that crc32c reads each one from cache; a piece with nothing to
+        # check goes in a single call (the progress bar then moves a piece at a time).
+        segment = cfg.io_segment_bytes if task.crc32c is not None else max(end - start, 1)
         for pos in range(0, end - start, segment):
             part = view[pos : pos + segment]
             _pread_all(fd, part, task.start + start + pos, name=task.name)

@@ -62,7 +62,9 @@ def assign_writers(plans: Sequence[Sequence[ChunkPlan]]) -> dict[tuple[str, str,
     return owner
 
 
-def split_replicated(plans: Sequence[Sequence[ChunkPlan]], *, pieces_per_rank: int = 8) -> list[list[ChunkPlan]]:
+def split_replicated(
+    plans: Sequence[Sequence[ChunkPlan]], *, pieces_per_rank: int = 8, min_piece_bytes: int = 4 << 20
+) -> list[list[ChunkPlan]]:
     """Cut large replicated chunks into one row piece per holder, so every rank writes a share.
 
     A chunk that several ranks hold (a DDP-replicated tensor, or ``Replicate()`` on a mesh
@@ -70,10 +72,12 @@ def split_replicated(plans: Sequence[Sequence[ChunkPlan]], *, pieces_per_rank: i
     bytes is split along dim 0 as evenly as its rows allow; piece ``j`` is kept only in the
     list of the ``j``-th holder, who alone will write it. Smaller chunks stay whole and are
     balanced by :func:`assign_writers`. Whole-tensor writers (one embedding is often a fifth
-    of a model) would otherwise leave the bytes per rank far apart.
+    of a model) would otherwise leave the bytes per rank far apart. No piece is smaller than
+    ``min_piece_bytes`` (fewer holders write when there are fewer such pieces): tiny states
+    are not worth more chunks.
 
     >>> w = ChunkPlan("model", "w", "F32", (4, 2), (0, 0), (4, 2), 32)
-    >>> [[(p.offsets, p.shape) for p in ranks] for ranks in split_replicated([[w], [w]])]
+    >>> [[(p.offsets, p.shape) for p in ranks] for ranks in split_replicated([[w], [w]], min_piece_bytes=1)]
     [[((0, 0), (2, 2))], [((2, 0), (2, 2))]]
     """
     holders: dict[tuple[str, str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
@@ -88,13 +92,13 @@ def split_replicated(plans: Sequence[Sequence[ChunkPlan]], *, pieces_per_rank: i
         for chunk in chunks:
             ranks = holders[chunk.ident]
             rows = chunk.shape[0] if chunk.shape else 0
-            if chunk.ident not in shared or chunk.nbytes <= threshold or rows < 2:
+            count = min(len(ranks), rows, chunk.nbytes // max(1, min_piece_bytes))
+            if chunk.ident not in shared or chunk.nbytes <= threshold or count < 2:
                 out[rank].append(chunk)
                 continue
-            count = min(len(ranks), rows)
             j = ranks.index(rank)
             if j >= count:
-                continue  # more holders than rows: the first `rows` holders write them
+                continue  # fewer pieces than holders: the first `count` holders write them
             base, extra = divmod(rows, count)
             start = j * base + min(j, extra)
             length = base + (1 if j < extra else 0)
