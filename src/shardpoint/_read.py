@@ -307,11 +307,12 @@ def load(
 # ----------------------------------------------------------------------------- load_into
 
 
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a is b:
-        return True
-    key = storage_key(a)
-    return key is not None and key == storage_key(b)
+def _identities(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """Keys under which two tensors are the same memory: the same object, or the same view
+    of the same storage (looked up in sets and dicts: a model of thousands of tensors must
+    not compare every pair)."""
+    key = storage_key(tensor)
+    return (id(tensor),) if key is None else (id(tensor), key)
 
 
 def _assign(module: torch.nn.Module, name: str, value: torch.Tensor) -> bool:
@@ -399,18 +400,22 @@ class _Planner:
                 self.mismatched.append((prefix + key, record.shape, tuple(tensor.shape)))
             else:
                 matched.append(key)
+        first_with: dict[Any, str] = {}
+        for m in matched:
+            for ident in _identities(targets[m]):
+                first_with.setdefault(ident, m)
         tied: dict[str, str] = {}  # target key absent from the checkpoint -> matched key it is tied to
         for key in targets:
             if key in names:
                 continue
-            twin = next((m for m in matched if _same_memory(targets[key], targets[m])), None)
+            twin = next((first_with[i] for i in _identities(targets[key]) if i in first_with), None)
             if twin is None:
                 self.missing.append(prefix + key)
             else:
                 tied[key] = twin
         self.unexpected.extend(prefix + k for k in names if k not in targets)
 
-        filled: list[torch.Tensor] = []
+        filled: set[Any] = set()
         materialized: dict[int, torch.Tensor] = {}
         for key in matched:
             tensor = targets[key]
@@ -443,9 +448,10 @@ class _Planner:
 
                     self.post.append(put)
                 continue
-            if any(_same_memory(tensor, f) for f in filled):
+            idents = _identities(tensor)
+            if any(i in filled for i in idents):
                 continue  # tied to a tensor already being filled
-            filled.append(tensor)
+            filled.update(idents)
             _global_shape, offsets, local = local_chunk(tensor)
             self.batch.fill(record, local.detach(), stored, offsets)
 
