@@ -110,6 +110,14 @@ def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
+def _parse_int(literal: str) -> int:
+    """JSON integers as the format's reference reader takes them: ``-0`` is a float there
+    (and no writer emits it), so it is refused here too (found by fuzzing against it)."""
+    if literal == "-0":
+        raise ValueError("-0 is not an integer")
+    return int(literal)
+
+
 class _DuplicateKey(Exception):
     def __init__(self, key: str) -> None:
         self.key = key
@@ -122,7 +130,7 @@ def parse_json_object(raw: bytes, *, where: str) -> dict[str, Any]:
     except UnicodeDecodeError as exc:
         raise CorruptCheckpointError(f"{where} is not valid UTF-8 ({exc}); the file is damaged") from None
     try:
-        value = json.loads(text, object_pairs_hook=_reject_duplicates)
+        value = json.loads(text, object_pairs_hook=_reject_duplicates, parse_int=_parse_int)
     except _DuplicateKey as dup:
         raise CorruptCheckpointError(
             f"{where} has the key {dup.key!r} twice; the file is damaged or forged"
