@@ -95,3 +95,14 @@ def test_single_pt_file_and_refusals(tmp_path):
     torch.save({"w": torch.ones(1), "obj": Opaque()}, tmp_path / "evil.bin")
     with pytest.raises(sp.UnsafePickleError, match=r"evil.bin cannot be loaded with weights_only=True.*shardpoint convert SRC DST --trust-pickle"):
         sp.load(tmp_path / "evil.bin")
+
+
+def test_a_safetensors_sibling_is_read_instead_of_the_pickle(tmp_path):
+    sd = {"w": torch.arange(4.0)}
+    torch.save({"w": torch.zeros(4)}, tmp_path / "model.pt")  # differs: shows which file was read
+    sp.save(sd, tmp_path / "ck")
+    os.rename(tmp_path / "ck" / "model.safetensors", tmp_path / "model.safetensors")
+    assert sp.load(tmp_path / "model.pt")["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    target = {"w": torch.full((4,), float("nan"))}
+    sp.load_into(target, tmp_path / "model.pt")
+    assert target["w"].tolist() == [0.0, 1.0, 2.0, 3.0]

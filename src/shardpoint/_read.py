@@ -23,7 +23,7 @@ from ._knobs import knobs
 from ._planning.chunks import byte_runs, intersect
 from ._prepare import storage_key
 from ._progress import byte_progress
-from ._read_pickled import is_pickled_weights, load_pickled, load_pickled_into
+from ._read_pickled import is_pickled_weights, load_pickled, load_pickled_into, safetensors_sibling
 from ._sizes import parse_size
 from ._source import Checkpoint, open_checkpoint
 from ._stateful import Stateful, find_modules, optimizer_state_for, parameter_names
@@ -258,6 +258,7 @@ def load(
         >>> sp.load(d)["w"].tolist()
         [0.0, 1.0, 2.0, 3.0]
     """
+    path = safetensors_sibling(path)
     if is_pickled_weights(path):
         if mmap:
             raise CheckpointError(f"{os.fspath(path)} holds .bin (torch.save) weights; mmap=True needs safetensors")
@@ -609,6 +610,7 @@ def _load_into(
     staging_bytes: int | None,
     storage_options: Mapping[str, Any] | None = None,
 ) -> LoadResult:
+    path = safetensors_sibling(path)
     if is_pickled_weights(path):
         return load_pickled_into(
             target, path, strict=strict,

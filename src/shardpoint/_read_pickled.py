@@ -31,6 +31,16 @@ from .errors import (
 Placement = Callable[[str, torch.Tensor], tuple[torch.device, torch.dtype]]
 
 
+def safetensors_sibling(path: str | os.PathLike[str]) -> str | os.PathLike[str]:
+    """``model.safetensors`` for a local ``model.pt`` / ``.bin`` that has one beside it (the
+    same weights, read without unpickling); otherwise ``path`` itself."""
+    location = os.fspath(path)
+    stem, suffix = os.path.splitext(location)
+    if "://" not in location and suffix in (".pt", ".pth", ".bin") and os.path.isfile(stem + ".safetensors"):
+        return stem + ".safetensors"
+    return path
+
+
 def is_pickled_weights(path: str | os.PathLike[str]) -> bool:
     """True for a local ``.bin`` / ``.pt`` file or an HF directory of ``.bin`` weights only."""
     from ._stream_source import resolve_source
