@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,40 +25,11 @@ import torch
 from torch import nn
 
 import shardpoint as sp
-from _s3_server import SeaweedS3, ServerUnavailable, TcpProxy
+from _s3_server import SeaweedS3, TcpProxy
 
 s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed (pip install 'shardpoint[s3]')")
 
 MiB = 1 << 20
-
-
-@pytest.fixture(scope="session")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
-    try:
-        server = SeaweedS3.start(tmp_path_factory.mktemp("seaweedfs"))
-    except ServerUnavailable as exc:
-        pytest.skip(f"the SeaweedFS S3 server cannot start here: {exc}")
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def opts(s3: SeaweedS3) -> dict[str, Any]:
-    return s3.storage_options()
-
-
-@pytest.fixture
-def fs(s3: SeaweedS3) -> Any:
-    return s3.filesystem()
-
-
-@pytest.fixture
-def url(s3: SeaweedS3, request: pytest.FixtureRequest) -> str:
-    """A fresh prefix in the bucket for this test."""
-    name = re.sub(r"[^A-Za-z0-9_-]", "-", request.node.name)[:60]
-    return f"s3://{s3.bucket}/{name}-{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture

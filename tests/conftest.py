@@ -1,0 +1,42 @@
+"""Shared fixtures: one real S3 server (SeaweedFS on loopback) for the whole session, used
+by ``test_remote.py`` and ``test_remote_faults.py``."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from _s3_server import SeaweedS3, ServerUnavailable
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
+    try:
+        server = SeaweedS3.start(tmp_path_factory.mktemp("seaweedfs"))
+    except ServerUnavailable as exc:
+        pytest.skip(f"the SeaweedFS S3 server cannot start here: {exc}")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def opts(s3: SeaweedS3) -> dict[str, Any]:
+    return s3.storage_options()
+
+
+@pytest.fixture
+def fs(s3: SeaweedS3) -> Any:
+    return s3.filesystem()
+
+
+@pytest.fixture
+def url(s3: SeaweedS3, request: pytest.FixtureRequest) -> str:
+    """A fresh prefix in the bucket for this test."""
+    name = re.sub(r"[^A-Za-z0-9_-]", "-", request.node.name)[:60]
+    return f"s3://{s3.bucket}/{name}-{uuid.uuid4().hex[:8]}"

@@ -1,0 +1,398 @@
+"""Faults at every step of a save to S3, against the real S3 server (SeaweedFS) on loopback.
+
+The server is real (the session fixtures of ``test_remote.py``). Faults are injected by
+wrapping, on the very s3fs filesystem instance shardpoint uses (fsspec caches it per
+``storage_options``), the three calls through which a save writes to the store:
+``pipe_file`` (the pending marker, indexes, manifest, ``latest``), ``open(..., "wb")`` (one
+per data object upload) and ``rm_file`` (every deletion). Nothing of S3 is mocked: every
+call that is not the faulted one goes to the server. Only calls on objects under the test's
+prefix count as steps. A dry run lists the steps of a fault-free save; the fault is then
+walked through each of them, once per action:
+
+- ``runtime``: a plain ``InjectedError`` instead of the call (a bug in our code or a
+  callback): it passes through shardpoint unchanged;
+- ``denied``: ``PermissionError`` (what s3fs raises for a 403) instead of the call: a
+  permanent storage error, raised at once as ``StorageError`` naming the object's URL;
+- ``kill`` (in a child process): ``SIGKILL`` to itself before or after the call.
+
+Uploads run one at a time (``SHARDPOINT_REMOTE_THREADS=1``) so the steps come in the same
+order on every run.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+
+import shardpoint as sp
+from test_remote import keys_under, tensors_equal
+
+pytest.importorskip("s3fs", reason="s3fs is not installed (pip install 'shardpoint[s3]')")
+
+
+class InjectedError(RuntimeError):
+    pass
+
+
+class S3Faults:
+    """Count the writes and deletions under ``url``; fire ``action`` at step ``at`` (1-based)."""
+
+    def __init__(self, url: str, options: dict[str, Any], *, at: int | None = None, action: str = "runtime") -> None:
+        self.fs = fsspec.core.url_to_fs(url, **options)[0]  # the cached instance shardpoint gets
+        self.root = url.removeprefix("s3://").rstrip("/")
+        self.at = at
+        self.action = action
+        self.steps: list[str] = []
+        self.fired: str | None = None
+        self.fired_name: str | None = None
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        real_pipe, real_open, real_rm = self.fs.pipe_file, self.fs.open, self.fs.rm_file
+
+        def pipe_file(path: str, value: Any, *args: Any, **kwargs: Any) -> Any:
+            self._step("put", path)
+            return real_pipe(path, value, *args, **kwargs)
+
+        def open_(path: str, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:
+            if "w" in mode:
+                self._step("upload", path)
+            return real_open(path, mode, *args, **kwargs)
+
+        def rm_file(path: str, *args: Any, **kwargs: Any) -> Any:
+            self._step("delete", path)
+            return real_rm(path, *args, **kwargs)
+
+        monkeypatch.setattr(self.fs, "pipe_file", pipe_file)
+        monkeypatch.setattr(self.fs, "open", open_)
+        monkeypatch.setattr(self.fs, "rm_file", rm_file)
+
+    def _step(self, verb: str, path: str) -> None:
+        path = str(path)
+        if not path.startswith(self.root + "/"):
+            return
+        name = path[len(self.root) + 1 :]
+        label = f"{verb} {name}"
+        self.steps.append(label)
+        if self.at is None or len(self.steps) != self.at:
+            return
+        self.fired, self.fired_name = label, name
+        if self.action == "runtime":
+            raise InjectedError(f"injected at step {self.at} ({label})")
+        if self.action == "denied":
+            raise PermissionError(errno.EACCES, "Access Denied (injected)", path)
+        raise AssertionError(self.action)
+
+
+def no_open_multipart_uploads(fs: Any, url: str) -> bool:
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    return not [u for u in fs.list_multipart_uploads(bucket) if u["Key"].startswith(prefix)]
+
+
+def check_error(exc: BaseException, faults: S3Faults, url: str, action: str) -> None:
+    """The error a failed save raised names the cause and the object."""
+    text = str(exc)
+    if action == "runtime":
+        assert isinstance(exc, InjectedError) and faults.fired in text, text
+    else:
+        assert isinstance(exc, sp.StorageError), repr(exc)
+        verb = {"put": "writing", "upload": "uploading", "delete": "deleting"}[faults.fired.split()[0]]
+        assert f"{verb} {url}/{faults.fired_name} failed: PermissionError" in text, text
+        assert "Access Denied (injected)" in text and "check the credentials" in text, text
+
+
+A = {f"t{i}": torch.full((100,), float(i)) for i in range(3)}  # 3 objects of 500 bytes max
+B = {"t0": torch.randn(100, generator=torch.Generator().manual_seed(1)), "t1": torch.arange(100.0)}
+A_KEYS = sorted([f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)] + ["model.safetensors.index.json", "shardpoint.json"])
+B_KEYS = sorted([f"model-0000{i}-of-00002.safetensors" for i in (1, 2)] + ["model.safetensors.index.json", "shardpoint.json"])
+
+
+@pytest.fixture
+def one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHARDPOINT_REMOTE_THREADS", "1")
+
+
+# ----------------------------------------------------------------- every step of a save
+
+
+@pytest.mark.parametrize("action", ["runtime", "denied"])
+@pytest.mark.parametrize("scenario", ["first-save", "overwrite"])
+def test_exception_at_every_step_of_an_s3_save(
+    scenario: str, action: str, url: str, opts: dict[str, Any], fs: Any, monkeypatch: pytest.MonkeyPatch, one_thread: None
+) -> None:
+    """First save: a fault before the manifest leaves nothing at all. Overwrite (not atomic
+    on an object store, see docs/design.md): a fault before the old manifest is deleted
+    leaves the old checkpoint loading bit-exactly; a later one leaves a prefix that refuses
+    to load (marker present whenever anything is). A fault at the marker's deletion after
+    the commit is ignored (the manifest wins). The next save always cleans up."""
+
+    def prepare(prefix: str) -> None:
+        if scenario == "overwrite":
+            sp.save(A, prefix, storage_options=opts, max_shard_size=500)
+            assert keys_under(fs, prefix) == A_KEYS
+
+    def save(prefix: str) -> None:
+        sp.save(B, prefix, storage_options=opts, max_shard_size=500, overwrite=scenario == "overwrite")
+
+    prefix = f"{url}/dry"
+    prepare(prefix)
+    with monkeypatch.context() as m:
+        dry = S3Faults(prefix, opts)
+        dry.install(m)
+        save(prefix)
+    steps = dry.steps
+    assert steps[0] == "put shardpoint.pending" and steps[-1] == "delete shardpoint.pending", steps
+    assert steps[-2] == "put shardpoint.json" and steps[-3] == "put model.safetensors.index.json", steps
+    assert sum(s.startswith("upload ") for s in steps) == 2, steps
+    if scenario == "overwrite":
+        assert steps[1] == "delete shardpoint.json" and len(steps) == 11, steps  # the manifest first
+    else:
+        assert len(steps) == 6, steps
+    commit = steps.index("put shardpoint.json") + 1
+
+    for at, label in enumerate(steps, start=1):
+        prefix = f"{url}/at{at}"
+        prepare(prefix)
+        faults = S3Faults(prefix, opts, at=at, action=action)
+        with monkeypatch.context() as m:
+            faults.install(m)
+            if at > commit:  # the marker's deletion after the commit: best effort
+                save(prefix)
+                caught = None
+            else:
+                with pytest.raises(Exception) as info:
+                    save(prefix)
+                caught = info.value
+        assert faults.fired == label, (faults.fired, label)
+        keys = keys_under(fs, prefix)
+        assert no_open_multipart_uploads(fs, prefix), label
+        if caught is None:
+            assert keys == sorted([*B_KEYS, "shardpoint.pending"]), (label, keys)
+            assert tensors_equal(sp.load(prefix, storage_options=opts), B), label
+        else:
+            check_error(caught, faults, prefix, action)
+            if scenario == "first-save":
+                assert keys == [], (label, keys)  # the failed save deleted all it uploaded
+                with pytest.raises(sp.CheckpointNotFoundError, match=f"{prefix} holds no objects"):
+                    sp.load(prefix, storage_options=opts)
+            elif "shardpoint.json" in keys:  # failed before the old manifest was deleted
+                assert at <= 2, label
+                assert set(keys) - {"shardpoint.pending"} == set(A_KEYS), (label, keys)
+                assert tensors_equal(sp.load(prefix, storage_options=opts), A), label
+            else:  # the old checkpoint is gone (documented); never loads as a mix
+                assert not keys or "shardpoint.pending" in keys, (label, keys)
+                assert not set(keys) & set(B_KEYS) - set(A_KEYS), (label, keys)  # nothing new left
+                with pytest.raises(sp.CheckpointError, match=f"{prefix} (holds no objects|is a save that never committed)"):
+                    sp.load(prefix, storage_options=opts)
+        # the next save cleans whatever is left and commits
+        sp.save(B, prefix, storage_options=opts, max_shard_size=500, overwrite=True)
+        assert keys_under(fs, prefix) == B_KEYS, label
+        assert tensors_equal(sp.load(prefix, storage_options=opts), B), label
+
+
+def test_a_manifest_put_that_succeeds_but_reports_an_error_commits_nothing(
+    url: str, opts: dict[str, Any], fs: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The manifest reached the server but the client saw an error (a lost response): the
+    save raises, and its clean-up deletes the manifest first, so nothing half-done loads."""
+    store_fs = fsspec.core.url_to_fs(url, **opts)[0]
+    real = store_fs.pipe_file
+
+    def pipe_file(path: str, value: Any, *args: Any, **kwargs: Any) -> Any:
+        result = real(path, value, *args, **kwargs)
+        if str(path).endswith("/shardpoint.json"):
+            raise PermissionError(errno.EACCES, "response lost (injected after the PUT)", path)
+        return result
+
+    monkeypatch.setattr(store_fs, "pipe_file", pipe_file)
+    with pytest.raises(sp.StorageError, match=rf"writing {url}/shardpoint.json failed: .*response lost"):
+        sp.save(A, url, storage_options=opts, max_shard_size=500)
+    assert keys_under(fs, url) == []
+    monkeypatch.undo()
+    sp.save(A, url, storage_options=opts, max_shard_size=500)
+    assert tensors_equal(sp.load(url, storage_options=opts), A)
+
+
+# --------------------------------------------------------------- every step of a manager save
+
+
+def _weights(step: int) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((64,), float(step)), "b": torch.arange(8.0) + step}
+
+
+@pytest.mark.parametrize("action", ["runtime", "denied"])
+def test_exception_at_every_step_of_a_manager_save_on_s3(
+    action: str, url: str, opts: dict[str, Any], fs: Any, monkeypatch: pytest.MonkeyPatch, one_thread: None
+) -> None:
+    """Steps 1 and 2 are committed (keep_last=2); step 3 is saved with a fault at each of
+    its steps: the upload, the manifest, the ``latest`` update, retention's deletion of step 1.
+    ``restore`` returns the newest committed step bit-exactly; the next save leaves exactly
+    the two newest steps and a ``latest`` naming the newest."""
+
+    def prepare(root: str) -> sp.CheckpointManager:
+        mgr = sp.CheckpointManager(root, keep_last=2, storage_options=opts)
+        for step in (1, 2):
+            mgr.save(step, {"model": _weights(step), "step": step})
+        return mgr
+
+    root = f"{url}/dry"
+    mgr = prepare(root)
+    with monkeypatch.context() as m:
+        dry = S3Faults(root, opts)
+        dry.install(m)
+        mgr.save(3, {"model": _weights(3), "step": 3})
+    steps = dry.steps
+    assert steps[:3] == ["put step-000003/shardpoint.pending", "upload step-000003/model.safetensors",
+                         "put step-000003/shardpoint.json"], steps
+    assert steps[3:5] == ["delete step-000003/shardpoint.pending", "put latest"], steps
+    assert steps[5] == "delete step-000001/shardpoint.json", steps  # retention: the manifest first
+    assert all(s.startswith("delete step-000001/") for s in steps[5:]), steps
+    commit = 3
+
+    for at, label in enumerate(steps, start=1):
+        root = f"{url}/at{at}"
+        mgr = prepare(root)
+        faults = S3Faults(root, opts, at=at, action=action)
+        with monkeypatch.context() as m:
+            faults.install(m)
+            if at == commit + 1:  # the marker's deletion after the commit is best effort
+                mgr.save(3, {"model": _weights(3), "step": 3})
+            else:
+                with pytest.raises(Exception) as info:
+                    mgr.save(3, {"model": _weights(3), "step": 3})
+                check_error(info.value, faults, root, action)
+        assert faults.fired == label
+        assert no_open_multipart_uploads(fs, root), label
+        fresh = sp.CheckpointManager(root, keep_last=2, storage_options=opts)
+        newest = 3 if at > commit else 2
+        assert fresh.latest_step() == newest, label
+        target = {"model": {k: torch.zeros_like(v) for k, v in _weights(0).items()}, "step": 0}
+        assert fresh.restore(target) == newest, label
+        assert target["step"] == newest and tensors_equal(target["model"], _weights(newest)), label
+        if at <= commit:
+            assert not [k for k in keys_under(fs, root) if k.startswith("step-000003/")], label
+            with pytest.raises(sp.CheckpointNotFoundError, match="step-000003 holds no objects"):
+                sp.load(f"{root}/step-000003", storage_options=opts)
+        # the next save finishes retention, removes the leftovers and moves `latest`
+        fresh.save(4, {"model": _weights(4), "step": 4})
+        assert fresh.steps() == [3, 4] if at > commit else [2, 4], label
+        keep = {"step-000003", "step-000004"} if at > commit else {"step-000002", "step-000004"}
+        keys = keys_under(fs, root)
+        assert {k.split("/")[0] for k in keys} == keep | {"latest"}, (label, keys)
+        # a marker that the commit failed to delete stays beside its manifest (ignored, as
+        # documented: the manifest wins) until retention deletes the step; no other is left
+        stray = ["step-000003/shardpoint.pending"] if at == commit + 1 else []
+        assert [k for k in keys if k.endswith("shardpoint.pending")] == stray, (label, keys)
+        assert fs.cat_file(f"{root.removeprefix('s3://')}/latest") == b"step-000004\n", label
+
+
+# ------------------------------------------------------------------------- real SIGKILL
+
+_KILL_CHILD = r"""
+import json, os, signal, sys
+import torch
+import fsspec
+import shardpoint as sp
+
+url, options, where, when = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
+mgr = sp.CheckpointManager(url, keep_last=2, storage_options=options)
+for step in (1, 2):
+    mgr.save(step, {"model": {"w": torch.full((64,), float(step))}, "step": step})
+fs = fsspec.core.url_to_fs(url, **options)[0]
+root = url.removeprefix("s3://")
+for method in ("pipe_file", "rm_file"):
+    real = getattr(fs, method)
+    def wrapper(path, *args, _real=real, **kwargs):
+        hit = str(path) == f"{root}/{where}"
+        if hit and when == "before":
+            os.kill(os.getpid(), signal.SIGKILL)
+        result = _real(path, *args, **kwargs)
+        if hit:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+    setattr(fs, method, wrapper)
+mgr.save(3, {"model": {"w": torch.full((64,), 3.0)}, "step": 3})
+os._exit(3)  # not reached: the kill fired
+"""
+
+
+@pytest.mark.parametrize(
+    ("where", "when", "newest"),
+    [
+        ("step-000003/shardpoint.json", "before", 2),  # during the manifest upload
+        ("step-000003/shardpoint.json", "after", 3),  # manifest stored, marker still there
+        ("latest", "before", 3),  # during the `latest` update
+        ("step-000001/shardpoint.json", "after", 3),  # retention cut short
+    ],
+    ids=["before-manifest", "after-manifest", "before-latest", "mid-retention"],
+)
+def test_sigkill_at_named_steps_of_a_manager_save_on_s3(
+    where: str, when: str, newest: int, url: str, opts: dict[str, Any], fs: Any
+) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    child = subprocess.run(
+        [sys.executable, "-c", _KILL_CHILD, url, json.dumps(opts), where, when],
+        capture_output=True, env=env, timeout=120,
+    )
+    assert child.returncode == -signal.SIGKILL, (child.returncode, child.stderr.decode()[-2000:])
+    keys = keys_under(fs, url)
+    step3 = [k for k in keys if k.startswith("step-000003/")]
+    if newest == 2:
+        assert step3 == ["step-000003/model.safetensors", "step-000003/shardpoint.pending"], keys
+        with pytest.raises(sp.IncompleteCheckpointError, match=f"{url}/step-000003 is a save that never committed"):
+            sp.load(f"{url}/step-000003", storage_options=opts)
+    mgr = sp.CheckpointManager(url, keep_last=2, storage_options=opts)
+    assert mgr.latest_step() == newest
+    target = {"model": {"w": torch.zeros(64)}, "step": 0}
+    assert mgr.restore(target) == newest
+    assert target["step"] == newest and torch.equal(target["model"]["w"], torch.full((64,), float(newest)))
+    if where == "step-000001/shardpoint.json":  # half-deleted step 1: not a step any more
+        assert 1 not in mgr.steps() and any(k.startswith("step-000001/") for k in keys)
+    mgr.save(4, {"model": {"w": torch.full((64,), 4.0)}, "step": 4})  # cleans every leftover
+    keys = keys_under(fs, url)
+    assert {k.split("/")[0] for k in keys} == {f"step-00000{newest}", "step-000004", "latest"}, keys
+    # killed after the manifest: the step is committed and its marker stays beside the
+    # manifest (ignored: the manifest wins) until retention deletes the step
+    stray = ["step-000003/shardpoint.pending"] if when == "after" and where.startswith("step-000003/") else []
+    assert [k for k in keys if k.endswith("shardpoint.pending")] == stray, keys
+
+
+# ----------------------------------------------------------------------- damage on load
+
+
+def test_truncated_and_swapped_objects_fail_the_load_naming_the_object(url: str, opts: dict[str, Any], fs: Any) -> None:
+    first, second = f"{url}/a", f"{url}/b"
+    sp.save(A, first, storage_options=opts, max_shard_size=500)
+    other = {k: v + 10 for k, v in A.items()}
+    sp.save(other, second, storage_options=opts, max_shard_size=500)  # same layout, other save
+    root = first.removeprefix("s3://")
+    victim = "model-00002-of-00003.safetensors"
+    original = fs.cat_file(f"{root}/{victim}")
+
+    for cut in (1, 100):
+        fs.pipe_file(f"{root}/{victim}", original[:-cut])
+        with pytest.raises(sp.CorruptCheckpointError) as caught:
+            sp.load(first, storage_options=opts)
+        text = str(caught.value)
+        assert f"{first}/{victim} is {len(original) - cut} bytes but the manifest recorded {len(original)}" in text, text
+
+    fs.pipe_file(f"{root}/{victim}", fs.cat_file(f"{second.removeprefix('s3://')}/{victim}"))
+    for attempt in (
+        lambda: sp.load(first, storage_options=opts),
+        lambda: sp.load_into({k: torch.zeros(100) for k in A}, first, storage_options=opts),
+    ):
+        with pytest.raises(sp.CorruptCheckpointError) as caught:
+            attempt()
+        text = str(caught.value)
+        assert f"{first}/{victim} belongs to another save" in text and "swapped in from another checkpoint" in text, text
+
+    fs.pipe_file(f"{root}/{victim}", original)  # put back: loads again, bit for bit
+    assert tensors_equal(sp.load(first, storage_options=opts), A)
