@@ -23,7 +23,7 @@ from ._knobs import knobs
 from ._planning.chunks import byte_runs, intersect
 from ._prepare import storage_key
 from ._progress import byte_progress
-from ._read_pickled import is_pickled_weights, load_pickled, load_pickled_into, safetensors_sibling
+from ._read_pickled import load_pickled, load_pickled_into, route
 from ._sizes import parse_size
 from ._source import Checkpoint, open_checkpoint
 from ._stateful import Stateful, find_modules, optimizer_state_for, parameter_names
@@ -258,11 +258,11 @@ def load(
         >>> sp.load(d)["w"].tolist()
         [0.0, 1.0, 2.0, 3.0]
     """
-    path = safetensors_sibling(path)
-    if is_pickled_weights(path):
+    path, pickled = route(path)
+    if pickled is not None:
         if mmap:
             raise CheckpointError(f"{os.fspath(path)} holds .bin (torch.save) weights; mmap=True needs safetensors")
-        return load_pickled(path, keys=keys, device=torch.device(device), dtype=dtype)
+        return load_pickled(path, pickled, keys=keys, device=torch.device(device), dtype=dtype)
     ckpt = open_checkpoint(path, storage_options)
     if mmap and ckpt.store is not None:
         raise CheckpointError(f"{ckpt.location}: mmap=True needs local files; load it with mmap=False")
@@ -308,7 +308,7 @@ def load(
 # ----------------------------------------------------------------------------- load_into
 
 
-def _identities(tensor: torch.Tensor) -> tuple[Any, ...]:
+def identities(tensor: torch.Tensor) -> tuple[Any, ...]:
     """Keys under which two tensors are the same memory: the same object, or the same view
     of the same storage (looked up in sets and dicts: a model of thousands of tensors must
     not compare every pair)."""
@@ -403,13 +403,13 @@ class _Planner:
                 matched.append(key)
         first_with: dict[Any, str] = {}
         for m in matched:
-            for ident in _identities(targets[m]):
+            for ident in identities(targets[m]):
                 first_with.setdefault(ident, m)
         tied: dict[str, str] = {}  # target key absent from the checkpoint -> matched key it is tied to
         for key in targets:
             if key in names:
                 continue
-            twin = next((first_with[i] for i in _identities(targets[key]) if i in first_with), None)
+            twin = next((first_with[i] for i in identities(targets[key]) if i in first_with), None)
             if twin is None:
                 self.missing.append(prefix + key)
             else:
@@ -449,7 +449,7 @@ class _Planner:
 
                     self.post.append(put)
                 continue
-            idents = _identities(tensor)
+            idents = identities(tensor)
             if any(i in filled for i in idents):
                 continue  # tied to a tensor already being filled
             filled.update(idents)
@@ -610,10 +610,10 @@ def _load_into(
     staging_bytes: int | None,
     storage_options: Mapping[str, Any] | None = None,
 ) -> LoadResult:
-    path = safetensors_sibling(path)
-    if is_pickled_weights(path):
+    path, pickled = route(path)
+    if pickled is not None:
         return load_pickled_into(
-            target, path, strict=strict,
+            target, path, pickled, strict=strict,
             placement=lambda k, t: _placement(k, t, torch.device(device), dtype, dict(device_map or {})),
             assign=lambda m, k, v: None if _assign(m, k, v) else m.load_state_dict({k: v}, strict=False, assign=True),
             mismatch_message=_mismatch_message,

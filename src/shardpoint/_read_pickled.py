@@ -8,86 +8,49 @@ dropped again, so memory stays the target plus about one batch. Nothing is unpic
 what ``weights_only`` allows, and only zip-format files are read (their pickle is small
 and goes through ``weights_only``'s restricted unpickler; a legacy pre-1.6 file is one
 big pickle): anything else is refused (``sp.convert(..., trust_pickle=True)`` is the way
-for trusted files). There is no crc32c in these files, so
-nothing is verified beyond their structure.
+for trusted files). There is no crc32c in these files, so nothing is verified beyond their
+structure.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import (
-    CheckpointError,
-    InvalidStateError,
-    LoadMismatchError,
-    UnsafePickleError,
-    UnsupportedFormatError,
-)
+from .errors import CheckpointError, InvalidStateError, LoadMismatchError
+
+if TYPE_CHECKING:
+    from ._stream_source import SourceSpec
 
 Placement = Callable[[str, torch.Tensor], tuple[torch.device, torch.dtype]]
 
 
-def safetensors_sibling(path: str | os.PathLike[str]) -> str | os.PathLike[str]:
-    """``model.safetensors`` for a local ``model.pt`` / ``.bin`` that has one beside it (the
-    same weights, read without unpickling); otherwise ``path`` itself."""
-    location = os.fspath(path)
-    stem, suffix = os.path.splitext(location)
-    if "://" not in location and suffix in (".pt", ".pth", ".bin") and os.path.isfile(stem + ".safetensors"):
-        return stem + ".safetensors"
-    return path
-
-
-def is_pickled_weights(path: str | os.PathLike[str]) -> bool:
-    """True for a local ``.bin`` / ``.pt`` file or an HF directory of ``.bin`` weights only."""
-    from ._stream_source import resolve_source
+def route(path: str | os.PathLike[str]) -> tuple[str | os.PathLike[str], SourceSpec | None]:
+    """What a load of local ``path`` reads, resolved once (the rules of ``convert``):
+    ``(path, None)`` for safetensors, ours or an HF directory, where a ``model.pt`` with a
+    ``model.safetensors`` beside it becomes the sibling (same weights, no unpickling); or
+    ``(path, spec)`` for ``.bin`` / ``.pt`` weights, read zip-format only."""
+    from ._stream_source import SourceSpec, resolve_source
 
     location = os.fspath(path)
     if "://" in location or not os.path.exists(location):
-        return False
+        return path, None
     try:
-        _real, kind, _notes = resolve_source(location)
+        real, kind, _notes = resolve_source(location)
     except CheckpointError:
-        return False
-    return kind in ("torch-save", "hf-bin")
+        return path, None  # not ours to explain: the safetensors reader says what is wrong
+    if kind in ("torch-save", "hf-bin"):
+        return path, SourceSpec(real, kind, trust_pickle=False, zip_only=True)
+    return (real if kind == "safetensors" else path), None
 
 
-def _refuse_legacy_pickles(path: str | os.PathLike[str]) -> None:
-    """Only zip-format ``torch.save`` files (every one since torch 1.6) are read here: their
-    tensors are mapped, and their small pickle goes through ``weights_only``'s restricted
-    unpickler. A legacy file is one big pickle; it is for ``convert --trust-pickle``."""
-    from ._stream_source import resolve_source
+def _open_flat(path: str | os.PathLike[str], spec: SourceSpec) -> tuple[Any, Any]:
+    from ._stream_source import open_spec
 
-    real, kind, _notes = resolve_source(path)
-    files = [real] if kind == "torch-save" else sorted(
-        os.path.join(real, n) for n in os.listdir(real) if n.endswith(".bin")
-    )
-    for name in files:
-        with open(name, "rb") as f:
-            magic = f.read(4)
-        if magic != b"PK\x03\x04":
-            raise UnsupportedFormatError(
-                f"{name} is not a zip-format torch.save file (a legacy pre-1.6 pickle, or not "
-                "torch.save at all); sp.load reads only zip-format .bin/.pt weights. If you trust "
-                "whoever wrote it, convert it once: `shardpoint convert SRC DST --trust-pickle`"
-            )
-
-
-def _open_flat(path: str | os.PathLike[str]) -> tuple[Any, Any]:
-    from ._stream_source import open_source
-
-    _refuse_legacy_pickles(path)
-    try:
-        source = open_source(path)
-    except UnsafePickleError as exc:
-        reason = str(exc).split(". Pass trust_pickle")[0]
-        raise UnsafePickleError(
-            f"{reason}. sp.load never runs a full unpickle; if you trust whoever wrote the file, "
-            "convert it once with `shardpoint convert SRC DST --trust-pickle` and load DST"
-        ) from None
+    source = open_spec(spec)
     if not source.flat:
         source.close()
         raise InvalidStateError(
@@ -106,13 +69,14 @@ def _batches(source: Any, comp: Any, names: Sequence[str]) -> list[list[str]]:
 
 def load_pickled(
     path: str | os.PathLike[str],
+    spec: SourceSpec,
     *,
     keys: Sequence[str] | None,
     device: torch.device,
     dtype: torch.dtype | None,
 ) -> dict[str, torch.Tensor]:
     """``sp.load`` of ``.bin`` weights: a flat state dict of fresh tensors."""
-    source, comp = _open_flat(path)
+    source, comp = _open_flat(path, spec)
     try:
         wanted = list(comp.stored) + list(comp.aliases) if keys is None else [keys] if isinstance(keys, str) else list(keys)
         unknown = [k for k in wanted if k not in comp.tensors]
@@ -135,6 +99,7 @@ def load_pickled(
 def load_pickled_into(
     target: Any,
     path: str | os.PathLike[str],
+    spec: SourceSpec,
     *,
     strict: bool,
     placement: Placement,
@@ -142,7 +107,7 @@ def load_pickled_into(
     mismatch_message: Callable[[str, Any], str],
 ) -> Any:
     """``sp.load_into`` of ``.bin`` weights into a module or a flat dict of tensors."""
-    from ._read import LoadResult
+    from ._read import LoadResult, identities
 
     if isinstance(target, torch.nn.Module):
         module: torch.nn.Module | None = target
@@ -153,7 +118,7 @@ def load_pickled_into(
         raise InvalidStateError(
             f"{os.fspath(path)} holds a flat state dict; load it into a module or a dict of tensors"
         )
-    source, comp = _open_flat(path)
+    source, comp = _open_flat(path, spec)
     try:
         location = os.fspath(path)
         saved = comp.tensors
@@ -162,14 +127,18 @@ def load_pickled_into(
             for k, t in targets.items()
             if k in saved and tuple(saved[k].shape) != tuple(t.shape)
         ]
-        def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-            return a is b or (a.device.type != "meta" and a.data_ptr() == b.data_ptr() and a.data_ptr() != 0)
-
-        present = [k for k in targets if k in saved]
-        tied = {  # a target key absent from the file but tied to one present: covered by it
-            k: twin for k in targets if k not in saved
-            for twin in [next((p for p in present if same(targets[k], targets[p])), None)] if twin
-        }
+        first_with: dict[Any, str] = {}
+        for key in targets:
+            if key in saved:
+                for ident in identities(targets[key]):
+                    first_with.setdefault(ident, key)
+        tied: dict[str, str] = {}  # a target key absent from the file but tied to one present
+        for key in targets:
+            twin = None if key in saved else next(
+                (first_with[i] for i in identities(targets[key]) if i in first_with), None
+            )
+            if twin is not None:
+                tied[key] = twin
         result = LoadResult(
             missing_keys=[k for k in targets if k not in saved and k not in tied],
             unexpected_keys=[k for k in saved if k not in targets],

@@ -70,6 +70,9 @@ class SourceSpec:
     kind: str
     """``torch-save``, ``hf-bin``, ``safetensors`` or ``dcp``."""
     trust_pickle: bool
+    zip_only: bool = False
+    """Read for ``sp.load`` / ``load_into``: only zip-format ``torch.save`` files (a legacy
+    file is one big pickle), and refusals point at ``convert --trust-pickle``."""
 
 
 @dataclass
@@ -267,11 +270,11 @@ def _refusal_reason(exc: BaseException) -> str:
     return text.strip().split("\n", 1)[0][:200]
 
 
-def torch_load(path: str, *, trust_pickle: bool) -> tuple[Any, bool]:
+def torch_load(path: str, *, trust_pickle: bool, zip_only: bool = False) -> tuple[Any, bool]:
     """Load a ``torch.save`` file mapped (zip format) or whole (legacy); (object, mapped).
 
     Raises UnsafePickleError naming the file when it needs a full unpickle and
-    ``trust_pickle`` is False.
+    ``trust_pickle`` is False; with ``zip_only`` a legacy file is refused before unpickling.
     """
     try:
         with open(path, "rb") as f:
@@ -280,6 +283,12 @@ def torch_load(path: str, *, trust_pickle: bool) -> tuple[Any, bool]:
         raise CheckpointNotFoundError(f"{path} is a directory, not a torch.save file") from None
     if magic == b"PK\x03\x04":
         mapped = True
+    elif magic[:1] == b"\x80" and zip_only:
+        raise UnsupportedFormatError(
+            f"{path} is not a zip-format torch.save file (a legacy pre-1.6 pickle); sp.load reads "
+            "only zip-format .bin/.pt weights. If you trust whoever wrote it, convert it once: "
+            "`shardpoint convert SRC DST --trust-pickle`"
+        )
     elif magic[:1] == b"\x80":  # a pickle: the legacy (pre-1.6) torch.save format
         mapped = False
     else:
@@ -297,8 +306,13 @@ def torch_load(path: str, *, trust_pickle: bool) -> tuple[Any, bool]:
         raise UnsafePickleError(
             f"{path} cannot be loaded with weights_only=True ({_refusal_reason(exc)}): reading "
             "it needs a full unpickle, which can run arbitrary code from the file, so it is "
-            "refused. Pass trust_pickle=True (CLI: --trust-pickle) only if you trust whoever "
-            "wrote this file"
+            "refused. "
+            + (
+                "sp.load never runs a full unpickle; if you trust whoever wrote the file, convert "
+                "it once with `shardpoint convert SRC DST --trust-pickle` and load DST"
+                if zip_only
+                else "Pass trust_pickle=True (CLI: --trust-pickle) only if you trust whoever wrote this file"
+            )
         ) from None
     except (RuntimeError, EOFError, KeyError, ValueError, OSError) as exc:
         if isinstance(exc, CheckpointError):
@@ -314,7 +328,7 @@ class TorchSaveSource(TensorSource):
     """One ``torch.save`` file, mapped; tensors read (page-faulted) one batch at a time."""
 
     def __init__(self, spec: SourceSpec, notes: list[str]) -> None:
-        obj, mapped = torch_load(spec.path, trust_pickle=spec.trust_pickle)
+        obj, mapped = torch_load(spec.path, trust_pickle=spec.trust_pickle, zip_only=spec.zip_only)
         real, flat = components_from_object(obj, where=spec.path, allow_pickle=spec.trust_pickle)
         if not mapped:
             notes.append(
@@ -393,7 +407,7 @@ class BinShardsSource(TensorSource):
             raise CorruptCheckpointError(
                 f"{path} is missing: the index lists it but it is not there"
             )
-        obj, _ = torch_load(path, trust_pickle=self.spec.trust_pickle)
+        obj, _ = torch_load(path, trust_pickle=self.spec.trust_pickle, zip_only=self.spec.zip_only)
         if not isinstance(obj, Mapping):
             raise CorruptCheckpointError(
                 f"{path} holds a {type(obj).__name__}, not a state dict shard"
