@@ -6,8 +6,11 @@ one crc32c per stored tensor.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from functools import lru_cache
+from types import ModuleType
+from typing import cast
 
 from .errors import CheckpointError
 
@@ -15,14 +18,38 @@ _POLY_REVERSED = 0x82F63B78
 _CHECK_INPUT, _CHECK_VALUE = b"123456789", 0xE3069283  # the catalogue's crc32c check value
 
 
+def _load_native() -> ModuleType | None:
+    """``shardpoint._native`` if it was built and computes crc32c right; else None.
+
+    ``SHARDPOINT_NATIVE=0`` turns it off (shardpoint then runs its Python loops).
+    """
+    if os.environ.get("SHARDPOINT_NATIVE", "1").strip() in ("0", "false", "no", "off"):
+        return None
+    try:
+        from . import _native
+    except ImportError:  # pragma: no cover - depends on the install
+        return None
+    crc = _native.crc32c
+    if crc(_CHECK_INPUT) != _CHECK_VALUE or crc(_CHECK_INPUT[4:], crc(_CHECK_INPUT[:4])) != _CHECK_VALUE:
+        return None  # pragma: no cover - a miscompiled extension
+    return cast(ModuleType, _native)
+
+
+NATIVE = _load_native()
+"""The C extension's GIL-free read/write loops (``pread_into``, ``pwrite_from``), or None."""
+
+
 def _pick_implementation() -> tuple[str, Callable[..., int]]:
     """The fastest crc32c at hand that gives the right answer.
 
-    ``fastcrc`` folds with carry-less multiplies (AVX-512 VPCLMULQDQ where the CPU has it):
-    ~80 GB/s on data in cache, so checksumming a segment that was just read or is about to
-    be written costs a few percent of moving it. ``crc32c`` (SSE4.2, ~20 GB/s in cache) is
-    the fallback.
+    The C extension and ``fastcrc`` fold with carry-less multiplies (AVX-512 VPCLMULQDQ
+    where the CPU has it): ~80 GB/s on data in cache, so checksumming a segment that was
+    just read or is about to be written costs a few percent of moving it. The extension
+    also releases the GIL on large buffers. ``crc32c`` (SSE4.2, ~20 GB/s in cache) is the
+    last resort.
     """
+    if NATIVE is not None:
+        return f"shardpoint._native ({NATIVE.IMPLEMENTATION})", NATIVE.crc32c
     try:
         import fastcrc
 
@@ -37,6 +64,8 @@ def _pick_implementation() -> tuple[str, Callable[..., int]]:
 
 
 IMPLEMENTATION, _crc = _pick_implementation()
+crc32c_update: Callable[[object, int], int] = _crc
+"""The implementation itself, ``crc32c_update(data, crc) -> crc``: no wrapper call in hot loops."""
 
 
 def crc32c(data: object, value: int = 0) -> int:

@@ -70,7 +70,7 @@ def knobs() -> Knobs:
     return Knobs(
         write_threads=_env_int("SHARDPOINT_WRITE_THREADS", 4),
         read_threads=_env_int("SHARDPOINT_READ_THREADS", 4),
-        io_segment_bytes=_env_int("SHARDPOINT_IO_SEGMENT_BYTES", 512 << 10),
+        io_segment_bytes=_env_int("SHARDPOINT_IO_SEGMENT_BYTES", 256 << 10),
         staging_buffer_bytes=_env_int("SHARDPOINT_STAGING_BUFFER_BYTES", 64 << 20),
         max_header_bytes=_env_int("SHARDPOINT_MAX_HEADER_BYTES", 100_000_000),
         max_json_bytes=_env_int("SHARDPOINT_MAX_JSON_BYTES", 256 << 20),

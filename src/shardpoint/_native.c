@@ -1,0 +1,477 @@
+/* shardpoint._native: the hot loops of a save and a load, without the GIL.
+ *
+ * A load moves each tensor's bytes from the page cache into the destination a segment at a
+ * time and checksums every segment right after it lands, while it is still in the CPU
+ * cache. Done from Python, every segment costs a syscall wrapper, a crc call and two GIL
+ * handoffs between the reader threads; here the whole run is one call that releases the
+ * GIL, so the threads never wait on each other.
+ *
+ * crc32c (Castagnoli) is computed by folding with carry-less multiplies: four 512-bit
+ * accumulators (VPCLMULQDQ, AVX-512) or four 128-bit ones (PCLMULQDQ), chosen at run time
+ * from what the CPU has, and finished with the SSE4.2 crc32 instruction. The fold
+ * constants are derived at import from the polynomial, not tabulated.
+ *
+ * Without x86-64 or a compiler this module is simply absent: shardpoint then uses the
+ * Python loops and a crc32c package (see _checksum.py).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <stdint.h>
+#include <string.h>
+#include <unistd.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define SP_X86 1
+#include <cpuid.h>
+#include <immintrin.h>
+#endif
+
+/* ------------------------------------------------------------------ crc32c, portable */
+
+static uint32_t table[8][256];
+
+static void
+init_table(void)
+{
+    for (uint32_t n = 0; n < 256; n++) {
+        uint32_t c = n;
+        for (int k = 0; k < 8; k++)
+            c = c & 1 ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+        table[0][n] = c;
+    }
+    for (uint32_t n = 0; n < 256; n++)
+        for (int t = 1; t < 8; t++)
+            table[t][n] = (table[t - 1][n] >> 8) ^ table[0][table[t - 1][n] & 0xFF];
+}
+
+/* reg is the bit-inverted running crc, as in the hardware paths */
+static uint32_t
+crc_table(uint32_t reg, const uint8_t *p, size_t n)
+{
+    while (n >= 8) {
+        uint64_t w;
+        memcpy(&w, p, 8);
+        w ^= reg;
+        reg = table[7][w & 0xFF] ^ table[6][(w >> 8) & 0xFF] ^ table[5][(w >> 16) & 0xFF] ^
+              table[4][(w >> 24) & 0xFF] ^ table[3][(w >> 32) & 0xFF] ^ table[2][(w >> 40) & 0xFF] ^
+              table[1][(w >> 48) & 0xFF] ^ table[0][w >> 56];
+        p += 8;
+        n -= 8;
+    }
+    while (n--)
+        reg = (reg >> 8) ^ table[0][(reg ^ *p++) & 0xFF];
+    return reg;
+}
+
+/* ------------------------------------------------------------------ crc32c, x86-64 */
+
+#ifdef SP_X86
+
+/* x^n mod P, P the crc32c polynomial in normal (not reflected) order */
+static uint32_t
+xpow_mod(unsigned n)
+{
+    uint64_t r = 1;
+    while (n--) {
+        r <<= 1;
+        if (r & (1ull << 32))
+            r ^= 0x11EDC6F41ull;
+    }
+    return (uint32_t)r;
+}
+
+static uint64_t
+reflect32_high(uint32_t c)
+{
+    uint32_t r = 0;
+    for (int i = 0; i < 32; i++)
+        if (c & (1u << i))
+            r |= 1u << (31 - i);
+    return (uint64_t)r << 32;
+}
+
+/* A 128-bit lane of the message, as loaded little-endian, holds in its low qword the 64
+ * highest-degree coefficients A and in its high qword the next 64, B: L = A x^64 + B.
+ * Moving it forward over `bits` bits of message is L x^bits = A x^(bits+64) + B x^bits
+ * (mod P); a carry-less product of reflected operands comes out one degree low, hence the
+ * -1 in both exponents. */
+typedef struct {
+    uint64_t lo, hi;
+} fold_k;
+
+static fold_k
+fold_constant(unsigned bits)
+{
+    fold_k k = {reflect32_high(xpow_mod(bits + 63)), reflect32_high(xpow_mod(bits - 1))};
+    return k;
+}
+
+static fold_k k_16, k_32, k_48, k_64, k_256;
+static int have_sse42, have_pclmul, have_vpclmul;
+
+static void
+cpu_features(void)
+{
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d))
+        return;
+    have_sse42 = (c >> 20) & 1;
+    have_pclmul = have_sse42 && ((c >> 1) & 1);
+    int osxsave = (c >> 27) & 1;
+    if (!osxsave || !__get_cpuid_count(7, 0, &a, &b, &c, &d))
+        return;
+    int avx512f = (b >> 16) & 1, avx512bw = (b >> 30) & 1, avx512vl = (b >> 31) & 1;
+    int vpclmul = (c >> 10) & 1;
+    unsigned lo, hi;
+    __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    int zmm_state = (lo & 0xE6) == 0xE6; /* the OS saves the opmask and all 512-bit registers */
+    have_vpclmul = have_pclmul && avx512f && avx512bw && avx512vl && vpclmul && zmm_state;
+}
+
+__attribute__((target("sse4.2"))) static uint32_t
+crc_hw(uint32_t reg, const uint8_t *p, size_t n)
+{
+    uint64_t r = reg;
+    while (n >= 8) {
+        uint64_t w;
+        memcpy(&w, p, 8);
+        r = _mm_crc32_u64(r, w);
+        p += 8;
+        n -= 8;
+    }
+    reg = (uint32_t)r;
+    while (n--)
+        reg = _mm_crc32_u8(reg, *p++);
+    return reg;
+}
+
+__attribute__((target("sse4.2,pclmul"))) static inline __m128i
+fold128(__m128i v, fold_k k)
+{
+    __m128i kk = _mm_set_epi64x((long long)k.hi, (long long)k.lo);
+    return _mm_xor_si128(_mm_clmulepi64_si128(v, kk, 0x00), _mm_clmulepi64_si128(v, kk, 0x11));
+}
+
+/* The four 128-bit lanes a0..a3 (a0 first in the message) to one, then finish with crc32. */
+__attribute__((target("sse4.2,pclmul"))) static uint32_t
+finish(__m128i a0, __m128i a1, __m128i a2, __m128i a3, const uint8_t *tail, size_t n)
+{
+    __m128i f = _mm_xor_si128(a3, fold128(a0, k_48));
+    f = _mm_xor_si128(f, fold128(a1, k_32));
+    f = _mm_xor_si128(f, fold128(a2, k_16));
+    uint64_t r = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(f));
+    r = _mm_crc32_u64(r, (uint64_t)_mm_extract_epi64(f, 1));
+    return crc_hw((uint32_t)r, tail, n);
+}
+
+/* n >= 64 */
+__attribute__((target("sse4.2,pclmul"))) static uint32_t
+crc_pclmul(uint32_t reg, const uint8_t *p, size_t n)
+{
+    __m128i a0 = _mm_loadu_si128((const __m128i *)p);
+    __m128i a1 = _mm_loadu_si128((const __m128i *)(p + 16));
+    __m128i a2 = _mm_loadu_si128((const __m128i *)(p + 32));
+    __m128i a3 = _mm_loadu_si128((const __m128i *)(p + 48));
+    a0 = _mm_xor_si128(a0, _mm_cvtsi32_si128((int)reg));
+    p += 64;
+    n -= 64;
+    while (n >= 64) {
+        a0 = _mm_xor_si128(fold128(a0, k_64), _mm_loadu_si128((const __m128i *)p));
+        a1 = _mm_xor_si128(fold128(a1, k_64), _mm_loadu_si128((const __m128i *)(p + 16)));
+        a2 = _mm_xor_si128(fold128(a2, k_64), _mm_loadu_si128((const __m128i *)(p + 32)));
+        a3 = _mm_xor_si128(fold128(a3, k_64), _mm_loadu_si128((const __m128i *)(p + 48)));
+        p += 64;
+        n -= 64;
+    }
+    return finish(a0, a1, a2, a3, p, n);
+}
+
+#define SP_AVX512 "sse4.2,pclmul,avx2,avx512f,avx512bw,avx512vl,vpclmulqdq"
+
+__attribute__((target(SP_AVX512))) static inline __m512i
+fold512(__m512i v, __m512i k)
+{
+    return _mm512_xor_si512(_mm512_clmulepi64_epi128(v, k, 0x00), _mm512_clmulepi64_epi128(v, k, 0x11));
+}
+
+__attribute__((target(SP_AVX512))) static inline __m512i
+broadcast(fold_k k)
+{
+    return _mm512_broadcast_i32x4(_mm_set_epi64x((long long)k.hi, (long long)k.lo));
+}
+
+/* n >= 256 */
+__attribute__((target(SP_AVX512))) static uint32_t
+crc_vpclmul(uint32_t reg, const uint8_t *p, size_t n)
+{
+    __m512i x0 = _mm512_loadu_si512(p);
+    __m512i x1 = _mm512_loadu_si512(p + 64);
+    __m512i x2 = _mm512_loadu_si512(p + 128);
+    __m512i x3 = _mm512_loadu_si512(p + 192);
+    x0 = _mm512_xor_si512(x0, _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)reg)));
+    p += 256;
+    n -= 256;
+    __m512i k256 = broadcast(k_256), k64 = broadcast(k_64);
+    while (n >= 256) {
+        x0 = _mm512_xor_si512(fold512(x0, k256), _mm512_loadu_si512(p));
+        x1 = _mm512_xor_si512(fold512(x1, k256), _mm512_loadu_si512(p + 64));
+        x2 = _mm512_xor_si512(fold512(x2, k256), _mm512_loadu_si512(p + 128));
+        x3 = _mm512_xor_si512(fold512(x3, k256), _mm512_loadu_si512(p + 192));
+        p += 256;
+        n -= 256;
+    }
+    x0 = _mm512_xor_si512(fold512(x0, k64), x1);
+    x0 = _mm512_xor_si512(fold512(x0, k64), x2);
+    x0 = _mm512_xor_si512(fold512(x0, k64), x3);
+    while (n >= 64) {
+        x0 = _mm512_xor_si512(fold512(x0, k64), _mm512_loadu_si512(p));
+        p += 64;
+        n -= 64;
+    }
+    return finish(_mm512_extracti32x4_epi32(x0, 0), _mm512_extracti32x4_epi32(x0, 1),
+                  _mm512_extracti32x4_epi32(x0, 2), _mm512_extracti32x4_epi32(x0, 3), p, n);
+}
+
+#endif /* SP_X86 */
+
+static const char *implementation = "table";
+
+/* crc32c of n bytes continuing `crc` (a finished crc, as the Python API passes it) */
+static uint32_t
+crc32c_update(uint32_t crc, const uint8_t *p, size_t n)
+{
+    uint32_t reg = ~crc;
+#ifdef SP_X86
+    if (have_vpclmul && n >= 256)
+        return ~crc_vpclmul(reg, p, n);
+    if (have_pclmul && n >= 64)
+        return ~crc_pclmul(reg, p, n);
+    if (have_sse42)
+        return ~crc_hw(reg, p, n);
+#endif
+    return ~crc_table(reg, p, n);
+}
+
+static void
+init_crc(void)
+{
+    init_table();
+#ifdef SP_X86
+    cpu_features();
+    k_16 = fold_constant(128);
+    k_32 = fold_constant(256);
+    k_48 = fold_constant(384);
+    k_64 = fold_constant(512);
+    k_256 = fold_constant(2048);
+    implementation = have_vpclmul ? "vpclmulqdq" : have_pclmul ? "pclmulqdq" : have_sse42 ? "sse4.2" : "table";
+#endif
+}
+
+/* ------------------------------------------------------------------ Python functions */
+
+/* Below this many bytes a crc runs with the GIL held: releasing it costs more. */
+#define RELEASE_GIL_BYTES 65536
+
+static PyObject *
+py_crc32c(PyObject *self, PyObject *args)
+{
+    Py_buffer view;
+    unsigned long value = 0;
+    if (!PyArg_ParseTuple(args, "y*|k:crc32c", &view, &value))
+        return NULL;
+    if (!PyBuffer_IsContiguous(&view, 'C')) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "crc32c needs a contiguous buffer");
+        return NULL;
+    }
+    uint32_t crc;
+    if (view.len >= RELEASE_GIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        crc = crc32c_update((uint32_t)value, view.buf, (size_t)view.len);
+        Py_END_ALLOW_THREADS
+    } else {
+        crc = crc32c_update((uint32_t)value, view.buf, (size_t)view.len);
+    }
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLong(crc);
+}
+
+static int
+segment_arg(Py_ssize_t segment)
+{
+    if (segment <= 0) {
+        PyErr_SetString(PyExc_ValueError, "segment must be positive");
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(pread_doc,
+"pread_into(fd, buffer, offset, segment, check) -> (nread, crc32c)\n\n"
+"Fill the writable buffer from fd at offset, one pread of at most segment bytes at a\n"
+"time, each segment checksummed right after it lands when check is true (crc32c is 0\n"
+"otherwise). Stops early only at end of file: nread < len(buffer) then. Raises OSError.\n"
+"The GIL is released throughout.");
+
+static PyObject *
+py_pread_into(PyObject *self, PyObject *args)
+{
+    int fd, check;
+    Py_buffer view;
+    long long offset;
+    Py_ssize_t segment;
+    if (!PyArg_ParseTuple(args, "iw*Lnp:pread_into", &fd, &view, &offset, &segment, &check))
+        return NULL;
+    if (segment_arg(segment) < 0 || offset < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "offset must be >= 0");
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    uint8_t *buf = view.buf;
+    size_t len = (size_t)view.len, pos = 0;
+    uint32_t crc = 0;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    while (pos < len) {
+        size_t want = len - pos < (size_t)segment ? len - pos : (size_t)segment;
+        ssize_t got = pread(fd, buf + pos, want, (off_t)(offset + (long long)pos));
+        if (got < 0) {
+            if (errno == EINTR)
+                continue;
+            err = errno;
+            break;
+        }
+        if (got == 0)
+            break;
+        if (check)
+            crc = crc32c_update(crc, buf + pos, (size_t)got);
+        pos += (size_t)got;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return Py_BuildValue("nk", (Py_ssize_t)pos, (unsigned long)crc);
+}
+
+PyDoc_STRVAR(pwrite_doc,
+"pwrite_from(fd, buffer, offset, segment) -> crc32c\n\n"
+"Write the whole buffer to fd at offset, one pwrite of at most segment bytes at a time,\n"
+"each segment checksummed just before it is written. Raises OSError (a pwrite that writes\n"
+"nothing raises ENOSPC). The GIL is released throughout.");
+
+static PyObject *
+py_pwrite_from(PyObject *self, PyObject *args)
+{
+    int fd;
+    Py_buffer view;
+    long long offset;
+    Py_ssize_t segment;
+    if (!PyArg_ParseTuple(args, "iy*Ln:pwrite_from", &fd, &view, &offset, &segment))
+        return NULL;
+    if (segment_arg(segment) < 0 || offset < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "offset must be >= 0");
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    const uint8_t *buf = view.buf;
+    size_t len = (size_t)view.len, pos = 0;
+    uint32_t crc = 0;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    size_t checked = 0;
+    while (pos < len) {
+        size_t want = len - pos < (size_t)segment ? len - pos : (size_t)segment;
+        if (checked < pos + want) {
+            crc = crc32c_update(crc, buf + checked, pos + want - checked);
+            checked = pos + want;
+        }
+        ssize_t put = pwrite(fd, buf + pos, want, (off_t)(offset + (long long)pos));
+        if (put < 0) {
+            if (errno == EINTR)
+                continue;
+            err = errno;
+            break;
+        }
+        if (put == 0) {
+            err = ENOSPC;
+            break;
+        }
+        pos += (size_t)put;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromUnsignedLong(crc);
+}
+
+/* For tests: the crc through one named path, so each is checked on CPUs that have it. */
+static PyObject *
+py_crc32c_using(PyObject *self, PyObject *args)
+{
+    const char *name;
+    Py_buffer view;
+    unsigned long value = 0;
+    if (!PyArg_ParseTuple(args, "sy*|k:crc32c_using", &name, &view, &value))
+        return NULL;
+    const uint8_t *p = view.buf;
+    size_t n = (size_t)view.len;
+    uint32_t reg = ~(uint32_t)value;
+    int ok = 1;
+    if (strcmp(name, "table") == 0)
+        reg = crc_table(reg, p, n);
+#ifdef SP_X86
+    else if (strcmp(name, "sse4.2") == 0 && have_sse42)
+        reg = crc_hw(reg, p, n);
+    else if (strcmp(name, "pclmulqdq") == 0 && have_pclmul)
+        reg = n >= 64 ? crc_pclmul(reg, p, n) : crc_hw(reg, p, n);
+    else if (strcmp(name, "vpclmulqdq") == 0 && have_vpclmul)
+        reg = n >= 256 ? crc_vpclmul(reg, p, n) : crc_hw(reg, p, n);
+#endif
+    else
+        ok = 0;
+    PyBuffer_Release(&view);
+    if (!ok) {
+        PyErr_Format(PyExc_ValueError, "crc32c path %s is not available on this CPU", name);
+        return NULL;
+    }
+    return PyLong_FromUnsignedLong(~reg);
+}
+
+static PyMethodDef methods[] = {
+    {"crc32c_using", py_crc32c_using, METH_VARARGS,
+     "crc32c_using(path, data, value=0) -> int: crc32c through one path (tests)."},
+    {"crc32c", py_crc32c, METH_VARARGS,
+     "crc32c(data, value=0) -> int: crc32c of a bytes-like object, continuing value."},
+    {"pread_into", py_pread_into, METH_VARARGS, pread_doc},
+    {"pwrite_from", py_pwrite_from, METH_VARARGS, pwrite_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "shardpoint._native",
+    "The GIL-free hot loops of shardpoint's reads and writes, and crc32c.", -1, methods,
+};
+
+PyMODINIT_FUNC
+PyInit__native(void)
+{
+    init_crc();
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddStringConstant(m, "IMPLEMENTATION", implementation) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
