@@ -57,6 +57,8 @@ class Checkpoint:
     sizes: dict[str, int] = field(default_factory=dict)
     """Object sizes listed when a remote checkpoint was opened."""
     _headers: dict[str, SafetensorsHeader] = field(default_factory=dict)
+    _paths: dict[str, str] = field(default_factory=dict)
+    """Data files already checked by ``file_path`` (name -> path)."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def file_path(self, name: str) -> str:
@@ -64,6 +66,9 @@ class Checkpoint:
 
         For a remote checkpoint: the object's name under ``store`` (a plain basename).
         """
+        known = self._paths.get(name)
+        if known is not None:
+            return known
         check_file_name(name, where=self.location)
         if self.store is not None:
             return name
@@ -75,6 +80,7 @@ class Checkpoint:
                 f"{self.location}: {name!r} is a symlink that leaves the checkpoint directory "
                 f"(to {real}); refusing to read it"
             )
+        self._paths[name] = path
         return path
 
     def file_label(self, name: str) -> str:
