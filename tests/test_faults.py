@@ -807,7 +807,7 @@ def test_json_bomb_in_the_manifest_metadata_is_refused(tmp_path: Path) -> None:
     manifest = ckpt / "shardpoint.json"
     raw = manifest.read_text()
     bomb = "[" * 100_000 + "]" * 100_000
-    manifest.write_text(raw.replace('"metadata": {}', f'"metadata": {{"x": {bomb}}}', 1))
+    manifest.write_text(raw.replace('"metadata":{}', f'"metadata":{{"x":{bomb}}}', 1))
     assert bomb in manifest.read_text()
     with pytest.raises(CorruptCheckpointError, match=re.escape(f"{manifest} nests JSON too deeply")):
         sp.load(ckpt)

@@ -13,7 +13,10 @@ walked through each of them, once per action:
   callback): it passes through shardpoint unchanged;
 - ``denied``: ``PermissionError`` (what s3fs raises for a 403) instead of the call: a
   permanent storage error, raised at once as ``StorageError`` naming the object's URL;
-- ``kill`` (in a child process): ``SIGKILL`` to itself before or after the call.
+- ``kill-before`` / ``kill-after`` (in a child process, ``test_remote_crash.py``):
+  ``SIGKILL`` to itself before the call, or once it returned (for an upload: once the
+  object is committed);
+- ``pause``: ``on_pause(label)``, then the call (two saves racing, ``test_remote_crash.py``).
 
 Uploads run one at a time (``SHARDPOINT_REMOTE_THREADS=1``) so the steps come in the same
 order on every run.
@@ -24,9 +27,11 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import fsspec
@@ -34,6 +39,7 @@ import pytest
 import torch
 
 import shardpoint as sp
+from shardpoint import _async as sp_async
 from test_remote import keys_under, tensors_equal
 
 pytest.importorskip("s3fs", reason="s3fs is not installed (pip install 'shardpoint[s3]')")
@@ -44,13 +50,29 @@ class InjectedError(RuntimeError):
 
 
 class S3Faults:
-    """Count the writes and deletions under ``url``; fire ``action`` at step ``at`` (1-based)."""
+    """Count the writes and deletions under ``url``; fire ``action`` at step ``at`` (1-based).
 
-    def __init__(self, url: str, options: dict[str, Any], *, at: int | None = None, action: str = "runtime") -> None:
+    ``log`` sees each step's label before anything happens to it (a child writes it to a
+    file, so the parent learns where a kill landed); ``on_pause`` is called at step ``at``
+    when ``action`` is ``pause``.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        options: dict[str, Any],
+        *,
+        at: int | None = None,
+        action: str = "runtime",
+        log: Callable[[str], None] | None = None,
+        on_pause: Callable[[str], None] | None = None,
+    ) -> None:
         self.fs = fsspec.core.url_to_fs(url, **options)[0]  # the cached instance shardpoint gets
         self.root = url.removeprefix("s3://").rstrip("/")
         self.at = at
         self.action = action
+        self.log = log
+        self.on_pause = on_pause
         self.steps: list[str] = []
         self.fired: str | None = None
         self.fired_name: str | None = None
@@ -59,42 +81,73 @@ class S3Faults:
         real_pipe, real_open, real_rm = self.fs.pipe_file, self.fs.open, self.fs.rm_file
 
         def pipe_file(path: str, value: Any, *args: Any, **kwargs: Any) -> Any:
-            self._step("put", path)
-            return real_pipe(path, value, *args, **kwargs)
+            kill_after = self._step("put", path)
+            result = real_pipe(path, value, *args, **kwargs)
+            if kill_after:
+                _kill_self()
+            return result
 
         def open_(path: str, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:
-            if "w" in mode:
-                self._step("upload", path)
-            return real_open(path, mode, *args, **kwargs)
+            if "w" not in mode:
+                return real_open(path, mode, *args, **kwargs)
+            kill_after = self._step("upload", path)
+            f = real_open(path, mode, *args, **kwargs)
+            if kill_after:  # once the object is published, not while it is uploaded
+                real_commit = f.commit
+
+                def commit(*a: Any, **k: Any) -> Any:
+                    result = real_commit(*a, **k)
+                    _kill_self()
+                    return result
+
+                f.commit = commit
+            return f
 
         def rm_file(path: str, *args: Any, **kwargs: Any) -> Any:
-            self._step("delete", path)
-            return real_rm(path, *args, **kwargs)
+            kill_after = self._step("delete", path)
+            result = real_rm(path, *args, **kwargs)
+            if kill_after:
+                _kill_self()
+            return result
 
         monkeypatch.setattr(self.fs, "pipe_file", pipe_file)
         monkeypatch.setattr(self.fs, "open", open_)
         monkeypatch.setattr(self.fs, "rm_file", rm_file)
 
-    def _step(self, verb: str, path: str) -> None:
+    def _step(self, verb: str, path: str) -> bool:
+        """Count the call; act if it is step ``at``. True: kill once the call returned."""
         path = str(path)
         if not path.startswith(self.root + "/"):
-            return
+            return False
         name = path[len(self.root) + 1 :]
         label = f"{verb} {name}"
         self.steps.append(label)
+        if self.log is not None:
+            self.log(label)
         if self.at is None or len(self.steps) != self.at:
-            return
+            return False
         self.fired, self.fired_name = label, name
         if self.action == "runtime":
             raise InjectedError(f"injected at step {self.at} ({label})")
         if self.action == "denied":
             raise PermissionError(errno.EACCES, "Access Denied (injected)", path)
+        if self.action == "kill-before":
+            _kill_self()
+        if self.action == "kill-after":
+            return True
+        if self.action == "pause" and self.on_pause is not None:
+            self.on_pause(label)
+            return False
         raise AssertionError(self.action)
+
+
+def _kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)  # a real kill: no clean-up code runs
 
 
 def no_open_multipart_uploads(fs: Any, url: str) -> bool:
     bucket, _, prefix = url.removeprefix("s3://").partition("/")
-    return not [u for u in fs.list_multipart_uploads(bucket) if u["Key"].startswith(prefix)]
+    return not [u for u in fs.list_multipart_uploads(bucket) if u["Key"].startswith(prefix + "/")]
 
 
 def check_error(exc: BaseException, faults: S3Faults, url: str, action: str) -> None:
@@ -111,8 +164,18 @@ def check_error(exc: BaseException, faults: S3Faults, url: str, action: str) -> 
 
 A = {f"t{i}": torch.full((100,), float(i)) for i in range(3)}  # 3 objects of 500 bytes max
 B = {"t0": torch.randn(100, generator=torch.Generator().manual_seed(1)), "t1": torch.arange(100.0)}
-A_KEYS = sorted([f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)] + ["model.safetensors.index.json", "shardpoint.json"])
-B_KEYS = sorted([f"model-0000{i}-of-00002.safetensors" for i in (1, 2)] + ["model.safetensors.index.json", "shardpoint.json"])
+
+
+def keys_of(shards: int, layout: str = "hf") -> list[str]:
+    """The objects of a committed save of ``shards`` data objects (one process)."""
+    if layout == "chunked":  # one file set per rank, no index (the manifest places the chunks)
+        return sorted([f"model-r00000-{i:05d}.safetensors" for i in range(1, shards + 1)] + ["shardpoint.json"])
+    names = [f"model-{i:05d}-of-{shards:05d}.safetensors" for i in range(1, shards + 1)]
+    return sorted([*names, "model.safetensors.index.json", "shardpoint.json"])
+
+
+A_KEYS = keys_of(3)
+B_KEYS = keys_of(2)
 
 
 @pytest.fixture
@@ -124,7 +187,7 @@ def one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("action", ["runtime", "denied"])
-@pytest.mark.parametrize("scenario", ["first-save", "overwrite"])
+@pytest.mark.parametrize("scenario", ["first-save", "overwrite", "chunked-first-save", "chunked-overwrite"])
 def test_exception_at_every_step_of_an_s3_save(
     scenario: str, action: str, url: str, opts: dict[str, Any], fs: Any, monkeypatch: pytest.MonkeyPatch, one_thread: None
 ) -> None:
@@ -132,15 +195,21 @@ def test_exception_at_every_step_of_an_s3_save(
     on an object store, see docs/design.md): a fault before the old manifest is deleted
     leaves the old checkpoint loading bit-exactly; a later one leaves a prefix that refuses
     to load (marker present whenever anything is). A fault at the marker's deletion after
-    the commit is ignored (the manifest wins). The next save always cleans up."""
+    the commit is ignored (the manifest wins). The next save always cleans up.
+
+    ``chunked-*``: the same with ``layout="chunked"`` (the collective save's code path in
+    one process: per-rank files, no index), both checkpoints chunked."""
+    layout = "chunked" if scenario.startswith("chunked-") else "hf"
+    overwrite = scenario.endswith("overwrite")
+    a_keys, b_keys = keys_of(3, layout), keys_of(2, layout)
 
     def prepare(prefix: str) -> None:
-        if scenario == "overwrite":
-            sp.save(A, prefix, storage_options=opts, max_shard_size=500)
-            assert keys_under(fs, prefix) == A_KEYS
+        if overwrite:
+            sp.save(A, prefix, storage_options=opts, max_shard_size=500, layout=layout)
+            assert keys_under(fs, prefix) == a_keys
 
-    def save(prefix: str) -> None:
-        sp.save(B, prefix, storage_options=opts, max_shard_size=500, overwrite=scenario == "overwrite")
+    def save(prefix: str, state: dict[str, torch.Tensor] = B, *, again: bool = False) -> None:
+        sp.save(state, prefix, storage_options=opts, max_shard_size=500, overwrite=overwrite or again, layout=layout)
 
     prefix = f"{url}/dry"
     prepare(prefix)
@@ -150,12 +219,19 @@ def test_exception_at_every_step_of_an_s3_save(
         save(prefix)
     steps = dry.steps
     assert steps[0] == "put shardpoint.pending" and steps[-1] == "delete shardpoint.pending", steps
-    assert steps[-2] == "put shardpoint.json" and steps[-3] == "put model.safetensors.index.json", steps
-    assert sum(s.startswith("upload ") for s in steps) == 2, steps
-    if scenario == "overwrite":
-        assert steps[1] == "delete shardpoint.json" and len(steps) == 11, steps  # the manifest first
+    assert steps[-2] == "put shardpoint.json", steps
+    assert [s for s in steps if s.startswith("upload ")] == [f"upload {k}" for k in b_keys if k.endswith(".safetensors")], steps
+    if layout == "hf":
+        assert steps[-3] == "put model.safetensors.index.json", steps
     else:
-        assert len(steps) == 6, steps
+        assert not [s for s in steps if "index" in s], steps
+    first_save_steps = 6 if layout == "hf" else 5  # marker, 2 uploads, [index], manifest, marker
+    if overwrite:  # the old manifest first, then its other objects
+        assert steps[1] == "delete shardpoint.json", steps
+        assert steps[2 : 2 + len(a_keys) - 1] == [f"delete {k}" for k in a_keys if k != "shardpoint.json"], steps
+        assert len(steps) == first_save_steps + len(a_keys), steps
+    else:
+        assert len(steps) == first_save_steps, steps
     commit = steps.index("put shardpoint.json") + 1
 
     for at, label in enumerate(steps, start=1):
@@ -175,27 +251,28 @@ def test_exception_at_every_step_of_an_s3_save(
         keys = keys_under(fs, prefix)
         assert no_open_multipart_uploads(fs, prefix), label
         if caught is None:
-            assert keys == sorted([*B_KEYS, "shardpoint.pending"]), (label, keys)
+            assert keys == sorted([*b_keys, "shardpoint.pending"]), (label, keys)
             assert tensors_equal(sp.load(prefix, storage_options=opts), B), label
         else:
             check_error(caught, faults, prefix, action)
-            if scenario == "first-save":
+            if not overwrite:
                 assert keys == [], (label, keys)  # the failed save deleted all it uploaded
                 with pytest.raises(sp.CheckpointNotFoundError, match=f"{prefix} holds no objects"):
                     sp.load(prefix, storage_options=opts)
             elif "shardpoint.json" in keys:  # failed before the old manifest was deleted
                 assert at <= 2, label
-                assert set(keys) - {"shardpoint.pending"} == set(A_KEYS), (label, keys)
+                assert set(keys) - {"shardpoint.pending"} == set(a_keys), (label, keys)
                 assert tensors_equal(sp.load(prefix, storage_options=opts), A), label
             else:  # the old checkpoint is gone (documented); never loads as a mix
                 assert not keys or "shardpoint.pending" in keys, (label, keys)
-                assert not set(keys) & set(B_KEYS) - set(A_KEYS), (label, keys)  # nothing new left
+                assert not set(keys) & set(b_keys) - set(a_keys), (label, keys)  # nothing new left
                 with pytest.raises(sp.CheckpointError, match=f"{prefix} (holds no objects|is a save that never committed)"):
                     sp.load(prefix, storage_options=opts)
         # the next save cleans whatever is left and commits
-        sp.save(B, prefix, storage_options=opts, max_shard_size=500, overwrite=True)
-        assert keys_under(fs, prefix) == B_KEYS, label
-        assert tensors_equal(sp.load(prefix, storage_options=opts), B), label
+        again = {k: v + 1 for k, v in B.items()}
+        save(prefix, again, again=True)
+        assert keys_under(fs, prefix) == b_keys, label
+        assert tensors_equal(sp.load(prefix, storage_options=opts), again), label
 
 
 def test_a_manifest_put_that_succeeds_but_reports_an_error_commits_nothing(
@@ -292,6 +369,225 @@ def test_exception_at_every_step_of_a_manager_save_on_s3(
         stray = ["step-000003/shardpoint.pending"] if at == commit + 1 else []
         assert [k for k in keys if k.endswith("shardpoint.pending")] == stray, (label, keys)
         assert fs.cat_file(f"{root.removeprefix('s3://')}/latest") == b"step-000004\n", label
+
+
+# ----------------------------------------------------------------- async saves on S3
+
+
+@pytest.fixture
+def no_async_failure_leaks() -> Iterator[None]:
+    """A failed async save left unseen would be raised by another test's next save."""
+    yield
+    last = sp_async._last
+    if last is not None:
+        last.exception()
+        last.observed = True
+
+
+@pytest.mark.parametrize("action", ["runtime", "denied"])
+def test_async_save_to_s3_failing_in_the_background_commits_nothing(
+    action: str, url: str, opts: dict[str, Any], fs: Any, monkeypatch: pytest.MonkeyPatch, one_thread: None,
+    no_async_failure_leaks: None,
+) -> None:
+    """``async_save`` to a new prefix beside a committed checkpoint, with the fault at each
+    step of its upload on the background thread: ``result()`` raises the error a save would
+    (naming the object), nothing is left at the prefix, the checkpoint beside it loads
+    bit-exactly. The caller mutating its state once ``async_save`` returned changes nothing.
+    An error nobody looked at is raised by the next save, which saves nothing."""
+    previous = f"{url}/previous"
+    sp.save(A, previous, storage_options=opts, max_shard_size=500)
+    prefix = f"{url}/dry"
+    with monkeypatch.context() as m:
+        dry = S3Faults(prefix, opts)
+        dry.install(m)
+        sp.async_save(B, prefix, storage_options=opts, max_shard_size=500).result()
+    steps = dry.steps
+    assert len(steps) == 6, steps  # marker, 2 uploads, index, manifest, marker
+    commit = steps.index("put shardpoint.json") + 1
+
+    for at, label in enumerate(steps, start=1):
+        prefix = f"{url}/at{at}"
+        faults = S3Faults(prefix, opts, at=at, action=action)
+        state = {k: v.clone() for k, v in B.items()}
+        with monkeypatch.context() as m:
+            faults.install(m)
+            handle = sp.async_save(state, prefix, storage_options=opts, max_shard_size=500)
+            for v in state.values():
+                v.add_(1000)  # the caller goes on training: the save holds its own copy
+            caught = None
+            if at > commit:  # the marker's deletion after the commit: best effort
+                handle.result()
+            else:
+                with pytest.raises(Exception) as info:
+                    handle.result()
+                caught = info.value
+        assert faults.fired == label, (faults.fired, label)
+        keys = keys_under(fs, prefix)
+        assert no_open_multipart_uploads(fs, prefix), label
+        if caught is None:
+            assert keys == sorted([*B_KEYS, "shardpoint.pending"]), (label, keys)
+            assert tensors_equal(sp.load(prefix, storage_options=opts), B), label
+        else:
+            check_error(caught, faults, prefix, action)
+            assert keys == [], (label, keys)
+            with pytest.raises(sp.CheckpointNotFoundError, match=f"{prefix} holds no objects"):
+                sp.load(prefix, storage_options=opts)
+        assert tensors_equal(sp.load(previous, storage_options=opts), A), label
+
+    # nobody looks at the handle: the next save raises, naming the failed prefix, and saves nothing
+    prefix, other = f"{url}/unseen", f"{url}/other"
+    with monkeypatch.context() as m:
+        faults = S3Faults(prefix, opts, at=commit, action=action)
+        faults.install(m)
+        sp.async_save(B, prefix, storage_options=opts, max_shard_size=500)
+        with pytest.raises(sp.CheckpointError) as info:
+            sp.save(A, other, storage_options=opts, max_shard_size=500)
+    text = str(info.value)
+    assert f"the previous async save to {prefix} failed and nothing was committed there" in text, text
+    check_error(info.value.__cause__, faults, prefix, action)  # type: ignore[arg-type]
+    assert keys_under(fs, prefix) == [] and keys_under(fs, other) == []
+    sp.save(A, other, storage_options=opts, max_shard_size=500)  # seen once: the next save works
+    assert tensors_equal(sp.load(other, storage_options=opts), A)
+
+
+@pytest.mark.parametrize("action", ["runtime", "denied"])
+def test_exception_at_every_step_of_an_async_manager_save_on_s3(
+    action: str, url: str, opts: dict[str, Any], fs: Any, monkeypatch: pytest.MonkeyPatch, one_thread: None,
+    no_async_failure_leaks: None,
+) -> None:
+    """``test_exception_at_every_step_of_a_manager_save_on_s3`` with ``async_save=True``: the
+    fault fires on the background thread, in the save or in what follows its commit
+    (``latest``, retention). ``result()`` raises it naming the object; before the commit
+    nothing is committed for step 3 and ``restore`` gives step 2 bit-exactly, after it step
+    3. An error nobody looked at is raised by the next ``save``, naming the step, and that
+    save saves nothing; the one after it cleans up."""
+
+    def prepare(root: str) -> sp.CheckpointManager:
+        mgr = sp.CheckpointManager(root, keep_last=2, async_save=True, storage_options=opts)
+        for step in (1, 2):
+            mgr.save(step, {"model": _weights(step), "step": step})
+        mgr.wait()
+        return mgr
+
+    def restored(root: str) -> int | None:
+        target = {"model": {k: torch.zeros_like(v) for k, v in _weights(0).items()}, "step": 0}
+        step = sp.CheckpointManager(root, storage_options=opts).restore(target)
+        assert step is not None and target["step"] == step and tensors_equal(target["model"], _weights(step))
+        return step
+
+    root = f"{url}/dry"
+    mgr = prepare(root)
+    with monkeypatch.context() as m:
+        dry = S3Faults(root, opts)
+        dry.install(m)
+        mgr.save(3, {"model": _weights(3), "step": 3})
+        mgr.wait()
+    steps = dry.steps
+    commit = steps.index("put step-000003/shardpoint.json") + 1
+    assert steps[commit:commit + 2] == ["delete step-000003/shardpoint.pending", "put latest"], steps
+    assert all(s.startswith("delete step-000001/") for s in steps[commit + 2 :]), steps
+
+    for at, label in enumerate(steps, start=1):
+        root = f"{url}/at{at}"
+        mgr = prepare(root)
+        faults = S3Faults(root, opts, at=at, action=action)
+        with monkeypatch.context() as m:
+            faults.install(m)
+            handle = mgr.save(3, {"model": _weights(3), "step": 3})
+            assert isinstance(handle, sp.AsyncSave)
+            if at == commit + 1:  # the marker's deletion after the commit is best effort
+                handle.result()
+            else:
+                with pytest.raises(Exception) as info:
+                    handle.result()
+                check_error(info.value, faults, root, action)
+        assert faults.fired == label
+        assert no_open_multipart_uploads(fs, root), label
+        newest = 3 if at > commit else 2
+        assert restored(root) == newest, label
+        if at <= commit:
+            assert not [k for k in keys_under(fs, root) if k.startswith("step-000003/")], label
+        mgr.save(4, {"model": _weights(4), "step": 4})  # the error was seen: this one saves
+        mgr.wait()
+        assert mgr.steps() == ([3, 4] if at > commit else [2, 4]), label
+        keep = {"step-000003", "step-000004"} if at > commit else {"step-000002", "step-000004"}
+        keys = keys_under(fs, root)
+        assert {k.split("/")[0] for k in keys} == keep | {"latest"}, (label, keys)
+        stray = ["step-000003/shardpoint.pending"] if at == commit + 1 else []
+        assert [k for k in keys if k.endswith("shardpoint.pending")] == stray, (label, keys)
+        assert fs.cat_file(f"{root.removeprefix('s3://')}/latest") == b"step-000004\n", label
+
+    # nobody looks at the handle: the next save raises naming step 3, and saves nothing
+    for at, committed in ((commit, False), (commit + 2, True)):  # the manifest; `latest`
+        root = f"{url}/unseen{at}"
+        mgr = prepare(root)
+        with monkeypatch.context() as m:
+            S3Faults(root, opts, at=at, action=action).install(m)
+            mgr.save(3, {"model": _weights(3), "step": 3})
+            with pytest.raises(sp.CheckpointError) as info:
+                mgr.save(4, {"model": _weights(4), "step": 4})
+        text = str(info.value)
+        done = " after its commit" if committed else "; nothing was committed for it"
+        assert f"the async save of step 3 to {root} failed{done}" in text, text
+        assert "Step 4 was not saved either" in text, text
+        assert not [k for k in keys_under(fs, root) if k.startswith("step-000004/")]
+        assert restored(root) == (3 if committed else 2)
+        mgr.save(4, {"model": _weights(4), "step": 4})
+        mgr.wait()
+        assert mgr.steps() == ([3, 4] if committed else [2, 4])
+
+
+# ------------------------------------------------------------ stale state of a manager
+
+
+def test_stale_leftovers_on_s3_are_ignored_by_restore_and_removed_by_the_next_save(
+    url: str, opts: dict[str, Any], fs: Any
+) -> None:
+    """What crashes leave under a manager's root on S3, made by hand: a half-deleted step
+    (retention cut short after the manifest's deletion: data objects and index, no
+    manifest, no marker), another with some data objects gone too, a save cut mid-upload
+    (marker and one object), one cut right after its marker, and a dead ``latest`` naming
+    one of them. ``steps()``, ``latest_step()`` and ``restore`` see only the committed
+    steps, bit-exactly; the cut saves refuse to load naming their prefix; the next save
+    removes every leftover and leaves exactly the committed steps it keeps and ``latest``."""
+    root = url.removeprefix("s3://")
+    shard = {"max_shard_size": 260}  # _weights: 2 objects (256 and 32 bytes) and an index per step
+    mgr = sp.CheckpointManager(url, keep_last=2, storage_options=opts, **shard)
+    for step in (1, 2):
+        mgr.save(step, {"model": _weights(step), "step": step})
+    step_keys = sorted(k.split("/", 1)[1] for k in keys_under(fs, url) if k.startswith("step-000002/"))
+    assert len([k for k in step_keys if k.endswith(".safetensors")]) == 2, step_keys
+
+    for n in (0, 5):  # copies of whole steps, then damaged below
+        sp.save({"model": _weights(n), "step": n}, f"{url}/step-{n:06d}", storage_options=opts, **shard)
+    fs.rm_file(f"{root}/step-000000/shardpoint.json")  # retention killed after the manifest
+    sp.save({"model": _weights(6), "step": 6}, f"{url}/step-000006", storage_options=opts, **shard)
+    fs.rm_file(f"{root}/step-000006/shardpoint.json")  # ... and after a data object too
+    fs.rm_file(f"{root}/step-000006/model-00001-of-00002.safetensors")
+    for name in sorted(fs.find(f"{root}/step-000005")):  # a save killed mid-upload
+        if not name.endswith("model-00001-of-00002.safetensors"):
+            fs.rm_file(name)
+    fs.pipe_file(f"{root}/step-000005/shardpoint.pending", b"a shardpoint save is in progress or was interrupted\n")
+    fs.pipe_file(f"{root}/step-000007/shardpoint.pending", b"a shardpoint save is in progress or was interrupted\n")
+    fs.pipe_file(f"{root}/latest", b"step-000005\n")  # a dead latest, naming the cut save
+
+    fresh = sp.CheckpointManager(url, keep_last=2, storage_options=opts, **shard)
+    assert fresh.steps() == [1, 2] and fresh.latest_step() == 2
+    target = {"model": {k: torch.zeros_like(v) for k, v in _weights(0).items()}, "step": 0}
+    assert fresh.restore(target) == 2
+    assert target["step"] == 2 and tensors_equal(target["model"], _weights(2))
+    for n in (5, 7):
+        with pytest.raises(sp.IncompleteCheckpointError, match=f"{url}/step-00000{n} is a save that never committed"):
+            sp.load(f"{url}/step-00000{n}", storage_options=opts)
+    with pytest.raises(sp.CheckpointError, match=re.escape(f"{url} has no committed step 5; it has [1, 2]")):
+        fresh.restore(target, step=5)
+
+    fresh.save(3, {"model": _weights(3), "step": 3})
+    keys = keys_under(fs, url)
+    assert {k.split("/")[0] for k in keys} == {"step-000002", "step-000003", "latest"}, keys
+    assert sorted(k.split("/", 1)[1] for k in keys if k.startswith("step-000003/")) == step_keys, keys
+    assert fs.cat_file(f"{root}/latest") == b"step-000003\n"
+    assert fresh.steps() == [2, 3] and fresh.restore(target) == 3 and tensors_equal(target["model"], _weights(3))
 
 
 # ------------------------------------------------------------------------- real SIGKILL

@@ -26,8 +26,9 @@ from ..errors import ChecksumMismatchError, CorruptCheckpointError
 
 PIECE_BYTES = 64 << 20
 """Unit of work shared between threads; crcs of whole pieces are combined cheaply."""
-READ_PIECE_BYTES = 16 << 20
-"""Reads are split into pieces this size for the pool: small enough that threads finish together."""
+READ_PIECE_BYTES = 64 << 20
+"""Reads are split into pieces this size for the pool. Smaller pieces (16 MB) balanced the
+threads' finish no better and made cold reads ~15 % slower (more, shorter streams)."""
 
 Advance = Callable[[int], None]
 
@@ -113,9 +114,9 @@ def _read_segments(fd: int, view: memoryview, offset: int, segment: int, *, name
     """Read ``view`` from ``offset`` a segment at a time; return the crc32c of the bytes if ``check``.
 
     Each segment is checksummed straight after it lands, while it is still in the CPU
-    cache, so verification adds a pass over cache, not over memory. Unchecked reads go by
-    segments too: from the page cache, copies that fit in cache run faster than one large
-    ``preadv``. This is the hot loop of a load: one syscall (and one crc call) per segment.
+    cache, so verification adds a pass over cache, not over memory. This is the Python
+    hot loop of a load (where the C extension is absent): one syscall and one crc call per
+    segment.
     """
     crc = 0
     pread, update = os.preadv, crc32c_update
@@ -365,15 +366,18 @@ def run_reads(
             slot, buffer = staging.take(max(staging_bytes, end - start), for_device=task.dest.device)
             view = byte_view(buffer)[: end - start]
         native = _native
+        check = task.crc32c is not None
+        # Unchecked, a piece goes in one call: from the page cache that copies fastest.
+        step = segment if check else max(len(view), 1)
         if native is not None:
             with naming(task.path):
-                got, crc = native.pread_into(fd, view, task.start + start, segment, task.crc32c is not None)
+                got, crc = native.pread_into(fd, view, task.start + start, step, check)
             if got != len(view):
                 raise CorruptCheckpointError(
                     f"{task.name}: unexpected end of file at byte {task.start + start + got}; the file is truncated"
                 )
         else:
-            crc = _read_segments(fd, view, task.start + start, segment, name=task.name, check=task.crc32c is not None)
+            crc = _read_segments(fd, view, task.start + start, step, name=task.name, check=check)
         if advance is not None:
             advance(end - start)
         if buffer is not None and end > start:
