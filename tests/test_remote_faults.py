@@ -330,8 +330,10 @@ def test_exception_at_every_step_of_a_manager_save_on_s3(
     assert steps[:3] == ["put step-000003/shardpoint.pending", "upload step-000003/model.safetensors",
                          "put step-000003/shardpoint.json"], steps
     assert steps[3:5] == ["delete step-000003/shardpoint.pending", "put latest"], steps
-    assert steps[5] == "delete step-000001/shardpoint.json", steps  # retention: the manifest first
-    assert all(s.startswith("delete step-000001/") for s in steps[5:]), steps
+    # retention: the marker first (a deletion cut short refuses to load), then the manifest
+    assert steps[5:7] == ["put step-000001/shardpoint.pending", "delete step-000001/shardpoint.json"], steps
+    assert all(s.startswith("delete step-000001/") for s in steps[6:]), steps
+    assert steps[-1] == "delete step-000001/shardpoint.pending", steps
     commit = 3
 
     for at, label in enumerate(steps, start=1):
@@ -485,7 +487,8 @@ def test_exception_at_every_step_of_an_async_manager_save_on_s3(
     steps = dry.steps
     commit = steps.index("put step-000003/shardpoint.json") + 1
     assert steps[commit:commit + 2] == ["delete step-000003/shardpoint.pending", "put latest"], steps
-    assert all(s.startswith("delete step-000001/") for s in steps[commit + 2 :]), steps
+    assert steps[commit + 2] == "put step-000001/shardpoint.pending", steps
+    assert all(s.startswith("delete step-000001/") for s in steps[commit + 3 :]), steps
 
     for at, label in enumerate(steps, start=1):
         root = f"{url}/at{at}"
@@ -652,6 +655,9 @@ def test_sigkill_at_named_steps_of_a_manager_save_on_s3(
     assert target["step"] == newest and torch.equal(target["model"]["w"], torch.full((64,), float(newest)))
     if where == "step-000001/shardpoint.json":  # half-deleted step 1: not a step any more
         assert 1 not in mgr.steps() and any(k.startswith("step-000001/") for k in keys)
+        assert "step-000001/shardpoint.pending" in keys, keys  # so a direct load refuses it too
+        with pytest.raises(sp.IncompleteCheckpointError, match=f"{url}/step-000001 is a save that never committed"):
+            sp.load(f"{url}/step-000001", storage_options=opts)
     mgr.save(4, {"model": {"w": torch.full((64,), 4.0)}, "step": 4})  # cleans every leftover
     keys = keys_under(fs, url)
     assert {k.split("/")[0] for k in keys} == {f"step-00000{newest}", "step-000004", "latest"}, keys

@@ -10,7 +10,8 @@ Layout::
 On an object store (``root`` an fsspec URL such as ``s3://bucket/run``) the same layout is
 kept as prefixes: a step is committed when ``step-<n>/shardpoint.json`` exists (one listing
 of the root finds them all), ``latest`` is one small object written in one request (a hint,
-verified the same way), retention deletes a step's manifest first and then its objects, and
+verified the same way), retention writes the step's pending marker, deletes its manifest and then its objects
+(a deletion cut short refuses to load, like an interrupted save), and
 step prefixes without a manifest (interrupted saves) are ignored and removed by the next save.
 
 ``latest`` is replaced atomically (write a temp file, fsync, rename) after each commit. It

@@ -53,6 +53,7 @@ from ..errors import (
 )
 
 PENDING_NAME = "shardpoint.pending"
+PENDING_TEXT = b"a shardpoint save or deletion is in progress or was interrupted\n"
 """Written before anything else of a save and deleted after its manifest."""
 
 LOCAL_PROTOCOLS = ("file", "local")
@@ -397,11 +398,20 @@ class RemoteStore:
 
     def delete_tree(self) -> None:
         """Delete every object below the prefix: the manifest first (so no half-deleted
-        checkpoint ever loads), the pending marker last."""
+        checkpoint ever loads as ours), the pending marker last.
+
+        The marker is written before anything is deleted: a deletion cut short (a crash in
+        retention) leaves a prefix that reads as an interrupted save and refuses to load,
+        instead of its remaining data objects reading as a Hugging Face checkpoint.
+        """
         names = sorted(self.find())
+        if not names:
+            return
+        if PENDING_NAME not in names:
+            self.put(PENDING_NAME, PENDING_TEXT)
+            names.append(PENDING_NAME)
         first = [n for n in names if n == MANIFEST_NAME]
-        last = [n for n in names if n == PENDING_NAME]
-        self.delete(first + [n for n in names if n not in (MANIFEST_NAME, PENDING_NAME)] + last)
+        self.delete(first + [n for n in names if n not in (MANIFEST_NAME, PENDING_NAME)] + [PENDING_NAME])
         with suppress(Exception):  # a store that keeps directory entries (SeaweedFS)
             self.fs.rm(self.root, recursive=True)
         self._refresh(self.root)
@@ -628,7 +638,7 @@ class RemoteTransaction:
                     f"{MANIFEST_NAME}); refusing to write into it even with overwrite=True. "
                     "Remove those objects yourself or pick another prefix"
                 )
-        store.put(PENDING_NAME, b"a shardpoint save is in progress or was interrupted\n")
+        store.put(PENDING_NAME, PENDING_TEXT)
         if existing:
             # The manifest goes first: from here on the prefix never loads as the old checkpoint.
             store.delete([n for n in existing if n == MANIFEST_NAME])
