@@ -484,6 +484,8 @@ def test_sigkill_mid_save_leaves_the_previous_step_loadable_and_the_partial_one_
 
     mgr.save(3, {"model": {"w": torch.full((8,), 3.0)}, "step": 3})  # cleans the partial step 2
     assert not [k for k in keys_under(fs, url) if k.startswith("step-000002/")]
+    bucket, _, key = url.removeprefix("s3://").partition("/")
+    assert not [u for u in fs.list_multipart_uploads(bucket) if u["Key"].startswith(f"{key}/step-000002/")]
     assert mgr.steps() == [1, 3]
 
 
@@ -525,3 +527,32 @@ def test_two_ranks_save_chunked_to_s3_and_reshard_on_load(url: str, opts: dict[s
     loaded = sp.load(url, storage_options=opts)
     assert torch.equal(loaded["w"], torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48))
     assert keys_under(fs, url + "-hf") == []  # the refused hf save wrote nothing
+
+
+def test_a_save_over_an_interrupted_one_aborts_its_unfinished_uploads(url: str, opts: dict[str, Any], fs: Any) -> None:
+    """What a save killed mid-upload leaves: its marker and an unfinished multipart upload
+    with a part stored (not an object: no listing shows it). The next save at that prefix,
+    and a manager's cleanup of a dead step, abort it."""
+    bucket, _, key = url.removeprefix("s3://").partition("/")
+
+    def unfinished(prefix: str) -> list[str]:
+        return [u["Key"] for u in fs.list_multipart_uploads(bucket) if u["Key"].startswith(f"{key}/{prefix}/")]
+
+    def dead_save(prefix: str) -> None:
+        fs.pipe_file(f"{bucket}/{key}/{prefix}/shardpoint.pending", b"interrupted\n")
+        name = f"{key}/{prefix}/model.safetensors"
+        upload = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=name)
+        fs.call_s3("upload_part", Bucket=bucket, Key=name, UploadId=upload["UploadId"], PartNumber=1, Body=b"x" * (5 * MiB))
+        assert unfinished(prefix) == [name]
+
+    dead_save("plain")
+    sp.save({"w": torch.ones(4)}, f"{url}/plain", storage_options=opts)
+    assert unfinished("plain") == []
+    assert torch.equal(sp.load(f"{url}/plain", storage_options=opts)["w"], torch.ones(4))
+
+    mgr = sp.CheckpointManager(f"{url}/run", keep_last=2, storage_options=opts)
+    mgr.save(1, {"w": torch.ones(2)})
+    dead_save("run/step-000002")
+    mgr.save(3, {"w": torch.full((2,), 3.0)})  # removes the dead step 2, aborting its upload
+    assert unfinished("run/step-000002") == []
+    assert mgr.steps() == [1, 3]

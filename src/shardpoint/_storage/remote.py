@@ -396,6 +396,27 @@ class RemoteStore:
             retrying("deleting", self.url_of(name), run)
         self._refresh(self.root)
 
+    def abort_uploads(self) -> None:
+        """Abort the unfinished multipart uploads below the prefix (S3 only; best effort).
+
+        A save killed in the middle of an upload leaves one behind: not an object, so no
+        listing shows it, but its parts take space until it is aborted. Called when a save
+        takes over a prefix that an interrupted save left (its pending marker is there), so
+        it never aborts the upload of a save that is still alive, unless two saves write one
+        prefix at once, which is not supported on a store.
+        """
+        call = getattr(self.fs, "call_s3", None)
+        if call is None:
+            return
+        bucket, _, key = self.root.partition("/")
+        with suppress(Exception):  # a store without multipart listing, or no permission to list
+            listed = call("list_multipart_uploads", Bucket=bucket, Prefix=f"{key}/")
+            for upload in listed.get("Uploads", []) or []:
+                name = upload.get("Key", "")
+                if name.startswith(f"{key}/"):
+                    with suppress(Exception):
+                        call("abort_multipart_upload", Bucket=bucket, Key=name, UploadId=upload["UploadId"])
+
     def delete_tree(self) -> None:
         """Delete every object below the prefix: the manifest first (so no half-deleted
         checkpoint ever loads as ours), the pending marker last.
@@ -411,7 +432,9 @@ class RemoteStore:
             self.put(PENDING_NAME, PENDING_TEXT)
             names.append(PENDING_NAME)
         first = [n for n in names if n == MANIFEST_NAME]
-        self.delete(first + [n for n in names if n not in (MANIFEST_NAME, PENDING_NAME)] + [PENDING_NAME])
+        self.delete(first + [n for n in names if n not in (MANIFEST_NAME, PENDING_NAME)])
+        self.abort_uploads()  # a dead save's unfinished uploads go with its prefix
+        self.delete([PENDING_NAME])
         with suppress(Exception):  # a store that keeps directory entries (SeaweedFS)
             self.fs.rm(self.root, recursive=True)
         self._refresh(self.root)
@@ -643,6 +666,8 @@ class RemoteTransaction:
             # The manifest goes first: from here on the prefix never loads as the old checkpoint.
             store.delete([n for n in existing if n == MANIFEST_NAME])
             store.delete([n for n in existing if n not in (MANIFEST_NAME, PENDING_NAME)])
+        if PENDING_NAME in existing:
+            store.abort_uploads()  # a killed save's unfinished multipart uploads
 
     def write_files(
         self,
