@@ -32,6 +32,7 @@ from __future__ import annotations
 import errno
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
@@ -661,7 +662,11 @@ class RemoteTransaction:
                     f"{MANIFEST_NAME}); refusing to write into it even with overwrite=True. "
                     "Remove those objects yourself or pick another prefix"
                 )
-        store.put(PENDING_NAME, PENDING_TEXT)
+        # The marker names this save, so that before each index and the manifest it can
+        # check that no other save has taken the prefix over meanwhile (see write_bytes).
+        self._marker = PENDING_TEXT + f"save {uuid.uuid4().hex}\n".encode()
+        self._taken_over = False
+        store.put(PENDING_NAME, self._marker)
         if existing:
             # The manifest goes first: from here on the prefix never loads as the old checkpoint.
             store.delete([n for n in existing if n == MANIFEST_NAME])
@@ -686,7 +691,28 @@ class RemoteTransaction:
         return upload_files(self.store, files, advance=advance)
 
     def write_bytes(self, name: str, data: bytes, *, durable: bool) -> None:
+        """Upload an index or the manifest, once sure the prefix is still this save's."""
+        self._check_still_ours(name)
         self.store.put(name, data)
+
+    def _check_still_ours(self, name: str) -> None:
+        """Raise if another save replaced our pending marker (or removed it) meanwhile.
+
+        Without conditional writes two saves to one prefix cannot exclude each other; this
+        narrows the window to one request: the save that finds its marker gone stops before
+        its manifest and leaves the other save's objects alone, so the other one stays whole.
+        """
+        try:
+            current: bytes | None = self.store.get(PENDING_NAME, limit=1 << 16)
+        except FileNotFoundError:
+            current = None
+        if current != self._marker:
+            self._taken_over = True
+            raise CheckpointExistsError(
+                f"{self.store.url}: another save took this prefix over while this one was running "
+                f"(its pending marker is no longer this save's); stopped before writing {name}, "
+                "leaving the other save's objects in place. Save each run to its own prefix"
+            )
 
     def commit(self, *, durable: bool) -> None:
         """The manifest is uploaded: the save is committed. Drop the pending marker."""
@@ -700,6 +726,8 @@ class RemoteTransaction:
         if self._done:
             return
         self._done = True
+        if self._taken_over:
+            return  # what is under the prefix now belongs to the save that took it over
         with suppress(Exception):
             names = self.store.list()
             self.store.delete([n for n in names if n == MANIFEST_NAME])
