@@ -29,6 +29,8 @@ def _load_native() -> ModuleType | None:
         from . import _native
     except ImportError:  # pragma: no cover - depends on the install
         return None
+    if _native.IMPLEMENTATION == "table":  # pragma: no cover - not x86-64: fastcrc is faster there
+        return None
     crc = _native.crc32c
     if crc(_CHECK_INPUT) != _CHECK_VALUE or crc(_CHECK_INPUT[4:], crc(_CHECK_INPUT[:4])) != _CHECK_VALUE:
         return None  # pragma: no cover - a miscompiled extension
