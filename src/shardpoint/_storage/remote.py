@@ -495,6 +495,10 @@ def _stream_file(
     return crcs
 
 
+class UploadAbortedError(StorageError):
+    """A multipart upload vanished before its commit: someone aborted it."""
+
+
 def upload_files(
     store: RemoteStore,
     files: Sequence[FileWrite],
@@ -512,12 +516,19 @@ def upload_files(
     lock = threading.Lock()
 
     def one(f: FileWrite) -> None:
-        crcs = store.upload(
-            f.name,
-            lambda write: _stream_file(
-                f, write, block=cfg.remote_block_bytes, cancelled=cancelled, advance=advance
-            ),
-        )
+        try:
+            crcs = store.upload(
+                f.name,
+                lambda write: _stream_file(
+                    f, write, block=cfg.remote_block_bytes, cancelled=cancelled, advance=advance
+                ),
+            )
+        except FileNotFoundError as exc:  # S3 NoSuchUpload: the multipart upload was aborted
+            raise UploadAbortedError(
+                f"uploading {store.url_of(f.name)} failed: its multipart upload was aborted by "
+                "someone else (another save that took this prefix over, or a bucket lifecycle "
+                "rule); nothing of this save is committed"
+            ) from exc
         with lock:
             results.update({(f.name, k): c for k, c in crcs.items()})
         if on_uploaded is not None:
@@ -688,7 +699,15 @@ class RemoteTransaction:
                 f"{self.store.url}: this writer needs a local directory; write the checkpoint "
                 "locally, then save it to the store with shardpoint.save(shardpoint.load(...), url)"
             )
-        return upload_files(self.store, files, advance=advance)
+        try:
+            return upload_files(self.store, files, advance=advance)
+        except UploadAbortedError as exc:
+            # Most likely another save took the prefix over and aborted our uploads: say so.
+            try:
+                self._check_still_ours("its data files")
+            except StorageError:
+                raise exc from None  # the marker cannot be read either: the first error stands
+            raise
 
     def write_bytes(self, name: str, data: bytes, *, durable: bool) -> None:
         """Upload an index or the manifest, once sure the prefix is still this save's."""
