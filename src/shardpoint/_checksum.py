@@ -18,6 +18,11 @@ _POLY_REVERSED = 0x82F63B78
 _CHECK_INPUT, _CHECK_VALUE = b"123456789", 0xE3069283  # the catalogue's crc32c check value
 
 
+def _computes_crc32c(crc: Callable[..., int]) -> bool:
+    """``crc`` gives the catalogue's check value, whole and continued."""
+    return bool(crc(_CHECK_INPUT) == _CHECK_VALUE and crc(_CHECK_INPUT[4:], crc(_CHECK_INPUT[:4])) == _CHECK_VALUE)
+
+
 def _load_native() -> ModuleType | None:
     """``shardpoint._native`` if it was built and computes crc32c right; else None.
 
@@ -31,8 +36,7 @@ def _load_native() -> ModuleType | None:
         return None
     if _native.IMPLEMENTATION == "table":  # pragma: no cover - not x86-64: fastcrc is faster there
         return None
-    crc = _native.crc32c
-    if crc(_CHECK_INPUT) != _CHECK_VALUE or crc(_CHECK_INPUT[4:], crc(_CHECK_INPUT[:4])) != _CHECK_VALUE:
+    if not _computes_crc32c(_native.crc32c):
         return None  # pragma: no cover - a miscompiled extension
     return cast(ModuleType, _native)
 
@@ -56,7 +60,7 @@ def _pick_implementation() -> tuple[str, Callable[..., int]]:
         import fastcrc
 
         fast = fastcrc.crc32.iscsi
-        if fast(_CHECK_INPUT) == _CHECK_VALUE and fast(_CHECK_INPUT[4:], fast(_CHECK_INPUT[:4])) == _CHECK_VALUE:
+        if _computes_crc32c(fast):
             return "fastcrc", fast
     except (ImportError, AttributeError, TypeError):  # pragma: no cover - depends on the install
         pass

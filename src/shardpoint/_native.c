@@ -298,14 +298,16 @@ py_crc32c(PyObject *self, PyObject *args)
     return PyLong_FromUnsignedLong(crc);
 }
 
+/* Validate the shared arguments of the loops; on error release `view` and set an exception. */
 static int
-segment_arg(Py_ssize_t segment)
+loop_args(Py_buffer *view, long long offset, Py_ssize_t segment)
 {
-    if (segment <= 0) {
-        PyErr_SetString(PyExc_ValueError, "segment must be positive");
-        return -1;
-    }
-    return 0;
+    const char *bad = segment <= 0 ? "segment must be positive" : offset < 0 ? "offset must be >= 0" : NULL;
+    if (bad == NULL)
+        return 0;
+    PyErr_SetString(PyExc_ValueError, bad);
+    PyBuffer_Release(view);
+    return -1;
 }
 
 PyDoc_STRVAR(pread_doc,
@@ -324,12 +326,8 @@ py_pread_into(PyObject *self, PyObject *args)
     Py_ssize_t segment;
     if (!PyArg_ParseTuple(args, "iw*Lnp:pread_into", &fd, &view, &offset, &segment, &check))
         return NULL;
-    if (segment_arg(segment) < 0 || offset < 0) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "offset must be >= 0");
-        PyBuffer_Release(&view);
+    if (loop_args(&view, offset, segment) < 0)
         return NULL;
-    }
     uint8_t *buf = view.buf;
     size_t len = (size_t)view.len, pos = 0;
     uint32_t crc = 0;
@@ -374,12 +372,8 @@ py_pwrite_from(PyObject *self, PyObject *args)
     Py_ssize_t segment;
     if (!PyArg_ParseTuple(args, "iy*Ln:pwrite_from", &fd, &view, &offset, &segment))
         return NULL;
-    if (segment_arg(segment) < 0 || offset < 0) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "offset must be >= 0");
-        PyBuffer_Release(&view);
+    if (loop_args(&view, offset, segment) < 0)
         return NULL;
-    }
     const uint8_t *buf = view.buf;
     size_t len = (size_t)view.len, pos = 0;
     uint32_t crc = 0;

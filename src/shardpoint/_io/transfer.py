@@ -20,15 +20,14 @@ from typing import Any
 
 import torch
 
-from .._checksum import NATIVE, crc32c, crc32c_combine, crc32c_update
+from .._checksum import NATIVE, crc32c_combine, crc32c_update
 from .._knobs import knobs
 from ..errors import ChecksumMismatchError, CorruptCheckpointError
 
 PIECE_BYTES = 64 << 20
-"""Unit of work shared between threads; crcs of whole pieces are combined cheaply."""
-READ_PIECE_BYTES = 64 << 20
-"""Reads are split into pieces this size for the pool. Smaller pieces (16 MB) balanced the
-threads' finish no better and made cold reads ~15 % slower (more, shorter streams)."""
+"""Unit of work shared between threads; crcs of whole pieces are combined cheaply. (For
+reads, 16 MB pieces balanced the threads' finish no better and made cold reads ~15 %
+slower: more, shorter streams.)"""
 
 Advance = Callable[[int], None]
 
@@ -99,33 +98,36 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
-def _pread_all(fd: int, view: memoryview, offset: int, *, name: str) -> None:
-    while view:
-        n = os.preadv(fd, [view], offset)
-        if n <= 0:
-            raise CorruptCheckpointError(
-                f"{name}: unexpected end of file at byte {offset}; the file is truncated"
-            )
-        view = view[n:]
-        offset += n
+def _read_segments(fd: int, view: memoryview, offset: int, segment: int, check: bool) -> tuple[int, int]:
+    """Fill ``view`` from ``offset`` a segment at a time; return (bytes read, their crc32c).
+
+    Each segment is checksummed (when ``check``) straight after it lands, while it is still
+    in the CPU cache, so verification adds a pass over cache, not over memory. Stops early
+    only at the end of the file. The Python twin of ``_native.pread_into``.
+    """
+    crc = pos = 0
+    while pos < len(view):
+        part = view[pos : pos + segment]
+        got = os.preadv(fd, [part], offset + pos)
+        if got == 0:
+            break
+        if check:
+            crc = crc32c_update(part[:got], crc)
+        pos += got
+    return pos, crc
 
 
-def _read_segments(fd: int, view: memoryview, offset: int, segment: int, *, name: str, check: bool) -> int:
-    """Read ``view`` from ``offset`` a segment at a time; return the crc32c of the bytes if ``check``.
+def _write_segments(fd: int, view: memoryview, offset: int, segment: int) -> int:
+    """Write ``view`` at ``offset`` a segment at a time; return the crc32c of the bytes.
 
-    Each segment is checksummed straight after it lands, while it is still in the CPU
-    cache, so verification adds a pass over cache, not over memory. This is the Python
-    hot loop of a load (where the C extension is absent): one syscall and one crc call per
-    segment.
+    Each segment is checksummed just before it is written, so the write reads it from
+    cache. The Python twin of ``_native.pwrite_from``.
     """
     crc = 0
-    pread, update = os.preadv, crc32c_update
     for pos in range(0, len(view), segment):
-        part = view[pos : pos + segment]
-        if pread(fd, [part], offset + pos) != len(part):
-            _pread_all(fd, part, offset + pos, name=name)  # a short read: finish it, or name the truncation
-        if check:
-            crc = update(part, crc)
+        chunk = view[pos : pos + segment]
+        crc = crc32c_update(chunk, crc)
+        _pwrite_all(fd, chunk, offset + pos)
     return crc
 
 
@@ -206,22 +208,12 @@ def write_files(
             data = byte_view(contiguous_cpu(tensor))
             if len(data) != tensor.numel() * tensor.element_size():
                 raise AssertionError("tensor byte size changed during save")
-            crc = 0
             fd = fds[fname]
-            native = _native
-            if native is not None:
-                with naming(os.path.join(directory, fname)):
-                    crc = native.pwrite_from(fd, data[start:end], offset + start, segment)
-                if advance is not None:
-                    advance(end - start)
-            else:
-                for pos in range(start, end, segment):
-                    chunk = data[pos : min(pos + segment, end)]
-                    crc = crc32c(chunk, crc)
-                    with naming(os.path.join(directory, fname)):
-                        _pwrite_all(fd, chunk, offset + pos)
-                    if advance is not None:
-                        advance(len(chunk))
+            write = _native.pwrite_from if _native is not None else _write_segments
+            with naming(os.path.join(directory, fname)):
+                crc = write(fd, data[start:end], offset + start, segment)
+            if advance is not None:
+                advance(end - start)
             if durable:
                 start_writeback(fd, offset + start, end - start)
             with lock:
@@ -349,7 +341,7 @@ def run_reads(
     work: list[tuple[int, ReadTask, int, int]] = []
     for i, task in enumerate(tasks):
         direct = task.dest.device.type == "cpu" and task.dest.dtype == task.stored_dtype
-        piece = READ_PIECE_BYTES if direct else max(staging_bytes // 64 * 64, 64)
+        piece = PIECE_BYTES if direct else max(staging_bytes // 64 * 64, 64)
         for start, end in _pieces(task.nbytes, piece):
             work.append((i, task, start, end))
 
@@ -365,19 +357,16 @@ def run_reads(
         else:
             slot, buffer = staging.take(max(staging_bytes, end - start), for_device=task.dest.device)
             view = byte_view(buffer)[: end - start]
-        native = _native
         check = task.crc32c is not None
         # Unchecked, a piece goes in one call: from the page cache that copies fastest.
         step = segment if check else max(len(view), 1)
-        if native is not None:
-            with naming(task.path):
-                got, crc = native.pread_into(fd, view, task.start + start, step, check)
-            if got != len(view):
-                raise CorruptCheckpointError(
-                    f"{task.name}: unexpected end of file at byte {task.start + start + got}; the file is truncated"
-                )
-        else:
-            crc = _read_segments(fd, view, task.start + start, step, name=task.name, check=check)
+        read = _native.pread_into if _native is not None else _read_segments
+        with naming(task.path):
+            got, crc = read(fd, view, task.start + start, step, check)
+        if got != len(view):
+            raise CorruptCheckpointError(
+                f"{task.name}: unexpected end of file at byte {task.start + start + got}; the file is truncated"
+            )
         if advance is not None:
             advance(end - start)
         if buffer is not None and end > start:
