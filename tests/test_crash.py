@@ -17,7 +17,6 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -29,6 +28,7 @@ import torch
 from safetensors import safe_open
 
 import shardpoint as sp
+from _helper_process import HelperProcess
 
 MAX_SHARD = "16MB"
 INDEX = "model.safetensors.index.json"
@@ -174,53 +174,21 @@ def _helper_main() -> None:
 # ---------------------------------------------------------------------------------- tests
 
 
-class Helper:
+class Helper(HelperProcess):
     """The helper process, driven one round at a time."""
 
     def __init__(self, workdir: Path) -> None:
-        self.log = workdir / "helper.log"
-        self._log_file = open(self.log, "wb")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "helper"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log_file,
-            text=True,
-            bufsize=1,
-        )
-        assert self._reply() == {"ready": True}
-
-    def _reply(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait(timeout=10)
-            raise AssertionError(
-                f"crash helper died (rc={self.proc.returncode}):\n{self.log.read_text()[-4000:]}"
-            )
-        return json.loads(line)  # type: ignore[no-any-return]
+        super().__init__(__file__, workdir)
+        assert self.reply() == {"ready": True}
 
     def save(
         self, path: Path, k: int, *, overwrite: bool, kill: dict[str, Any] | None = None
     ) -> dict[str, Any]:
-        assert self.proc.stdin is not None
         cmd = {"path": str(path), "k": k, "overwrite": overwrite, "kill": kill}
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        reply = self._reply()
+        reply = self.call(cmd)
         if reply["exit"] not in (None, 0):
             raise AssertionError(f"the saving child failed:\n{self.log.read_text()[-4000:]}")
         return reply
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log_file.close()
 
 
 @pytest.fixture(scope="module")

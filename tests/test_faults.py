@@ -39,6 +39,7 @@ import torch
 
 import shardpoint as sp
 from _fault_steps import FaultSteps, first_step
+from _helper_process import HelperProcess
 from shardpoint import _async as sp_async
 from shardpoint.errors import (
     ChecksumMismatchError,
@@ -312,43 +313,13 @@ def test_async_save_fault_commits_nothing_and_surfaces_on_result(
 # ------------------------------------------------------------------ SIGKILL at every step
 
 
-class KillHelper:
+class KillHelper(HelperProcess):
     """A process that imports torch once and forks a child per round (this file as a script)."""
 
     def __init__(self, workdir: Path) -> None:
-        self.log = workdir / "helper.log"
-        self._log_file = open(self.log, "wb")  # noqa: SIM115 - closed in close()
         env = {**os.environ, "SHARDPOINT_WRITE_THREADS": "1", "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "helper"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log_file,
-            text=True,
-            bufsize=1,
-            env=env,
-        )
+        super().__init__(__file__, workdir, env=env)
         assert self.call({"op": "ping"}) == {"pong": True}
-
-    def call(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait(timeout=10)
-            raise AssertionError(f"fault helper died:\n{self.log.read_text()[-4000:]}")
-        return json.loads(line)  # type: ignore[no-any-return]
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log_file.close()
 
 
 @pytest.fixture(scope="module")

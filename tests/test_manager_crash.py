@@ -21,7 +21,6 @@ import os
 import random
 import select
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -33,6 +32,7 @@ import pytest
 import torch
 
 import shardpoint as sp
+from _helper_process import HelperProcess
 from shardpoint import _async as sp_async
 from shardpoint._io import transfer as sp_transfer
 
@@ -184,50 +184,20 @@ def _helper_main() -> None:
     os._exit(0)  # skip the interpreter's slow teardown of torch
 
 
-class Helper:
-    def __init__(self, workdir: Path) -> None:
-        self.log = workdir / "helper.log"
-        self._log_file = open(self.log, "wb")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "helper"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log_file,
-            text=True,
-            bufsize=1,
-        )
-        assert self._reply() == {"ready": True}
+class Helper(HelperProcess):
+    """The helper process, driven one round at a time."""
 
-    def _reply(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait(timeout=10)
-            raise AssertionError(
-                f"crash helper died (rc={self.proc.returncode}):\n{self.log.read_text()[-4000:]}"
-            )
-        return json.loads(line)  # type: ignore[no-any-return]
+    def __init__(self, workdir: Path) -> None:
+        super().__init__(__file__, workdir)
+        assert self.reply() == {"ready": True}
 
     def run_and_kill(self, root: Path, after: float) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"root": str(root), "after": after}) + "\n")
-        self.proc.stdin.flush()
-        reply = self._reply()
+        reply = self.call({"root": str(root), "after": after})
         if not reply["killed"]:
             raise AssertionError(
                 f"the child was not killed but ended ({reply}):\n{self.log.read_text()[-4000:]}"
             )
         return reply
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log_file.close()
 
 
 @pytest.fixture

@@ -33,7 +33,6 @@ import random
 import re
 import select
 import signal
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -47,6 +46,7 @@ import pytest
 import torch
 
 import shardpoint as sp
+from _helper_process import HelperProcess
 from test_manager_crash import SMALL, build, mismatch
 from test_remote import keys_under, tensors_equal
 from test_remote_faults import A, B, S3Faults, _weights, keys_of, no_open_multipart_uploads
@@ -75,29 +75,13 @@ def make_state(spec: dict[str, Any]) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------ the helper
 
 
-class Helper:
+class Helper(HelperProcess):
     """The fork server (this file as a script): one JSON command per line, one reply per line."""
 
     def __init__(self, workdir: Path) -> None:
-        self.log = workdir / "helper.log"
-        self._log_file = open(self.log, "wb")  # noqa: SIM115 - closed in close()
         env = {**os.environ, "SHARDPOINT_REMOTE_THREADS": "1", "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "helper"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log_file,
-            text=True, bufsize=1, env=env,
-        )
+        super().__init__(__file__, workdir, env=env)
         assert self.call({"op": "ping"}) == {"pong": True}
-
-    def call(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait(timeout=10)
-            raise AssertionError(f"the helper died:\n{self.log.read_text()[-4000:]}")
-        return json.loads(line)  # type: ignore[no-any-return]
 
     def run(self, cmd: dict[str, Any], *, kill_after: float | None = None) -> dict[str, Any]:
         """One child running ``cmd``; killed ``kill_after`` seconds after it is connected."""
@@ -105,16 +89,6 @@ class Helper:
         if not reply["ready"]:
             raise AssertionError(f"the child died before it was ready:\n{self.log.read_text()[-4000:]}")
         return reply
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log_file.close()
 
 
 @pytest.fixture(scope="module")
