@@ -97,6 +97,8 @@ def _make_locked_temp(final: Path) -> tuple[str, int | None]:
         os.mkdir(directory)
         try:
             fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            continue  # removed between mkdir and open, taken for a dead save's: start over
         except BaseException:
             with contextlib.suppress(OSError):
                 os.rmdir(directory)
