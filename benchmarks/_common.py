@@ -213,14 +213,19 @@ def run_interleaved(
     nbytes: int,
     log: Callable[[str], None] = print,
 ) -> SectionResult:
-    """Run ``cases`` as A B C ... for one discarded warm-up round plus ``rounds`` timed rounds."""
+    """Run ``cases`` interleaved for one discarded warm-up round plus ``rounds`` timed rounds.
+
+    Each round starts one peer later (A B C, B C A, C A B, ...), so that no peer always runs
+    right after the same one (after DCP's allocations, say) or always first.
+    """
     result = SectionResult(name, nbytes, {c.key: c.label for c in cases})
     result.baseline = cases[0].key
     for round_no in range(rounds + 1):
         warmup = round_no == 0
         round_started = time.perf_counter()
         parts = []
-        for case in cases:
+        shift = round_no % len(cases)
+        for case in [*cases[shift:], *cases[:shift]]:
             case.prepare()
             sync()
             cpu_before = process_cpu_seconds()

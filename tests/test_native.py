@@ -121,18 +121,46 @@ def _data_start(directory, key):
     raise AssertionError(f"{key} in no file")
 
 
-@pytest.mark.parametrize("loops", ["native", "python"])
+class _CountingNative:
+    """The extension with its ``copy_cached`` counted: (calls, pieces it copied)."""
+
+    def __init__(self, module):
+        self._module = module
+        self.calls = self.copied = 0
+        self.prefixes: list[int] = []
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+    def copy_cached(self, fd, buffer, offset):
+        self.calls += 1
+        done = self._module.copy_cached(fd, buffer, offset)
+        self.copied += done[0] == len(buffer)
+        self.prefixes.append(done[0])
+        return done
+
+
+@pytest.mark.parametrize("loops", ["cached", "native", "python"])
 def test_loops_round_trip_and_detect_damage(tmp_path, monkeypatch, loops):
-    if loops == "native" and native is None:
+    if loops != "python" and native is None:
         pytest.skip("shardpoint._native is not built here")
+    if loops == "cached" and not native.STREAM_COPY:
+        pytest.skip("this CPU has no AVX-512 + VPCLMULQDQ for the mapped copy")
+    counting = None
     if loops == "python":
         monkeypatch.setattr(transfer, "_native", None)
+    elif loops == "native":
+        monkeypatch.setenv("SHARDPOINT_CACHED_COPY", "0")
+    else:
+        counting = _CountingNative(native)
+        monkeypatch.setattr(transfer, "_native", counting)
     monkeypatch.setenv("SHARDPOINT_IO_SEGMENT_BYTES", "4096")  # many segments per tensor
     gen = torch.Generator().manual_seed(4)
     state = {
         "a": torch.randn(300, 257, generator=gen),
         "b": torch.randint(0, 255, (70_001,), dtype=torch.uint8, generator=gen),
         "c": torch.randn(3, 5, generator=gen).t(),  # non-contiguous
+        "d": torch.randn(600_001, generator=gen),  # over CACHED_COPY_MIN_BYTES
     }
     out = tmp_path / "ckpt"
     sp.save(state, out, max_shard_size="200KB")
@@ -140,14 +168,104 @@ def test_loops_round_trip_and_detect_damage(tmp_path, monkeypatch, loops):
     assert set(loaded) == set(state)
     for key, value in state.items():
         assert torch.equal(loaded[key], value)
-    # One byte of "a" flipped: the segment loop's crc must catch it.
-    f, start = _data_start(out, "a")
-    blob = bytearray(f.read_bytes())
-    blob[start + 150_000] ^= 0x01
-    f.write_bytes(bytes(blob))
-    with pytest.raises(ChecksumMismatchError, match=f.name):
-        sp.load(out)
-    # Cut the file short: named as a truncation, not a crc mismatch or a bare OSError.
-    f.write_bytes(bytes(blob[: start + 1000]))
-    with pytest.raises(CorruptCheckpointError, match=f.name):
-        sp.load(out, verify=False)
+    if counting is not None:  # the files were just written, so "d" came from the page cache
+        assert counting.copied == counting.calls == 1
+    # One byte of "a" and of "d" flipped: the loops' crc must catch each.
+    for key, at in (("a", 150_000), ("d", 2_000_001)):
+        f, start = _data_start(out, key)
+        blob = bytearray(f.read_bytes())
+        blob[start + at] ^= 0x01
+        f.write_bytes(bytes(blob))
+        with pytest.raises(ChecksumMismatchError, match=f"{f.name}.*'{key}'"):
+            sp.load(out, keys=[key])
+        # Cut the file short: named as a truncation, not a crc mismatch or a bare OSError.
+        f.write_bytes(bytes(blob[: start + 1000]))
+        with pytest.raises(CorruptCheckpointError, match=f.name):
+            sp.load(out, keys=[key], verify=False)
+
+
+@needs_native
+def test_copy_cached_copies_any_alignment_with_its_crc(tmp_path):
+    if not native.STREAM_COPY:
+        pytest.skip("this CPU has no AVX-512 + VPCLMULQDQ for the mapped copy")
+    rng = random.Random(5)
+    data = rng.randbytes(3 << 20)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        offsets = [0, 1, 63, 64, 4095, 4096, 4097]
+        lengths = [1, 63, 64, 255, 256, 257, 511, 4096, 65_543]
+        cases = [(o, n) for o in offsets for n in lengths]
+        cases += [(rng.randrange(1 << 20), rng.randrange(1, 2 << 20)) for _ in range(40)]
+        cases.append((0, len(data)))
+        for offset, length in cases:
+            shift = rng.randrange(128)  # every alignment of the destination
+            dest = bytearray(shift + length + 64)
+            view = memoryview(dest)[shift : shift + length]
+            window = rng.choice([16 << 20, 4096, 65_600, 1000])  # windows chain their crcs
+            got = native.copy_cached(fd, view, offset, window)
+            expected = data[offset : offset + length]
+            assert got == (length, reference.crc32c(expected)), (offset, length, shift, window)
+            assert bytes(view) == expected
+            assert not any(dest[:shift]) and not any(dest[shift + length :]), "wrote outside"
+    finally:
+        os.close(fd)
+
+
+@needs_native
+def test_copy_cached_copies_only_what_is_cached_and_the_caller_reads_the_rest(tmp_path, monkeypatch):
+    if not native.STREAM_COPY:
+        pytest.skip("this CPU has no AVX-512 + VPCLMULQDQ for the mapped copy")
+    window = 1 << 20
+    data = random.Random(6).randbytes(3 * window + 12_345)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buf = bytearray(4096)
+        assert native.copy_cached(fd, buf, len(data) - 100) == (0, 0)  # runs past the end
+        assert native.copy_cached(fd, bytearray(0), 0) == (0, 0)
+        assert native.copy_cached(fd, buf, 0) == (4096, reference.crc32c(data[:4096]))
+        os.fsync(fd)  # clean pages can be evicted
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        fresh = bytearray(4096)
+        assert native.copy_cached(fd, fresh, 0) == (0, 0), "pages not in the cache: read them"
+        assert fresh == bytearray(4096), "declined, yet it wrote"
+        # Cached up to a point: a prefix of whole windows comes from the cache.
+        os.pread(fd, len(data), 0)
+        os.posix_fadvise(fd, 2 * window + 4096, 0, os.POSIX_FADV_DONTNEED)
+        whole = bytearray(len(data) - 100)
+        got, crc = native.copy_cached(fd, whole, 100, window)
+        assert got == 2 * window and crc == reference.crc32c(data[100 : 100 + got])
+        assert whole[:got] == data[100 : 100 + got] and not any(whole[got:])
+        with pytest.raises(ValueError, match="offset"):
+            native.copy_cached(fd, buf, -1)
+        with pytest.raises(TypeError):
+            native.copy_cached(fd, bytes(10), 0)  # not writable
+    finally:
+        os.close(fd)
+    read_end, write_end = os.pipe()
+    try:
+        assert native.copy_cached(read_end, bytearray(10), 0) == (0, 0)  # not a regular file
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    # Through a load: the cached prefix and the read rest make one tensor and one crc.
+    window = 16 << 20  # the default
+    tensor = torch.randn(3 * window // 4 + 1001, generator=torch.Generator().manual_seed(7))
+    out = tmp_path / "ckpt"
+    sp.save({"t": tensor}, out)
+    (f,) = out.glob("*.safetensors")
+    _, start = _data_start(out, "t")
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, start + window + 8192, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    counting = _CountingNative(native)
+    monkeypatch.setattr(transfer, "_native", counting)
+    assert torch.equal(sp.load(out)["t"], tensor)
+    # Partly cached (whole windows up to the evicted range), and the crc still checked.
+    assert counting.calls == 1 and 0 < counting.prefixes[0] < tensor.numel() * 4

@@ -42,6 +42,10 @@ class Knobs:
     cache: with a fast crc32c that makes verification cost a few percent, not a second pass
     over memory. (Large reads gain nothing from bigger syscalls: the kernel's readahead
     already issues large requests.)"""
+    cached_copy: bool
+    """Copy page-cache-resident pieces straight from the mapped cache with non-temporal
+    stores and crc32c folded in (the C extension on x86-64 with AVX-512), instead of
+    ``pread``; pieces not wholly in the cache are read as usual."""
     staging_buffer_bytes: int
     """Size of each reusable staging buffer for dtype casts and device copies on load."""
     max_header_bytes: int
@@ -71,6 +75,7 @@ def knobs() -> Knobs:
         write_threads=_env_int("SHARDPOINT_WRITE_THREADS", 4),
         read_threads=_env_int("SHARDPOINT_READ_THREADS", 4),
         io_segment_bytes=_env_int("SHARDPOINT_IO_SEGMENT_BYTES", 256 << 10),
+        cached_copy=_env_bool("SHARDPOINT_CACHED_COPY", True),
         staging_buffer_bytes=_env_int("SHARDPOINT_STAGING_BUFFER_BYTES", 64 << 20),
         max_header_bytes=_env_int("SHARDPOINT_MAX_HEADER_BYTES", 100_000_000),
         max_json_bytes=_env_int("SHARDPOINT_MAX_JSON_BYTES", 256 << 20),

@@ -3,8 +3,9 @@
 Writes: each tensor's own memory goes to ``pwrite`` (no ``tobytes`` copy), crc32c computed
 on each segment while it is still in cache. Reads: ``preadv`` straight into the destination
 tensor's memory, or through a bounded staging buffer when a dtype cast or device copy is
-needed. Large tensors are split into pieces so several threads share them; piece crcs are
-combined into one crc per tensor.
+needed; a piece already wholly in the page cache is instead copied from the mapped cache
+with crc32c folded in (``_native.copy_cached``). Large tensors are split into pieces so
+several threads share them; piece crcs are combined into one crc per tensor.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ PIECE_BYTES = 64 << 20
 """Unit of work shared between threads; crcs of whole pieces are combined cheaply. (For
 reads, 16 MB pieces balanced the threads' finish no better and made cold reads ~15 %
 slower: more, shorter streams.)"""
+
+CACHED_COPY_MIN_BYTES = 1 << 20
+"""Smallest piece worth mapping to copy from the page cache (below it, ``pread``)."""
 
 Advance = Callable[[int], None]
 
@@ -346,6 +350,9 @@ def run_reads(
             work.append((i, task, start, end))
 
     segment = cfg.io_segment_bytes
+    copy_cached = None
+    if cfg.cached_copy and _native is not None and _native.STREAM_COPY:
+        copy_cached = _native.copy_cached
 
     def run(item: tuple[int, ReadTask, int, int]) -> None:
         i, task, start, end = item
@@ -361,8 +368,17 @@ def run_reads(
         # Unchecked, a piece goes in one call: from the page cache that copies fastest.
         step = segment if check else max(len(view), 1)
         read = _native.pread_into if _native is not None else _read_segments
+        at = task.start + start
         with naming(task.path):
-            got, crc = read(fd, view, task.start + start, step, check)
+            got, crc = 0, 0
+            if copy_cached is not None and len(view) >= CACHED_COPY_MIN_BYTES:
+                # What is in the page cache goes by a mapped copy with non-temporal stores,
+                # which moves a third less memory than pread, crc32c included.
+                got, crc = copy_cached(fd, view, at)
+            if got < len(view):  # not (all) cached: read the rest
+                n, rest = read(fd, view[got:], at + got, step, check)
+                crc = crc32c_combine(crc, rest, n) if got else rest
+                got += n
         if got != len(view):
             raise CorruptCheckpointError(
                 f"{task.name}: unexpected end of file at byte {task.start + start + got}; the file is truncated"
