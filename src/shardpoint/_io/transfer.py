@@ -236,6 +236,14 @@ def write_files(
     return {k: _combine([(c, n) for _, c, n in sorted(v)]) for k, v in results.items()}
 
 
+def _cpu_count() -> int:
+    """CPUs this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _run_all(fn: Callable[..., object], items: Sequence[object], threads: int) -> None:
     if not items:
         return
@@ -353,6 +361,9 @@ def run_reads(
     copy_cached = None
     if cfg.cached_copy and _native is not None and _native.STREAM_COPY:
         copy_cached = _native.copy_cached
+    # Copies from the page cache keep a core busy each; more at once than there are cores
+    # only thrash (the read threads outnumber the cores for the disk's sake: cold reads wait).
+    copy_slots = threading.Semaphore(_cpu_count())
 
     def run(item: tuple[int, ReadTask, int, int]) -> None:
         i, task, start, end = item
@@ -374,7 +385,8 @@ def run_reads(
             if copy_cached is not None and len(view) >= CACHED_COPY_MIN_BYTES:
                 # What is in the page cache goes by a mapped copy with non-temporal stores,
                 # which moves a third less memory than pread, crc32c included.
-                got, crc = copy_cached(fd, view, at)
+                with copy_slots:
+                    got, crc = copy_cached(fd, view, at)
             if got < len(view):  # not (all) cached: read the rest
                 n, rest = read(fd, view[got:], at + got, step, check)
                 crc = crc32c_combine(crc, rest, n) if got else rest
