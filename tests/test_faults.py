@@ -42,6 +42,7 @@ from _fault_steps import FaultSteps, first_step
 from _helper_process import HelperProcess
 from shardpoint import _async as sp_async
 from shardpoint.errors import (
+    CheckpointExistsError,
     ChecksumMismatchError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
@@ -466,6 +467,32 @@ def test_two_processes_saving_at_the_same_moment(helper: KillHelper, tmp_path: P
             assert loser["type"] == "CheckpointExistsError", loser
             assert str(path) in loser["message"], loser
         assert tmp_entries(tmp_path) == [], tmp_entries(tmp_path)
+
+
+def test_a_checkpoint_committed_between_the_last_check_and_the_rename_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The window the same-moment race found: the path appears just after the final check."""
+    from shardpoint._storage.local import LocalTransaction
+
+    path = tmp_path / "ckpt"
+    real_check = LocalTransaction._check_target
+    other_saved = []
+
+    def check_then_lose_the_race(self: LocalTransaction) -> None:
+        real_check(self)
+        at_commit = hasattr(self, "directory")  # the constructor checks before it makes one
+        if self.final == path and at_commit and not other_saved:
+            other_saved.append(True)
+            monkeypatch.setattr(LocalTransaction, "_check_target", real_check)
+            sp.save(make_state(8), path, max_shard_size=MAX_SHARD)  # the other save commits
+
+    monkeypatch.setattr(LocalTransaction, "_check_target", check_then_lose_the_race)
+    with pytest.raises(CheckpointExistsError, match="created by someone else"):
+        sp.save(make_state(7), path, max_shard_size=MAX_SHARD)
+    assert other_saved
+    assert loaded_version(path, "the other save's checkpoint") == 8
+    assert tmp_entries(tmp_path) == []
 
 
 def test_stale_temp_directory_of_a_dead_save_is_removed_by_the_next_save(tmp_path: Path) -> None:

@@ -269,3 +269,13 @@ def test_copy_cached_copies_only_what_is_cached_and_the_caller_reads_the_rest(tm
     assert torch.equal(sp.load(out)["t"], tensor)
     # Partly cached (whole windows up to the evicted range), and the crc still checked.
     assert counting.calls == 1 and 0 < counting.prefixes[0] < tensor.numel() * 4
+
+
+def test_write_segments_end_on_multiples_of_the_segment_in_the_file(monkeypatch):
+    """Aligned writes let the page cache keep large folios (see _knobs.io_segment_bytes)."""
+    calls = []
+    monkeypatch.setattr(transfer, "_pwrite_all", lambda fd, chunk, at: calls.append((at, len(chunk))))
+    data = memoryview(random.Random(8).randbytes(10_000))
+    crc = transfer._write_segments(-1, data, 100, 4096)
+    assert calls == [(100, 3996), (4096, 4096), (8192, 1908)]
+    assert crc == reference.crc32c(bytes(data))

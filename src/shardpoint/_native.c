@@ -430,7 +430,13 @@ py_pwrite_from(PyObject *self, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     size_t checked = 0;
     while (pos < len) {
-        size_t want = len - pos < (size_t)segment ? len - pos : (size_t)segment;
+        /* Segments end on multiples of `segment` in the file, so that each write covers
+         * whole aligned blocks of it: the page cache then builds large folios for them,
+         * which later reads (a mapped copy above all) move much faster than small ones. */
+        size_t into = (size_t)((offset + (long long)pos) % segment);
+        size_t want = (size_t)segment - into;
+        if (want > len - pos)
+            want = len - pos;
         if (checked < pos + want) {
             crc = crc32c_update(crc, buf + checked, pos + want - checked);
             checked = pos + want;

@@ -128,10 +128,14 @@ def _write_segments(fd: int, view: memoryview, offset: int, segment: int) -> int
     cache. The Python twin of ``_native.pwrite_from``.
     """
     crc = 0
-    for pos in range(0, len(view), segment):
-        chunk = view[pos : pos + segment]
+    pos = 0
+    while pos < len(view):
+        # Segments end on multiples of ``segment`` in the file: see ``pwrite_from``.
+        end = min(len(view), pos + segment - (offset + pos) % segment)
+        chunk = view[pos:end]
         crc = crc32c_update(chunk, crc)
         _pwrite_all(fd, chunk, offset + pos)
+        pos = end
     return crc
 
 

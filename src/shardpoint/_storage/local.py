@@ -201,7 +201,9 @@ class LocalTransaction:
         if durable:
             fsync_dir(self.directory)
         self._check_target()
-        replace = os.path.lexists(self.final)
+        # Without overwrite, never the replacing branch, even if the path appeared since the
+        # check: only the no-replace rename, which fails if another save committed meanwhile.
+        replace = self.overwrite and os.path.lexists(self.final)
         if not replace:
             try:
                 renamed = _rename2(self.directory, str(self.final), _RENAME_NOREPLACE)
