@@ -205,23 +205,41 @@ broadcast(fold_k k)
     return _mm512_broadcast_i32x4(_mm_set_epi64x((long long)k.hi, (long long)k.lo));
 }
 
-/* n >= 256 */
-__attribute__((target(SP_AVX512))) static uint32_t
-crc_vpclmul(uint32_t reg, const uint8_t *p, size_t n)
+/* Fold n >= 256 bytes at p into the crc register. When d is not NULL the same registers are
+ * also stored to the 64-byte-aligned d with non-temporal stores (n then a multiple of 256;
+ * the caller fences): the data is read once and the destination's lines are never read for
+ * ownership, so a copy moves less memory than a plain one, crc included. Inlined into its
+ * two callers below, where d is a constant, so neither loop tests it. */
+__attribute__((target(SP_AVX512), always_inline)) static inline uint32_t
+fold_vpclmul(uint32_t reg, uint8_t *d, const uint8_t *p, size_t n)
 {
-    __m512i x0 = _mm512_loadu_si512(p);
-    __m512i x1 = _mm512_loadu_si512(p + 64);
-    __m512i x2 = _mm512_loadu_si512(p + 128);
-    __m512i x3 = _mm512_loadu_si512(p + 192);
+    __m512i x0 = _mm512_loadu_si512(p), x1 = _mm512_loadu_si512(p + 64);
+    __m512i x2 = _mm512_loadu_si512(p + 128), x3 = _mm512_loadu_si512(p + 192);
+    if (d) {
+        _mm512_stream_si512((void *)d, x0);
+        _mm512_stream_si512((void *)(d + 64), x1);
+        _mm512_stream_si512((void *)(d + 128), x2);
+        _mm512_stream_si512((void *)(d + 192), x3);
+        d += 256;
+    }
     x0 = _mm512_xor_si512(x0, _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)reg)));
     p += 256;
     n -= 256;
     __m512i k256 = broadcast(k_256), k64 = broadcast(k_64);
     while (n >= 256) {
-        x0 = _mm512_xor_si512(fold512(x0, k256), _mm512_loadu_si512(p));
-        x1 = _mm512_xor_si512(fold512(x1, k256), _mm512_loadu_si512(p + 64));
-        x2 = _mm512_xor_si512(fold512(x2, k256), _mm512_loadu_si512(p + 128));
-        x3 = _mm512_xor_si512(fold512(x3, k256), _mm512_loadu_si512(p + 192));
+        __m512i y0 = _mm512_loadu_si512(p), y1 = _mm512_loadu_si512(p + 64);
+        __m512i y2 = _mm512_loadu_si512(p + 128), y3 = _mm512_loadu_si512(p + 192);
+        if (d) {
+            _mm512_stream_si512((void *)d, y0);
+            _mm512_stream_si512((void *)(d + 64), y1);
+            _mm512_stream_si512((void *)(d + 128), y2);
+            _mm512_stream_si512((void *)(d + 192), y3);
+            d += 256;
+        }
+        x0 = _mm512_xor_si512(fold512(x0, k256), y0);
+        x1 = _mm512_xor_si512(fold512(x1, k256), y1);
+        x2 = _mm512_xor_si512(fold512(x2, k256), y2);
+        x3 = _mm512_xor_si512(fold512(x3, k256), y3);
         p += 256;
         n -= 256;
     }
@@ -237,44 +255,18 @@ crc_vpclmul(uint32_t reg, const uint8_t *p, size_t n)
                   _mm512_extracti32x4_epi32(x0, 2), _mm512_extracti32x4_epi32(x0, 3), p, n);
 }
 
-/* Copy n bytes (a multiple of 256, at least 256) from p to the 64-byte-aligned d with
- * non-temporal stores, folding the crc of the same registers on the way: the data is read
- * once, and the destination's lines are never read for ownership, so this moves less memory
- * than a plain copy, crc included. The caller fences. */
+/* n >= 256 */
+__attribute__((target(SP_AVX512))) static uint32_t
+crc_vpclmul(uint32_t reg, const uint8_t *p, size_t n)
+{
+    return fold_vpclmul(reg, NULL, p, n);
+}
+
+/* n a multiple of 256, at least 256; d 64-byte aligned; the caller fences */
 __attribute__((target(SP_AVX512))) static uint32_t
 copy_crc_stream(uint32_t reg, uint8_t *d, const uint8_t *p, size_t n)
 {
-    __m512i x0 = _mm512_loadu_si512(p), x1 = _mm512_loadu_si512(p + 64);
-    __m512i x2 = _mm512_loadu_si512(p + 128), x3 = _mm512_loadu_si512(p + 192);
-    _mm512_stream_si512((void *)d, x0);
-    _mm512_stream_si512((void *)(d + 64), x1);
-    _mm512_stream_si512((void *)(d + 128), x2);
-    _mm512_stream_si512((void *)(d + 192), x3);
-    x0 = _mm512_xor_si512(x0, _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)reg)));
-    p += 256;
-    d += 256;
-    n -= 256;
-    __m512i k256 = broadcast(k_256), k64 = broadcast(k_64);
-    while (n >= 256) {
-        __m512i y0 = _mm512_loadu_si512(p), y1 = _mm512_loadu_si512(p + 64);
-        __m512i y2 = _mm512_loadu_si512(p + 128), y3 = _mm512_loadu_si512(p + 192);
-        _mm512_stream_si512((void *)d, y0);
-        _mm512_stream_si512((void *)(d + 64), y1);
-        _mm512_stream_si512((void *)(d + 128), y2);
-        _mm512_stream_si512((void *)(d + 192), y3);
-        x0 = _mm512_xor_si512(fold512(x0, k256), y0);
-        x1 = _mm512_xor_si512(fold512(x1, k256), y1);
-        x2 = _mm512_xor_si512(fold512(x2, k256), y2);
-        x3 = _mm512_xor_si512(fold512(x3, k256), y3);
-        p += 256;
-        d += 256;
-        n -= 256;
-    }
-    x0 = _mm512_xor_si512(fold512(x0, k64), x1);
-    x0 = _mm512_xor_si512(fold512(x0, k64), x2);
-    x0 = _mm512_xor_si512(fold512(x0, k64), x3);
-    return finish(_mm512_extracti32x4_epi32(x0, 0), _mm512_extracti32x4_epi32(x0, 1),
-                  _mm512_extracti32x4_epi32(x0, 2), _mm512_extracti32x4_epi32(x0, 3), p, 0);
+    return fold_vpclmul(reg, d, p, n);
 }
 
 __attribute__((target(SP_AVX512))) static void

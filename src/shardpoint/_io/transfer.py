@@ -397,7 +397,7 @@ def run_reads(
                 got += n
         if got != len(view):
             raise CorruptCheckpointError(
-                f"{task.name}: unexpected end of file at byte {task.start + start + got}; the file is truncated"
+                f"{task.name}: unexpected end of file at byte {at + got}; the file is truncated"
             )
         if advance is not None:
             advance(end - start)
