@@ -19,7 +19,6 @@
 
 #include <errno.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -205,6 +204,16 @@ broadcast(fold_k k)
     return _mm512_broadcast_i32x4(_mm_set_epi64x((long long)k.hi, (long long)k.lo));
 }
 
+/* Store 256 bytes to the 64-byte-aligned d with non-temporal stores (no read for ownership). */
+__attribute__((target(SP_AVX512), always_inline)) static inline void
+stream256(uint8_t *d, __m512i a, __m512i b, __m512i c, __m512i e)
+{
+    _mm512_stream_si512((void *)d, a);
+    _mm512_stream_si512((void *)(d + 64), b);
+    _mm512_stream_si512((void *)(d + 128), c);
+    _mm512_stream_si512((void *)(d + 192), e);
+}
+
 /* Fold n >= 256 bytes at p into the crc register. When d is not NULL the same registers are
  * also stored to the 64-byte-aligned d with non-temporal stores (n then a multiple of 256;
  * the caller fences): the data is read once and the destination's lines are never read for
@@ -216,10 +225,7 @@ fold_vpclmul(uint32_t reg, uint8_t *d, const uint8_t *p, size_t n)
     __m512i x0 = _mm512_loadu_si512(p), x1 = _mm512_loadu_si512(p + 64);
     __m512i x2 = _mm512_loadu_si512(p + 128), x3 = _mm512_loadu_si512(p + 192);
     if (d) {
-        _mm512_stream_si512((void *)d, x0);
-        _mm512_stream_si512((void *)(d + 64), x1);
-        _mm512_stream_si512((void *)(d + 128), x2);
-        _mm512_stream_si512((void *)(d + 192), x3);
+        stream256(d, x0, x1, x2, x3);
         d += 256;
     }
     x0 = _mm512_xor_si512(x0, _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)reg)));
@@ -230,10 +236,7 @@ fold_vpclmul(uint32_t reg, uint8_t *d, const uint8_t *p, size_t n)
         __m512i y0 = _mm512_loadu_si512(p), y1 = _mm512_loadu_si512(p + 64);
         __m512i y2 = _mm512_loadu_si512(p + 128), y3 = _mm512_loadu_si512(p + 192);
         if (d) {
-            _mm512_stream_si512((void *)d, y0);
-            _mm512_stream_si512((void *)(d + 64), y1);
-            _mm512_stream_si512((void *)(d + 128), y2);
-            _mm512_stream_si512((void *)(d + 192), y3);
+            stream256(d, y0, y1, y2, y3);
             d += 256;
         }
         x0 = _mm512_xor_si512(fold512(x0, k256), y0);
