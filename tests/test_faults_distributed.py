@@ -107,12 +107,15 @@ class Injected(RuntimeError):
     pass
 
 
-def raise_worker(rank: int, world: int, root_str: str) -> None:
+def raise_worker(rank: int, world: int, root_str: str, reports: str) -> None:
     import torch.distributed as dist
 
     import shardpoint._distributed.save as collective
+    from shardpoint._distributed.group import Group
     from shardpoint._storage import local as sp_local
 
+    if reports == "collectives":  # the path of groups without point to point (NCCL)
+        Group._reports_point_to_point = lambda self: False  # type: ignore[method-assign]
     root = Path(root_str)
     sp.save(sharded(1), root / "previous")
     state = sharded(2)
@@ -162,8 +165,11 @@ def raise_worker(rank: int, world: int, root_str: str) -> None:
     sp.save(state, root / "after")  # the group still works
 
 
-def test_a_rank_raising_in_each_phase_fails_every_rank_alike(tmp_path: Path) -> None:
-    run_ranks(raise_worker, WORLD, str(tmp_path), timeout=240)
+@pytest.mark.parametrize("reports", ["point-to-point", "collectives"])
+def test_a_rank_raising_in_each_phase_fails_every_rank_alike(tmp_path: Path, reports: str) -> None:
+    """Outcomes travel point to point through rank 0 on gloo; groups that cannot (NCCL)
+    exchange them with object collectives instead, forced here on gloo."""
+    run_ranks(raise_worker, WORLD, str(tmp_path), reports, timeout=240)
     ranks = list(range(WORLD))
     expected = {
         "plan": (1, "planning the save", "Injected: injected on rank 1"),

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
+import pickle
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -107,9 +107,8 @@ class Group:
         except Exception:
             return False
 
-    def _send_text(self, rank: int, text: str, timeout: datetime.timedelta) -> None:
+    def _send_bytes(self, rank: int, payload: bytes, timeout: datetime.timedelta) -> None:
         dist = _dist()
-        payload = text.encode("utf-8")
         dst = dist.get_global_rank(self.pg, rank)
         size = torch.tensor([len(payload)], dtype=torch.int64)
         body = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
@@ -117,13 +116,13 @@ class Group:
             work = dist.isend(tensor, dst=dst, group=self.pg, tag=REPORT_TAG)
             work.wait(timeout)
 
-    def _recv_text(self, rank: int, size_work: Any, size: torch.Tensor, timeout: datetime.timedelta) -> str:
+    def _recv_bytes(self, rank: int, size_work: Any, size: torch.Tensor, timeout: datetime.timedelta) -> bytes:
         dist = _dist()
         size_work.wait(timeout)
         body = torch.empty(int(size.item()), dtype=torch.uint8)
         src = dist.get_global_rank(self.pg, rank)
         dist.irecv(body, src=src, group=self.pg, tag=REPORT_TAG).wait(timeout)
-        return bytes(body.numpy()).decode("utf-8")
+        return bytes(body.numpy())
 
     def _post_size_recv(self, rank: int) -> tuple[Any, torch.Tensor]:
         dist = _dist()
@@ -131,20 +130,30 @@ class Group:
         work = dist.irecv(size, src=dist.get_global_rank(self.pg, rank), group=self.pg, tag=REPORT_TAG)
         return work, size
 
-    def _exchange_reports(self, error: str | None) -> dict[int, str]:
-        """Every rank's outcome, through the coordinator: failed rank -> what went wrong.
+    def _exchange_reports(self, error: str | None, report: Any, decide: _Decide | None) -> _Verdict:
+        """Every rank's outcome, through the coordinator.
 
-        Each rank sends its outcome to rank 0; rank 0 waits for each (a dead rank's closed
-        connection fails that wait at once), then sends the verdict to every rank it heard
-        from. A rank that cannot reach rank 0 reports rank 0 as failed.
+        Each rank sends (error, report) to rank 0; rank 0 waits for each (a dead rank's
+        closed connection fails that wait at once), runs ``decide`` on the reports when
+        every rank succeeded, then sends each rank it heard from the verdict and that
+        rank's answer. A rank that cannot reach rank 0 reports rank 0 as failed.
+
+        Messages are pickled: they only travel between the ranks of one job, as in
+        torch's own object collectives.
         """
         limit = knobs().collective_timeout_s
         if not self.is_coordinator:
             try:
-                self._send_text(0, json.dumps(error), datetime.timedelta(seconds=limit))
+                message = pickle.dumps((error, report))
+            except Exception as caught:  # a bug of ours: say so rather than leave rank 0 waiting
+                error = error or f"its report could not be pickled ({_first_line(caught)})"
+                message = pickle.dumps((error, None))
+            try:
+                self._send_bytes(0, message, datetime.timedelta(seconds=limit))
                 work, size = self._post_size_recv(0)
-                verdict = self._recv_text(0, work, size, datetime.timedelta(seconds=limit + REPLY_MARGIN_S))
-                return {int(rank): text for rank, text in json.loads(verdict).items()}
+                verdict = self._recv_bytes(0, work, size, datetime.timedelta(seconds=limit + REPLY_MARGIN_S))
+                failed, answer, deciding = pickle.loads(verdict)
+                return _Verdict(failed, answer, deciding)
             except Exception:
                 failed = {
                     0: "the coordinator stopped responding: its process died, or it gave up "
@@ -152,9 +161,10 @@ class Group:
                 }
                 if error is not None:
                     failed[self.rank] = error
-                return failed
+                return _Verdict(failed)
         dead = "stopped responding: its process died or dropped the connection"
         failed = {} if error is None else {0: error}
+        reports: list[Any] = [report] + [None] * (self.world_size - 1)
         posted = {}
         for rank in range(1, self.world_size):
             try:  # posting fails at once when the rank's connection is already closed
@@ -166,7 +176,7 @@ class Group:
         for rank, (work, size) in posted.items():
             left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
             try:
-                report = json.loads(self._recv_text(rank, work, size, left))
+                rank_error, reports[rank] = pickle.loads(self._recv_bytes(rank, work, size, left))
             except Exception as exc:
                 if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
                     failed[rank] = (
@@ -177,42 +187,112 @@ class Group:
                 failed[rank] = dead
                 continue
             reachable.append(rank)
-            if report is not None:
-                failed[rank] = str(report)
-        verdict = json.dumps({str(rank): text for rank, text in sorted(failed.items())})
-        for rank in reachable:
+            if rank_error is not None:
+                failed[rank] = str(rank_error)
+        answers: list[Any] = [None] * self.world_size
+        deciding = False
+        if not failed and decide is not None:
+            answers, decide_error = decide(reports)
+            if decide_error is not None:
+                failed, deciding = {0: decide_error}, True
+        failed = dict(sorted(failed.items()))
+        try:
+            messages = {rank: pickle.dumps((failed, answers[rank], deciding)) for rank in reachable}
+        except Exception as caught:  # a bug of ours: fail every rank rather than leave them waiting
+            failed, deciding = {0: f"its answers could not be pickled ({_first_line(caught)})"}, True
+            messages = {rank: pickle.dumps((failed, None, deciding)) for rank in reachable}
+        for rank, message in messages.items():
             # A rank that cannot be told will see that the coordinator is gone and say so.
             with contextlib.suppress(Exception):
-                self._send_text(rank, verdict, datetime.timedelta(seconds=limit))
-        return failed
+                self._send_bytes(rank, message, datetime.timedelta(seconds=limit))
+        return _Verdict(failed, answers[0], deciding)
 
     def phase(self, name: str, fn: Callable[[], T]) -> T:
         """Run ``fn`` on every rank; if any rank fails, all raise one error naming them."""
+        return self.exchange(name, lambda: (fn(), None))[0]
+
+    def exchange(
+        self,
+        name: str,
+        fn: Callable[[], tuple[T, Any]],
+        decide: Callable[[list[Any]], list[Any]] | None = None,
+        deciding: str = "",
+    ) -> tuple[T, Any]:
+        """A phase whose outcomes the coordinator acts on, in one round trip.
+
+        ``fn`` returns (kept, report) on every rank. The reports reach the coordinator;
+        when every rank succeeded it runs ``decide(reports)``, which returns one answer per
+        rank, and each rank gets back (kept, its answer). If ``fn`` fails on any rank, or
+        ``decide`` fails, every rank raises one :class:`DistributedCheckpointError`; it
+        names the phase ``name``, or ``deciding`` for a failed ``decide``. Without a
+        process group ``decide`` runs in the calling process.
+        """
         result: Any = None
+        report: Any = None
         error: str | None = None
         exc: BaseException | None = None
         try:
-            result = fn()
+            result, report = fn()
         except Exception as caught:  # reported to every rank below
             exc = caught
             error = f"{type(caught).__name__}: {caught}"
         if not self.distributed:
             if exc is not None:
                 raise exc
-            return result
+            return result, None if decide is None else decide([report])[0]
+
+        decide_exc: list[BaseException] = []
+
+        def run_decide(reports: list[Any]) -> tuple[list[Any], str | None]:
+            assert decide is not None
+            try:
+                return decide(reports), None
+            except Exception as caught:  # the coordinator's failure, told to every rank
+                decide_exc.append(caught)
+                return [None] * self.world_size, f"{type(caught).__name__}: {caught}"
+
         if self._reports_point_to_point():
-            failed = self._exchange_reports(error)
+            verdict = self._exchange_reports(error, report, None if decide is None else run_decide)
         else:
-            errors = self.all_gather(error)
-            failed = {rank: text for rank, text in enumerate(errors) if text is not None}
-        if failed:
+            verdict = self._exchange_collectively(error, report, None if decide is None else run_decide)
+        if verdict.failed:
+            failed = verdict.failed
             lines = "; ".join(f"rank {r}: {t}" for r, t in sorted(failed.items()))
             ranks = ", ".join(map(str, sorted(failed)))
-            message = f"{name} failed on rank{'s' if len(failed) > 1 else ''} {ranks} ({lines})"
-            if exc is not None and not isinstance(exc, CheckpointError):
-                message += "\n" + "".join(traceback.format_exception_only(type(exc), exc)).strip()
-            raise DistributedCheckpointError(message, failed) from exc
-        return result
+            stage = deciding if verdict.deciding else name
+            message = f"{stage} failed on rank{'s' if len(failed) > 1 else ''} {ranks} ({lines})"
+            cause = exc if exc is not None else decide_exc[0] if decide_exc else None
+            if cause is not None and not isinstance(cause, CheckpointError):
+                message += "\n" + "".join(traceback.format_exception_only(type(cause), cause)).strip()
+            raise DistributedCheckpointError(message, failed) from cause
+        return result, verdict.answer
+
+    def _exchange_collectively(self, error: str | None, report: Any, decide: _Decide | None) -> _Verdict:
+        """:meth:`_exchange_reports` over collectives (groups without point to point)."""
+        gathered = self.all_gather((error, report))
+        failed = {rank: text for rank, (text, _) in enumerate(gathered) if text is not None}
+        if failed or decide is None:
+            return _Verdict(failed)
+        box: tuple[list[Any], str | None] = ([], None)
+        if self.is_coordinator:
+            box = decide([r for _, r in gathered])
+        answers, decide_error = self.broadcast(box)
+        if decide_error is not None:
+            return _Verdict({0: decide_error}, None, True)
+        return _Verdict({}, answers[self.rank])
+
+
+_Decide = Callable[[list[Any]], tuple[list[Any], str | None]]
+"""The coordinator's step of an exchange: reports -> (one answer per rank, error or None)."""
+
+
+class _Verdict(NamedTuple):
+    failed: dict[int, str]
+    """Failed rank -> what went wrong (empty: every rank succeeded)."""
+    answer: Any = None
+    """This rank's answer from the coordinator's decision."""
+    deciding: bool = False
+    """Whether it was the coordinator's decision that failed."""
 
 
 def _first_line(exc: BaseException) -> str:

@@ -1,18 +1,19 @@
 """Collective saves: every rank writes its own bytes, the coordinator commits.
 
-Phases (each a :meth:`Group.phase`, so a failure anywhere makes every rank raise one error
-naming the failed ranks, and nothing is committed):
+Two round trips through the coordinator (each a :meth:`Group.exchange`, so a failure
+anywhere makes every rank raise one error naming the failed ranks, and nothing is
+committed):
 
-1. plan: each rank lists the chunks it holds (DTensor shards, or whole plain tensors);
-   the lists are gathered and every rank computes the same writer assignment (replicated
-   chunks written once, balanced by bytes).
-2. open: the coordinator creates the temporary directory and announces it.
-3. write: ``chunked`` — each rank writes its chunks to files of its own
+1. plan: each rank lists the chunks it holds (DTensor shards, or whole plain tensors) and
+   sends the list to the coordinator, which assigns writers (replicated chunks written
+   once, balanced by bytes), lays out the shared files for ``hf``, creates the temporary
+   directory, and answers each rank with what it writes and where.
+2. write: ``chunked`` — each rank writes its chunks to files of its own
    (``model-r00003-00001.safetensors``); ``hf`` — all ranks share the planned HF files and
    each ``pwrite``s its chunks' bytes at their planned positions (a dim-0 shard is one
-   range; other shards one range per contiguous run).
-4. commit: the coordinator gathers chunk records and crc32c, writes the index and the
-   manifest, and renames the directory into place.
+   range; other shards one range per contiguous run). Each rank reports its chunk records
+   and crc32c; once every rank has, the coordinator writes the index and the manifest,
+   renames the directory into place, and answers with the files.
 
 No full tensor is gathered anywhere; this needs a filesystem every rank sees, or an
 fsspec URL (layout ``chunked`` only: each rank uploads its own objects under the final
@@ -26,7 +27,7 @@ import os
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -105,62 +106,88 @@ def write_distributed(
             "Save with layout='chunked' (each rank uploads its own files), then "
             "`shardpoint convert` it to HF files where you need them"
         )
-    mine, local_tensors = group.phase("planning the save", lambda: _plan_local(prepared))
-    all_plans = group.all_gather(mine)
-    local_offsets = {(p.component, p.name): p.offsets for p in mine}
-    if layout == "chunked":  # large replicated tensors: one row piece per holder
-        all_plans = split_replicated(all_plans)
-        mine = all_plans[group.rank]
-    owner = assign_writers([[p for p in plans if _wanted(p)] for plans in all_plans])
-    to_write = [p for p in mine if _wanted(p) and owner.get(p.ident) == group.rank]
-    save_id = group.broadcast(uuid.uuid4().hex)
+    chunked = layout == "chunked"
     txn: Transaction | None = None
+    all_plans: list[list[ChunkPlan]] = []  # the coordinator's, for the manifest
+    hf_files: _HfFiles | None = None
 
-    def open_directory() -> str | None:
-        nonlocal txn
-        if group.is_coordinator:
-            txn = open_transaction(path, overwrite=overwrite, storage_options=storage_options)
-            return txn.directory
-        return None
+    def plan() -> tuple[tuple[list[ChunkPlan], dict[tuple[str, str], torch.Tensor]], list[ChunkPlan]]:
+        mine, local_tensors = _plan_local(prepared)
+        return (mine, local_tensors), mine
 
-    directory = group.broadcast(group.phase("creating the checkpoint directory", open_directory))
-    assert directory is not None
-    file_meta = {"format": "pt", "shardpoint.save_id": save_id}
-
-    def write() -> tuple[list[tuple[str, str, ChunkRef]], dict[str, int], list[tuple[str, str, int, int, int]]]:
-        nbytes = sum(p.nbytes for p in to_write)
-        with byte_progress(nbytes, f"saving rank {group.rank}", progress) as advance:
-            if layout == "chunked":
-                pieces = {(p.component, p.name): _piece(p, local_tensors, local_offsets) for p in to_write}
-                return (*_write_chunked(to_write, pieces, directory, group.rank, max_shard_bytes,
-                                        file_meta, durable, advance, storage_options), [])
-            return [], {}, _write_hf_part(to_write, local_tensors, all_plans, directory, max_shard_bytes,
-                                          file_meta, durable, advance, group.is_coordinator)
+    def assign(gathered: list[list[ChunkPlan]]) -> list[_Assignment]:
+        """The coordinator: who writes what, then the temporary directory (opened last)."""
+        nonlocal txn, all_plans, hf_files
+        # Large replicated tensors: one row piece per holder.
+        all_plans = split_replicated(gathered) if chunked else [list(p) for p in gathered]
+        owner = assign_writers([[p for p in plans if _wanted(p)] for plans in all_plans])
+        save_id = uuid.uuid4().hex
+        file_meta = {"format": "pt", "shardpoint.save_id": save_id}
+        hf_files = None if chunked else _hf_files(all_plans, max_shard_bytes, file_meta)
+        total = sum({p.ident: p.nbytes for plans in all_plans for p in plans if _wanted(p)}.values())
+        answers = []
+        for rank, plans in enumerate(all_plans):
+            to_write = [p for p in plans if _wanted(p) and owner.get(p.ident) == rank]
+            part = None if hf_files is None else hf_files.part(to_write, coordinator=rank == 0)
+            answers.append(_Assignment(save_id, "", to_write, part, total))
+        txn = open_transaction(path, overwrite=overwrite, storage_options=storage_options)
+        return [a._replace(directory=txn.directory) for a in answers]
 
     try:
-        written = group.phase("writing the checkpoint files", write)
-        reports = group.all_gather(written)
+        (mine, local_tensors), job = group.exchange(
+            "planning the save", plan, assign, deciding="creating the checkpoint directory"
+        )
+        local_offsets = {(p.component, p.name): p.offsets for p in mine}
+        file_meta = {"format": "pt", "shardpoint.save_id": job.save_id}
 
-        def commit() -> None:
-            if not group.is_coordinator:
-                return
+        def write() -> tuple[None, _Written]:
+            nbytes = sum(p.nbytes for p in job.to_write)
+            with byte_progress(nbytes, f"saving rank {group.rank}", progress) as advance:
+                if job.hf_part is None:
+                    pieces = {(p.component, p.name): _piece(p, local_tensors, local_offsets) for p in job.to_write}
+                    refs, files = _write_chunked(job.to_write, pieces, job.directory, group.rank, max_shard_bytes,
+                                                 file_meta, durable, advance, storage_options)
+                    return None, (refs, files, [])
+                runs = _write_hf_part(job.to_write, local_tensors, job.hf_part, job.directory, durable, advance)
+                return None, ([], {}, runs)
+
+        def commit(reports: list[_Written]) -> list[dict[str, int]]:
+            """The coordinator, once every rank has written: the manifest, then the rename."""
             assert txn is not None
-            if layout == "chunked":
+            if hf_files is None:
                 records, files, indexes = _chunked_records(prepared, all_plans, reports)
             else:
-                records, files, indexes = _hf_records(prepared, all_plans, reports, max_shard_bytes, file_meta)
-            write_manifest(txn, prepared, records, files, indexes, save_id=save_id, layout=layout,
+                records, files, indexes = _hf_records(prepared, all_plans, reports, hf_files)
+            write_manifest(txn, prepared, records, files, indexes, save_id=job.save_id, layout=layout,
                            world_size=group.world_size, metadata=metadata, durable=durable)
             txn.commit(durable=durable)
+            return [files] * group.world_size
 
-        group.phase("committing the checkpoint", commit)
+        _, data_files = group.exchange(
+            "writing the checkpoint files", write, commit, deciding="committing the checkpoint"
+        )
     except BaseException:
         if txn is not None:
             txn.abort()
         raise
-    total = sum({p.ident: p.nbytes for plans in all_plans for p in plans if _wanted(p)}.values())
-    files = group.broadcast({} if txn is None else txn.data_files())
-    return SaveInfo(os.fspath(path), save_id, files, total, time.perf_counter() - started)
+    return SaveInfo(os.fspath(path), job.save_id, data_files, job.total, time.perf_counter() - started)
+
+
+class _Assignment(NamedTuple):
+    """What the coordinator tells a rank after planning."""
+
+    save_id: str
+    directory: str
+    to_write: list[ChunkPlan]
+    """The chunks (or row pieces of replicated ones) this rank writes."""
+    hf_part: _HfPart | None
+    """Layout ``hf``: where this rank's chunks go in the shared files."""
+    total: int
+    """Bytes of every distinct chunk, all ranks together."""
+
+
+_Written = tuple[list[tuple[str, str, ChunkRef]], dict[str, int], list[tuple[str, str, int, int, int]]]
+"""A rank's report after writing: chunked (chunk refs, files and sizes), or hf runs."""
 
 
 # --------------------------------------------------------------------------- chunked
@@ -242,14 +269,37 @@ def _chunked_records(
 # -------------------------------------------------------------------------------- hf
 
 
+class _HfPart(NamedTuple):
+    """A rank's share of the shared HF files."""
+
+    placement: dict[tuple[str, str], tuple[str, int]]
+    """(component, name) of each chunk it writes -> (file, the tensor's first byte there)."""
+    files: dict[str, tuple[bytes, int]]
+    """Each file it writes to -> (header, or b"" where the coordinator writes it; file size)."""
+
+
+class _HfFiles(NamedTuple):
+    """The shared HF file layout of a collective save (computed by the coordinator)."""
+
+    placement: dict[tuple[str, str], tuple[str, int]]
+    """(component, name) -> (file, the tensor's first byte there)."""
+    headers: dict[str, tuple[bytes, int]]
+    """file -> (header, size)."""
+    weight_maps: dict[str, dict[str, str]]
+    """component -> tensor name -> file."""
+
+    def part(self, to_write: Sequence[ChunkPlan], *, coordinator: bool) -> _HfPart:
+        """What a rank writing ``to_write`` needs; the coordinator also writes every header."""
+        placement = {(p.component, p.name): self.placement[(p.component, p.name)] for p in to_write}
+        if coordinator:
+            return _HfPart(placement, dict(self.headers))
+        return _HfPart(placement, {f: (b"", self.headers[f][1]) for f, _ in placement.values()})
+
+
 def _hf_files(
     all_plans: Sequence[Sequence[ChunkPlan]], max_shard_bytes: int, file_meta: dict[str, str]
-) -> tuple[dict[tuple[str, str], tuple[str, int]], dict[str, tuple[bytes, int]], dict[str, dict[str, str]]]:
-    """The shared HF file layout, computed identically on every rank.
-
-    Returns ((component, name) -> (file, start offset), file -> (header, size),
-    component -> weight map).
-    """
+) -> _HfFiles:
+    """Lay out the HF files every rank writes into: whole tensors, in first-seen order."""
     placement: dict[tuple[str, str], tuple[str, int]] = {}
     headers: dict[str, tuple[bytes, int]] = {}
     weight_maps: dict[str, dict[str, str]] = {}
@@ -266,27 +316,23 @@ def _hf_files(
                 placement[(component, n)] = (fname, layout.ranges[n][0])
                 weight_map[n] = fname
         weight_maps[component] = weight_map
-    return placement, headers, weight_maps
+    return _HfFiles(placement, headers, weight_maps)
 
 
 def _write_hf_part(
     to_write: list[ChunkPlan],
     local_tensors: dict[tuple[str, str], torch.Tensor],
-    all_plans: Sequence[Sequence[ChunkPlan]],
+    part: _HfPart,
     directory: str,
-    max_shard_bytes: int,
-    file_meta: dict[str, str],
     durable: bool,
     advance: Any,
-    coordinator: bool,
 ) -> list[tuple[str, str, int, int, int]]:
     """Write this rank's chunks into the shared HF files; return (component, name,
     byte start within the tensor, crc32c, length) for every contiguous run written."""
-    placement, headers, _ = _hf_files(all_plans, max_shard_bytes, file_meta)
     items: dict[str, list[tuple[str, torch.Tensor, int]]] = {}
     runs_of: dict[str, tuple[str, str, int, int]] = {}
     for plan in to_write:
-        fname, start = placement[(plan.component, plan.name)]
+        fname, start = part.placement[(plan.component, plan.name)]
         local = local_tensors[(plan.component, plan.name)]
         if not local.is_contiguous() or local.device.type != "cpu":
             local = local.contiguous().cpu()
@@ -298,10 +344,9 @@ def _write_hf_part(
             items.setdefault(fname, []).append((key, raw[pos : pos + length], start + run_start))
             runs_of[key] = (plan.component, plan.name, run_start, length)
             pos += length
-    names = sorted(set(items) | (set(headers) if coordinator else set()))
     writes = [
-        FileWrite(fname, headers[fname][0] if coordinator else b"", headers[fname][1], tuple(items.get(fname, ())))
-        for fname in names
+        FileWrite(fname, header, size, tuple(items.get(fname, ())))
+        for fname, (header, size) in sorted(part.files.items())
     ]
     crcs = write_files(directory, writes, durable=durable, advance=advance, shared=True)
     return [(*runs_of[key][:3], crc, runs_of[key][3]) for (_, key), crc in crcs.items()]
@@ -311,10 +356,9 @@ def _hf_records(
     prepared: PreparedState,
     all_plans: Sequence[Sequence[ChunkPlan]],
     reports: Sequence[tuple[list[Any], dict[str, int], list[tuple[str, str, int, int, int]]]],
-    max_shard_bytes: int,
-    file_meta: dict[str, str],
+    hf_files: _HfFiles,
 ) -> tuple[dict[str, ComponentRecord], dict[str, int], dict[str, bytes]]:
-    placement, headers, weight_maps = _hf_files(all_plans, max_shard_bytes, file_meta)
+    placement, headers, weight_maps = hf_files
     runs: dict[tuple[str, str], list[tuple[int, int, int]]] = {}
     for _, _, rank_runs in reports:
         for component, name, start, crc, length in rank_runs:
