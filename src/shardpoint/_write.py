@@ -49,6 +49,12 @@ def json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
         raise InvalidStateError(f"metadata must hold only JSON values (no nan/inf): {exc}") from None
 
 
+def file_metadata(save_id: str) -> dict[str, str]:
+    """The ``__metadata__`` of every data file of a save: ``format`` as transformers
+    expects, and the save id that ties the file to its manifest."""
+    return {"format": "pt", "shardpoint.save_id": save_id}
+
+
 def write_checkpoint(
     prepared: PreparedState,
     path: str | os.PathLike[str],
@@ -76,7 +82,7 @@ def write_checkpoint(
     """
     started = time.perf_counter()
     save_id = uuid.uuid4().hex
-    file_meta = {"format": "pt", "shardpoint.save_id": save_id}
+    file_meta = file_metadata(save_id)
     writes: list[FileWrite] = []
     file_of: dict[tuple[str, str], str] = {}
     files: dict[str, int] = {}

@@ -235,7 +235,7 @@ class Group:
             result, report = fn()
         except Exception as caught:  # reported to every rank below
             exc = caught
-            error = f"{type(caught).__name__}: {caught}"
+            error = _describe(caught)
         if not self.distributed:
             if exc is not None:
                 raise exc
@@ -249,7 +249,7 @@ class Group:
                 return decide(reports), None
             except Exception as caught:  # the coordinator's failure, told to every rank
                 decide_exc.append(caught)
-                return [None] * self.world_size, f"{type(caught).__name__}: {caught}"
+                return [None] * self.world_size, _describe(caught)
 
         if self._reports_point_to_point():
             verdict = self._exchange_reports(error, report, None if decide is None else run_decide)
@@ -293,6 +293,11 @@ class _Verdict(NamedTuple):
     """This rank's answer from the coordinator's decision."""
     deciding: bool = False
     """Whether it was the coordinator's decision that failed."""
+
+
+def _describe(exc: BaseException) -> str:
+    """How a rank's failure reads in the error every rank raises."""
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _first_line(exc: BaseException) -> str:

@@ -43,7 +43,7 @@ from .._prepare import PreparedState
 from .._progress import byte_progress
 from .._storage import Transaction, open_transaction
 from .._storage.remote import resolve, write_files_at
-from .._write import SaveInfo, write_manifest
+from .._write import SaveInfo, file_metadata, write_manifest
 from ..errors import CheckpointError
 from .group import Group, local_chunk
 
@@ -122,23 +122,20 @@ def write_distributed(
         all_plans = split_replicated(gathered) if chunked else [list(p) for p in gathered]
         owner = assign_writers([[p for p in plans if _wanted(p)] for plans in all_plans])
         save_id = uuid.uuid4().hex
-        file_meta = {"format": "pt", "shardpoint.save_id": save_id}
-        hf_files = None if chunked else _hf_files(all_plans, max_shard_bytes, file_meta)
+        hf_files = None if chunked else _hf_files(all_plans, max_shard_bytes, file_metadata(save_id))
         total = sum({p.ident: p.nbytes for plans in all_plans for p in plans if _wanted(p)}.values())
-        answers = []
-        for rank, plans in enumerate(all_plans):
-            to_write = [p for p in plans if _wanted(p) and owner.get(p.ident) == rank]
-            part = None if hf_files is None else hf_files.part(to_write, coordinator=rank == 0)
-            answers.append(_Assignment(save_id, "", to_write, part, total))
+        writes = [[p for p in plans if _wanted(p) and owner.get(p.ident) == rank]
+                  for rank, plans in enumerate(all_plans)]
+        parts = [None if hf_files is None else hf_files.part(w, coordinator=rank == 0) for rank, w in enumerate(writes)]
         txn = open_transaction(path, overwrite=overwrite, storage_options=storage_options)
-        return [a._replace(directory=txn.directory) for a in answers]
+        return [_Assignment(save_id, txn.directory, w, part, total) for w, part in zip(writes, parts, strict=True)]
 
     try:
         (mine, local_tensors), job = group.exchange(
             "planning the save", plan, assign, deciding="creating the checkpoint directory"
         )
         local_offsets = {(p.component, p.name): p.offsets for p in mine}
-        file_meta = {"format": "pt", "shardpoint.save_id": job.save_id}
+        file_meta = file_metadata(job.save_id)
 
         def write() -> tuple[None, _Written]:
             nbytes = sum(p.nbytes for p in job.to_write)
