@@ -28,6 +28,7 @@ Needs about 4x the state on disk and 3x in RAM.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import gc
 import math
@@ -191,7 +192,9 @@ class Ranks:
         return out
 
     def timed(self, case: Case, *, cold_paths: list[str] | None) -> float:
-        case.prepare()
+        # sync (or drop the caches) first, then delete this case's previous output, then
+        # time at once: every case writes into memory freed a moment ago, not into memory
+        # this VM has meanwhile handed back to its host (see FRESH_MEMORY in _common.py).
         self.dist.barrier()
         if self.rank == 0:
             if cold_paths is not None:
@@ -199,6 +202,7 @@ class Ranks:
             else:
                 os.sync()
         self.dist.barrier()
+        case.prepare()  # ends with a barrier
         started = time.perf_counter()
         case.run()
         return self.max(time.perf_counter() - started)
@@ -209,7 +213,8 @@ class Ranks:
         times: dict[str, list[float]] = {c.key: [] for c in cases}
         for round_no in range(rounds + 1):
             parts = []
-            for case in cases:
+            shift = round_no % len(cases)  # each round starts one case later: A B C, B C A, ...
+            for case in [*cases[shift:], *cases[:shift]]:
                 seconds = self.timed(case, cold_paths=cold_paths)
                 if round_no == 0:
                     case.check()
@@ -244,14 +249,39 @@ def median(times: dict[str, list[float]], key: str) -> float:
 # ----------------------------------------------------------------------------- the limit
 
 
+WRITEBACK_BYTES = 64 << 20
+
+try:
+    _sync_file_range: Any = ctypes.CDLL(None, use_errno=True).sync_file_range
+    _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+except (OSError, AttributeError):  # not Linux: the limit flushes at the end only
+    _sync_file_range = None
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """``sync_file_range(SYNC_FILE_RANGE_WRITE)``: start the disk on a range, do not wait."""
+    if _sync_file_range is not None:
+        _sync_file_range(fd, offset, nbytes, 2)
+
+
 def plain_write(path: str, state: dict[str, Any], *, durable: bool) -> None:
-    """One sequential stream of this rank's shard bytes: the physical limit for a rank."""
+    """One sequential stream of this rank's shard bytes: the physical limit for a rank.
+
+    Durable, the disk is started on every 64 MB as soon as it is written
+    (``sync_file_range``) and the file fsynced at the end: what the disk can take durably
+    from one stream, not a write to the page cache followed by a flush of all of it.
+    """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
+        written = flushed = 0
         for t in state.values():
             view = memoryview(t.to_local().reshape(-1).view(-1).numpy()).cast("B")
             while view:
-                view = view[os.write(fd, view) :]
+                n = os.write(fd, view[:WRITEBACK_BYTES])
+                view, written = view[n:], written + n
+                if durable and written - flushed >= WRITEBACK_BYTES:
+                    start_writeback(fd, flushed, written - flushed)
+                    flushed = written
         if durable:
             os.fsync(fd)
     finally:
@@ -306,11 +336,14 @@ def main_section(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, flo
     plain = os.path.join(d, f"plain-rank{r.rank}.bin")
 
     def removing(*names: str) -> Callable[[], None]:
+        """Delete this case's previous output, and only its own (see ``Ranks.timed``)."""
+
         def prepare() -> None:
             if r.rank == 0:
                 for n in names:
                     _rm(paths[n])
-            _rm(plain)
+            if not names:  # the limit
+                _rm(plain)
             r.dist.barrier()
 
         return prepare
@@ -351,7 +384,7 @@ def main_section(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, flo
     durable_saves = [
         Case(
             "plain",
-            "plain os.write + fsync, 1 stream per rank (limit)",
+            "plain os.write + writeback + fsync, 1 stream/rank (limit)",
             lambda: plain_write(plain, state, durable=True),
             removing(),
         ),
@@ -429,6 +462,8 @@ def main_section(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, flo
     results["load_warm"] = median(t_load, "dcp") / median(t_load, "sp")
     if t_cold is not None:
         results["load_cold"] = median(t_cold, "dcp") / median(t_cold, "sp")
+        # The disk sets the pace of a cold load: what a load at the limit would have scored.
+        results["bound_load_cold"] = median(t_cold, "dcp") / median(t_cold, "plain")
     results["sp_vs_limit_save"] = median(t_save, "sp") / median(t_save, "plain")
     results["sp_vs_limit_load"] = median(t_load, "sp") / median(t_load, "plain")
 
@@ -691,16 +726,22 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
 
     print("\n=== targets ===")
-    checks: list[tuple[str, float, str, float]] = []
+    checks: list[tuple[str, float, str, float, float | None]] = []
     for w, res in ratios.items():
         checks += [
-            (f"save, page cache, {w} ranks: dcp time / sp time", res["save"], ">=", 2.0),
-            (f"save, durable, {w} ranks: dcp time / sp time", res["save_durable"], ">=", 2.0),
-            (f"load, warm, {w} ranks: dcp time / sp time", res["load_warm"], ">=", 1.5),
+            (f"save, page cache, {w} ranks: dcp time / sp time", res["save"], ">=", 2.0, None),
+            (f"save, durable, {w} ranks: dcp time / sp time", res["save_durable"], ">=", 2.0, None),
+            (f"load, warm, {w} ranks: dcp time / sp time", res["load_warm"], ">=", 1.5, None),
         ]
         if "load_cold" in res:
             checks.append(
-                (f"load, cold, {w} ranks: dcp time / sp time", res["load_cold"], ">=", 1.5)
+                (
+                    f"load, cold, {w} ranks: dcp time / sp time",
+                    res["load_cold"],
+                    ">=",
+                    1.5,
+                    res["bound_load_cold"],
+                )
             )
         checks.append(
             (
@@ -708,6 +749,7 @@ def main() -> None:
                 res["ddp_balance"],
                 "<=",
                 1.1,
+                None,
             )
         )
     checks.append(
@@ -716,13 +758,19 @@ def main() -> None:
             reshard["reshard_read"],
             "<=",
             1.1,
+            None,
         )
     )
-    for name, value, op, threshold in checks:
+    for name, value, op, threshold, bound in checks:
         ok = value >= threshold if op == ">=" else value <= threshold
         print(
             f"  {'PASS' if ok else 'FAIL'}  {name:<66} {value:6.2f}x  (target {op} {threshold:g}x)"
+            + (f"  at the limit: {bound:.2f}x" if bound is not None else "")
         )
+    print(
+        "  (at the limit: dcp's cold load time over plain preadv's, the ratio a load reading at\n"
+        "   the disk's speed measured in the same section would have scored)"
+    )
     print("  ----  without targets:")
     for w, res in ratios.items():
         print(

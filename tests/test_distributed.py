@@ -594,6 +594,35 @@ def test_a_rank_failing_its_write_fails_the_save_on_every_rank(tmp_path: Path) -
         assert all(torch.equal(loaded[k], v) for k, v in expected.items()), name
 
 
+def threads_worker(rank: int, world: int, root: str) -> None:
+    """Each rank writes with its share of this machine's CPUs: every rank here is on one host."""
+    from shardpoint._distributed import save as collective
+
+    asked: list[int] = []
+    real = collective.writer_threads
+
+    def recording(ranks_here: int = 1) -> int:
+        asked.append(ranks_here)
+        return real(ranks_here)
+
+    collective.writer_threads = recording  # type: ignore[assignment]
+    try:
+        model = parallelize(Net(), "fsdp2", world)
+        for layout in ("chunked", "hf"):
+            sp.save(model.state_dict(), Path(root) / layout, layout=layout)
+    finally:
+        collective.writer_threads = real  # type: ignore[assignment]
+    assert asked == [world, world], f"rank {rank}: writer_threads asked for {asked}"
+
+
+def test_ranks_sharing_a_machine_split_its_writer_threads(tmp_path: Path) -> None:
+    from shardpoint._verify import verify_checkpoint
+
+    run_ranks(threads_worker, 3, str(tmp_path), timeout=120)
+    for layout in ("chunked", "hf"):
+        assert verify_checkpoint(tmp_path / layout).ok, layout
+
+
 # ----------------------------------------------------------------------------- transformers
 
 

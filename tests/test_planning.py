@@ -65,3 +65,26 @@ def test_more_holders_than_rows():
     assert [[(p.offsets, p.shape) for p in ranks] for ranks in split] == [
         [((0, 0), (1, 1000))], [((1, 0), (1, 1000))], [], []
     ]
+
+
+@pytest.mark.parametrize(
+    ("machine", "pinned_to", "ranks_here", "expected"),
+    [
+        (8, 8, 1, 4),  # one process: up to 4
+        (2, 2, 1, 2),  # no more writers than cores
+        (8, 8, 4, 2),  # 4 ranks share 8 cores
+        (8, 8, 16, 1),  # never fewer than 1
+        (64, 3, 8, 3),  # a rank pinned to 3 cores: those are its share
+    ],
+)
+def test_writer_threads_follow_this_process_share_of_the_cpus(
+    monkeypatch, machine, pinned_to, ranks_here, expected
+):
+    from shardpoint._io import transfer
+
+    monkeypatch.delenv("SHARDPOINT_WRITE_THREADS", raising=False)
+    monkeypatch.setattr(transfer.os, "cpu_count", lambda: machine)
+    monkeypatch.setattr(transfer, "_cpu_count", lambda: pinned_to)
+    assert transfer.writer_threads(ranks_here) == expected
+    monkeypatch.setenv("SHARDPOINT_WRITE_THREADS", "7")  # the knob, when set, wins
+    assert transfer.writer_threads(ranks_here) == 7

@@ -32,7 +32,8 @@ def _env_bool(name: str, default: bool) -> bool:
 @dataclass(frozen=True)
 class Knobs:
     write_threads: int
-    """Threads writing data files concurrently (syscalls release the GIL)."""
+    """Threads writing data files concurrently (syscalls release the GIL). 0, the default:
+    up to 4, but no more than this process's share of the CPUs (``writer_threads``)."""
     read_threads: int
     """Threads reading tensors concurrently on load. More than the cores: on a cold read
     each thread waits on the disk, and more requests in flight keep it busy."""
@@ -75,7 +76,7 @@ class Knobs:
 def knobs() -> Knobs:
     """Read the knobs now (environment variables are consulted on every call)."""
     return Knobs(
-        write_threads=_env_int("SHARDPOINT_WRITE_THREADS", 4),
+        write_threads=_env_int("SHARDPOINT_WRITE_THREADS", 0),
         read_threads=_env_int("SHARDPOINT_READ_THREADS", 4),
         io_segment_bytes=_env_int("SHARDPOINT_IO_SEGMENT_BYTES", 2 << 20),
         cached_copy=_env_bool("SHARDPOINT_CACHED_COPY", True),

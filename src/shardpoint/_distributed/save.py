@@ -22,8 +22,10 @@ prefix, the coordinator uploads the manifest last once every rank reported succe
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import socket
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -36,7 +38,7 @@ from .._format.dtypes import NAME_TO_DTYPE, dtype_name
 from .._format.index import index_name, render_index
 from .._format.manifest import ChunkRef, ComponentRecord, TensorRecord
 from .._format.safetensors import TensorSpec, plan_file
-from .._io.transfer import FileWrite, write_files
+from .._io.transfer import FileWrite, write_files, writer_threads
 from .._planning.chunks import ChunkPlan, assign_writers, byte_runs, split_replicated
 from .._planning.shards import plan_shards, shard_file_names
 from .._prepare import PreparedState
@@ -111,13 +113,15 @@ def write_distributed(
     all_plans: list[list[ChunkPlan]] = []  # the coordinator's, for the manifest
     hf_files: _HfFiles | None = None
 
-    def plan() -> tuple[tuple[list[ChunkPlan], dict[tuple[str, str], torch.Tensor]], list[ChunkPlan]]:
+    def plan() -> tuple[tuple[list[ChunkPlan], dict[tuple[str, str], torch.Tensor]], tuple[list[ChunkPlan], str]]:
         mine, local_tensors = _plan_local(prepared)
-        return (mine, local_tensors), mine
+        return (mine, local_tensors), (mine, socket.gethostname())
 
-    def assign(gathered: list[list[ChunkPlan]]) -> list[_Assignment]:
+    def assign(reports: list[tuple[list[ChunkPlan], str]]) -> list[_Assignment]:
         """The coordinator: who writes what, then the temporary directory (opened last)."""
         nonlocal txn, all_plans, hf_files
+        gathered = [plans for plans, _ in reports]
+        hosts = [host for _, host in reports]
         # Large replicated tensors: one row piece per holder.
         all_plans = split_replicated(gathered) if chunked else [list(p) for p in gathered]
         owner = assign_writers([[p for p in plans if _wanted(p)] for plans in all_plans])
@@ -128,7 +132,8 @@ def write_distributed(
                   for rank, plans in enumerate(all_plans)]
         parts = [None if hf_files is None else hf_files.part(w, coordinator=rank == 0) for rank, w in enumerate(writes)]
         txn = open_transaction(path, overwrite=overwrite, storage_options=storage_options)
-        return [_Assignment(save_id, txn.directory, w, part, total) for w, part in zip(writes, parts, strict=True)]
+        return [_Assignment(save_id, txn.directory, w, part, total, hosts.count(host))
+                for w, part, host in zip(writes, parts, hosts, strict=True)]
 
     try:
         (mine, local_tensors), job = group.exchange(
@@ -137,15 +142,18 @@ def write_distributed(
         local_offsets = {(p.component, p.name): p.offsets for p in mine}
         file_meta = file_metadata(job.save_id)
 
+        threads = writer_threads(job.ranks_here)
+
         def write() -> tuple[None, _Written]:
             nbytes = sum(p.nbytes for p in job.to_write)
             with byte_progress(nbytes, f"saving rank {group.rank}", progress) as advance:
                 if job.hf_part is None:
                     pieces = {(p.component, p.name): _piece(p, local_tensors, local_offsets) for p in job.to_write}
                     refs, files = _write_chunked(job.to_write, pieces, job.directory, group.rank, max_shard_bytes,
-                                                 file_meta, durable, advance, storage_options)
+                                                 file_meta, durable, advance, storage_options, threads)
                     return None, (refs, files, [])
-                runs = _write_hf_part(job.to_write, local_tensors, job.hf_part, job.directory, durable, advance)
+                runs = _write_hf_part(job.to_write, local_tensors, job.hf_part, job.directory, durable, advance,
+                                      threads)
                 return None, ([], {}, runs)
 
         def commit(reports: list[_Written]) -> list[dict[str, int]]:
@@ -181,6 +189,8 @@ class _Assignment(NamedTuple):
     """Layout ``hf``: where this rank's chunks go in the shared files."""
     total: int
     """Bytes of every distinct chunk, all ranks together."""
+    ranks_here: int
+    """Ranks on this rank's machine (same host name): they share its CPUs for writing."""
 
 
 _Written = tuple[list[tuple[str, str, ChunkRef]], dict[str, int], list[tuple[str, str, int, int, int]]]
@@ -214,6 +224,7 @@ def _write_chunked(
     durable: bool,
     advance: Any,
     storage_options: Mapping[str, Any] | None = None,
+    threads: int | None = None,
 ) -> tuple[list[tuple[str, str, ChunkRef]], dict[str, int]]:
     by_component: dict[str, list[ChunkPlan]] = {}
     for plan in to_write:
@@ -233,7 +244,7 @@ def _write_chunked(
             files[fname] = layout.size
             placed.extend((by_name[n], fname) for n in names)
     crcs = write_files_at(directory, writes, durable=durable, advance=advance,
-                          storage_options=storage_options, local=write_files)
+                          storage_options=storage_options, local=functools.partial(write_files, threads=threads))
     refs = [
         (p.component, p.name, ChunkRef(fname, p.name, p.offsets, p.shape, crcs[(fname, p.name)]))
         for p, fname in placed
@@ -323,6 +334,7 @@ def _write_hf_part(
     directory: str,
     durable: bool,
     advance: Any,
+    threads: int | None = None,
 ) -> list[tuple[str, str, int, int, int]]:
     """Write this rank's chunks into the shared HF files; return (component, name,
     byte start within the tensor, crc32c, length) for every contiguous run written."""
@@ -345,7 +357,7 @@ def _write_hf_part(
         FileWrite(fname, header, size, tuple(items.get(fname, ())))
         for fname, (header, size) in sorted(part.files.items())
     ]
-    crcs = write_files(directory, writes, durable=durable, advance=advance, shared=True)
+    crcs = write_files(directory, writes, durable=durable, advance=advance, shared=True, threads=threads)
     return [(*runs_of[key][:3], crc, runs_of[key][3]) for (_, key), crc in crcs.items()]
 
 
