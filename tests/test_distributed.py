@@ -599,23 +599,32 @@ def threads_worker(rank: int, world: int, root: str) -> None:
     from shardpoint._distributed import save as collective
 
     asked: list[int] = []
-    real = collective.writer_threads
+    segments: list[int | None] = []
+    real, real_write = collective.writer_threads, collective.write_files
 
     def recording(ranks_here: int = 1) -> int:
         asked.append(ranks_here)
         return real(ranks_here)
 
+    def writing(*args: Any, **kwargs: Any) -> Any:
+        segments.append(kwargs.get("segment"))
+        return real_write(*args, **kwargs)
+
     collective.writer_threads = recording  # type: ignore[assignment]
+    collective.write_files = writing  # type: ignore[assignment]
     try:
         model = parallelize(Net(), "fsdp2", world)
         for layout in ("chunked", "hf"):
             sp.save(model.state_dict(), Path(root) / layout, layout=layout)
     finally:
         collective.writer_threads = real  # type: ignore[assignment]
+        collective.write_files = real_write  # type: ignore[assignment]
     assert asked == [world, world], f"rank {rank}: writer_threads asked for {asked}"
+    # and write in the collective save's segments (256 KiB), not the single-process 2 MiB
+    assert segments == [256 << 10, 256 << 10], f"rank {rank}: segments {segments}"
 
 
-def test_ranks_sharing_a_machine_split_its_writer_threads(tmp_path: Path) -> None:
+def test_ranks_sharing_a_machine_split_its_writer_threads_and_write_small_segments(tmp_path: Path) -> None:
     from shardpoint._verify import verify_checkpoint
 
     run_ranks(threads_worker, 3, str(tmp_path), timeout=120)

@@ -39,6 +39,7 @@ from .._format.index import index_name, render_index
 from .._format.manifest import ChunkRef, ComponentRecord, TensorRecord
 from .._format.safetensors import TensorSpec, plan_file
 from .._io.transfer import FileWrite, write_files, writer_threads
+from .._knobs import knobs
 from .._planning.chunks import ChunkPlan, assign_writers, byte_runs, split_replicated
 from .._planning.shards import plan_shards, shard_file_names
 from .._prepare import PreparedState
@@ -143,6 +144,7 @@ def write_distributed(
         file_meta = file_metadata(job.save_id)
 
         threads = writer_threads(job.ranks_here)
+        segment = knobs().collective_segment_bytes
 
         def write() -> tuple[None, _Written]:
             nbytes = sum(p.nbytes for p in job.to_write)
@@ -150,10 +152,10 @@ def write_distributed(
                 if job.hf_part is None:
                     pieces = {(p.component, p.name): _piece(p, local_tensors, local_offsets) for p in job.to_write}
                     refs, files = _write_chunked(job.to_write, pieces, job.directory, group.rank, max_shard_bytes,
-                                                 file_meta, durable, advance, storage_options, threads)
+                                                 file_meta, durable, advance, storage_options, threads, segment)
                     return None, (refs, files, [])
                 runs = _write_hf_part(job.to_write, local_tensors, job.hf_part, job.directory, durable, advance,
-                                      threads)
+                                      threads, segment)
                 return None, ([], {}, runs)
 
         def commit(reports: list[_Written]) -> list[dict[str, int]]:
@@ -225,6 +227,7 @@ def _write_chunked(
     advance: Any,
     storage_options: Mapping[str, Any] | None = None,
     threads: int | None = None,
+    segment: int | None = None,
 ) -> tuple[list[tuple[str, str, ChunkRef]], dict[str, int]]:
     by_component: dict[str, list[ChunkPlan]] = {}
     for plan in to_write:
@@ -244,7 +247,7 @@ def _write_chunked(
             files[fname] = layout.size
             placed.extend((by_name[n], fname) for n in names)
     crcs = write_files_at(directory, writes, durable=durable, advance=advance,
-                          storage_options=storage_options, local=functools.partial(write_files, threads=threads))
+                          storage_options=storage_options, local=functools.partial(write_files, threads=threads, segment=segment))
     refs = [
         (p.component, p.name, ChunkRef(fname, p.name, p.offsets, p.shape, crcs[(fname, p.name)]))
         for p, fname in placed
@@ -335,6 +338,7 @@ def _write_hf_part(
     durable: bool,
     advance: Any,
     threads: int | None = None,
+    segment: int | None = None,
 ) -> list[tuple[str, str, int, int, int]]:
     """Write this rank's chunks into the shared HF files; return (component, name,
     byte start within the tensor, crc32c, length) for every contiguous run written."""
@@ -357,7 +361,8 @@ def _write_hf_part(
         FileWrite(fname, header, size, tuple(items.get(fname, ())))
         for fname, (header, size) in sorted(part.files.items())
     ]
-    crcs = write_files(directory, writes, durable=durable, advance=advance, shared=True, threads=threads)
+    crcs = write_files(directory, writes, durable=durable, advance=advance, shared=True, threads=threads,
+                       segment=segment)
     return [(*runs_of[key][:3], crc, runs_of[key][3]) for (_, key), crc in crcs.items()]
 
 

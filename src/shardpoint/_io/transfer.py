@@ -173,15 +173,17 @@ def write_files(
     threads: int | None = None,
     advance: Advance | None = None,
     shared: bool = False,
+    segment: int | None = None,
 ) -> dict[tuple[str, str], int]:
     """Write ``files`` into ``directory``; return the crc32c of every (file, key).
 
     Files are created fresh, or with ``shared`` opened without truncation because several
     processes write disjoint parts of them. With ``durable`` each file is fsynced.
+    ``segment``: bytes per ``pwrite`` (default the ``io_segment_bytes`` knob).
     """
     cfg = knobs()
     threads = threads or writer_threads()
-    segment = cfg.io_segment_bytes
+    segment = segment or cfg.io_segment_bytes
     fds: dict[str, int] = {}
     results: dict[tuple[str, str], list[tuple[int, int, int]]] = {}
     lock = threading.Lock()
