@@ -205,18 +205,6 @@ class SectionResult:
         }
 
 
-FRESH_MEMORY = """
-On these VMs (Firecracker, free page reporting at order 11), memory the guest frees is
-handed back to the host about 2 s later, and touching it again costs a fault on the host:
-writing 2 GiB to the page cache right after deleting a 2 GiB file took 0.7 s, and 2.0 s
-when the delete was 5 s earlier (3 pairs, 2026-11-24). Which peer writes into freshly freed
-memory, and which into memory given back, decided a save's time more than the peer did. So
-every timed call starts the same way: ``sync`` (the previous peer's writeback is done), then
-``prepare`` deletes this peer's previous output, then the call runs at once, into memory
-freed a moment ago, as on a machine without a hypervisor taking its memory back.
-"""
-
-
 def run_interleaved(
     name: str,
     cases: Sequence[Case],
@@ -229,6 +217,14 @@ def run_interleaved(
 
     Each round starts one peer later (A B C, B C A, C A B, ...), so that no peer always runs
     right after the same one (after DCP's allocations, say) or always first.
+
+    Every timed call starts the same way: ``sync`` (the previous peer's writeback is done),
+    then ``prepare`` (which deletes this peer's previous output), then the call at once. On
+    these VMs (Firecracker, free page reporting at order 11) memory the guest frees is
+    handed back to the host about 2 s later, and touching it again faults on the host:
+    writing 2 GiB to the page cache right after deleting a 2 GiB file took 0.7 s, and 2.0 s
+    when the delete was 5 s earlier (3 pairs, 2026-11-24). Deleting before the ``sync`` let
+    the previous peer's writeback time decide which peer wrote into fresh memory.
     """
     result = SectionResult(name, nbytes, {c.key: c.label for c in cases})
     result.baseline = cases[0].key
@@ -238,8 +234,7 @@ def run_interleaved(
         parts = []
         shift = round_no % len(cases)
         for case in [*cases[shift:], *cases[:shift]]:
-            # sync first, then prepare (which deletes this peer's previous output), then time
-            # at once: see FRESH_MEMORY.
+            # sync, then prepare, then time at once: see the docstring.
             sync()
             case.prepare()
             cpu_before = process_cpu_seconds()

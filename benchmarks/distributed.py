@@ -28,7 +28,6 @@ Needs about 4x the state on disk and 3x in RAM.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import gc
 import math
@@ -194,7 +193,7 @@ class Ranks:
     def timed(self, case: Case, *, cold_paths: list[str] | None) -> float:
         # sync (or drop the caches) first, then delete this case's previous output, then
         # time at once: every case writes into memory freed a moment ago, not into memory
-        # this VM has meanwhile handed back to its host (see FRESH_MEMORY in _common.py).
+        # this VM has meanwhile handed back to its host (see run_interleaved in _common.py).
         self.dist.barrier()
         if self.rank == 0:
             if cold_paths is not None:
@@ -251,18 +250,6 @@ def median(times: dict[str, list[float]], key: str) -> float:
 
 WRITEBACK_BYTES = 64 << 20
 
-try:
-    _sync_file_range: Any = ctypes.CDLL(None, use_errno=True).sync_file_range
-    _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-except (OSError, AttributeError):  # not Linux: the limit flushes at the end only
-    _sync_file_range = None
-
-
-def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """``sync_file_range(SYNC_FILE_RANGE_WRITE)``: start the disk on a range, do not wait."""
-    if _sync_file_range is not None:
-        _sync_file_range(fd, offset, nbytes, 2)
-
 
 def plain_write(path: str, state: dict[str, Any], *, durable: bool) -> None:
     """One sequential stream of this rank's shard bytes: the physical limit for a rank.
@@ -271,6 +258,8 @@ def plain_write(path: str, state: dict[str, Any], *, durable: bool) -> None:
     (``sync_file_range``) and the file fsynced at the end: what the disk can take durably
     from one stream, not a write to the page cache followed by a flush of all of it.
     """
+    from shardpoint._io.transfer import start_writeback  # the syscall wrapper sp's writes use
+
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         written = flushed = 0

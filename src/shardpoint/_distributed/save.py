@@ -28,6 +28,7 @@ import os
 import socket
 import time
 import uuid
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -133,7 +134,8 @@ def write_distributed(
                   for rank, plans in enumerate(all_plans)]
         parts = [None if hf_files is None else hf_files.part(w, coordinator=rank == 0) for rank, w in enumerate(writes)]
         txn = open_transaction(path, overwrite=overwrite, storage_options=storage_options)
-        return [_Assignment(save_id, txn.directory, w, part, total, hosts.count(host))
+        per_host = Counter(hosts)  # not hosts.count per rank: quadratic over thousands of ranks
+        return [_Assignment(save_id, txn.directory, w, part, total, per_host[host])
                 for w, part, host in zip(writes, parts, hosts, strict=True)]
 
     try:
