@@ -14,8 +14,52 @@ import shutil
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+# ------------------------------------------------------------------- the VM's memory
+
+PAGE_REPORTING_MIN_FREE = "/sys/module/page_reporting/parameters/min_free_ms"
+HELD_MS = 30_000
+
+
+@contextmanager
+def freed_memory_held(enabled: bool = True, hold_ms: int = HELD_MS) -> Iterator[str]:
+    """Keep memory the guest frees out of the host's hands for ``hold_ms``, for the run.
+
+    These Firecracker VMs report free memory to the host (free page reporting; this
+    kernel's ``page_reporting.min_free_ms`` is how long a page must have been free first,
+    0 by default), and touching reported memory again faults on the host. A benchmark
+    call that writes right after the previous output was deleted then gets fresh memory
+    or reported memory depending on whether the reporter ran in between: 4 ranks of
+    ``sp.save`` spent 0.10-0.14 s of system time per rank in the first case and 0.7-1.0 s
+    in the second, for the same 0.48 GB each (2026-11-24), and every peer swung so. With a
+    hold, memory freed a moment ago is still the guest's when the next call writes, as on
+    a machine without a hypervisor taking memory back; the old value is put back at the
+    end. Yields a line for the run's header. Needs root and this kernel's parameter;
+    otherwise it changes nothing and says so.
+    """
+    if not enabled:
+        yield "freed VM memory: left as it is (--vm-memory-as-is)"
+        return
+    try:
+        with open(PAGE_REPORTING_MIN_FREE) as f:
+            before = f.read().strip()
+        with open(PAGE_REPORTING_MIN_FREE, "w") as f:
+            f.write(f"{hold_ms}\n")
+    except OSError:
+        yield "freed VM memory: no page_reporting.min_free_ms to set (not this VM, or not root)"
+        return
+    try:
+        yield (
+            f"freed VM memory: held {hold_ms / 1000:.0f} s before the host may take it back "
+            f"(page_reporting.min_free_ms {before} -> {hold_ms} for this run; --vm-memory-as-is to leave it)"
+        )
+    finally:
+        with open(PAGE_REPORTING_MIN_FREE, "w") as f:
+            f.write(f"{before}\n")
+
 
 # ------------------------------------------------------------------- files and caches
 
@@ -220,11 +264,12 @@ def run_interleaved(
 
     Every timed call starts the same way: ``sync`` (the previous peer's writeback is done),
     then ``prepare`` (which deletes this peer's previous output), then the call at once. On
-    these VMs (Firecracker, free page reporting at order 11) memory the guest frees is
-    handed back to the host about 2 s later, and touching it again faults on the host:
-    writing 2 GiB to the page cache right after deleting a 2 GiB file took 0.7 s, and 2.0 s
-    when the delete was 5 s earlier (3 pairs, 2026-11-24). Deleting before the ``sync`` let
-    the previous peer's writeback time decide which peer wrote into fresh memory.
+    these VMs (Firecracker, free page reporting) memory the guest frees is handed back to
+    the host, and touching it again faults on the host: writing 2 GiB to the page cache
+    right after deleting a 2 GiB file took 0.7 s, and 2.0 s when the delete was 5 s earlier
+    (3 pairs, 2026-11-24). Deleting before the ``sync`` let the previous peer's writeback
+    time decide which peer wrote into fresh memory. The benchmarks also hold freed memory
+    in the guest for the run (:func:`freed_memory_held`).
     """
     result = SectionResult(name, nbytes, {c.key: c.label for c in cases})
     result.baseline = cases[0].key

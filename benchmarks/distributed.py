@@ -46,6 +46,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from _common import freed_memory_held
+
 # ----------------------------------------------------------------------------- the state
 
 
@@ -448,6 +450,9 @@ def main_section(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, flo
         )
     results["save"] = median(t_save, "dcp") / median(t_save, "sp")
     results["save_durable"] = median(t_dsave, "dcp") / median(t_dsave, "sp")
+    # A durable save ends at the disk too: what a save writing at the one-stream limit scored.
+    results["bound_save_durable"] = median(t_dsave, "dcp") / median(t_dsave, "plain")
+    results["sp_vs_limit_durable"] = median(t_dsave, "sp") / median(t_dsave, "plain")
     results["load_warm"] = median(t_load, "dcp") / median(t_load, "sp")
     if t_cold is not None:
         results["load_cold"] = median(t_cold, "dcp") / median(t_cold, "sp")
@@ -631,6 +636,12 @@ def _entry(
         os._exit(1)
     gc.collect()  # drop reference cycles holding gloo work first (else a rare SIGABRT at exit)
     dist.destroy_process_group()
+    # Skip the interpreter's teardown: a gloo thread still joinable when C++ statics are
+    # destroyed aborts the process ("terminate called without an active exception"), seen
+    # in 1 of 3 quick runs even after the collect above. The result is already sent.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(section: str, world: int, args: argparse.Namespace, work: str) -> dict[str, float]:
@@ -684,6 +695,12 @@ def main() -> None:
         "--dir", default=tempfile.gettempdir(), help="where the scratch directory goes"
     )
     parser.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    parser.add_argument(
+        "--vm-memory-as-is",
+        action="store_true",
+        help="leave this VM's free page reporting as it is (by default freed memory is held "
+        "in the guest for 30 s during the run; see freed_memory_held in _common.py)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.gb, args.rounds = 0.1, 1
@@ -694,32 +711,40 @@ def main() -> None:
 
     import torch
 
-    print(
-        f"shardpoint distributed benchmark: torch {torch.__version__}, python {platform.python_version()}, "
-        f"{os.cpu_count()} cores, gloo on CPU, {args.rounds} rounds after a warm-up (interleaved, medians, "
-        f"sync + barrier before each call; a call's time is the slowest rank's)"
-        + (
-            ""
-            if can_drop_caches() or args.no_cold
-            else "; cold = posix_fadvise(DONTNEED), not root"
-        ),
-        flush=True,
-    )
-    work = tempfile.mkdtemp(prefix="sp-dist-bench-", dir=args.dir)
-    try:
-        ratios = {w: spawn("main", w, args, work) for w in worlds}
-        spawn("reshard_save", args.reshard_from, args, work)
-        reshard = spawn("reshard_load", args.reshard_to, args, work)
-    finally:
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+    with freed_memory_held(not args.vm_memory_as_is) as memory:
+        print(
+            f"shardpoint distributed benchmark: torch {torch.__version__}, python {platform.python_version()}, "
+            f"{os.cpu_count()} cores, gloo on CPU, {args.rounds} rounds after a warm-up (interleaved, medians, "
+            f"sync + barrier before each call; a call's time is the slowest rank's)"
+            + (
+                ""
+                if can_drop_caches() or args.no_cold
+                else "; cold = posix_fadvise(DONTNEED), not root"
+            )
+            + f"\n{memory}",
+            flush=True,
+        )
+        work = tempfile.mkdtemp(prefix="sp-dist-bench-", dir=args.dir)
+        try:
+            ratios = {w: spawn("main", w, args, work) for w in worlds}
+            spawn("reshard_save", args.reshard_from, args, work)
+            reshard = spawn("reshard_load", args.reshard_to, args, work)
+        finally:
+            if not args.keep:
+                shutil.rmtree(work, ignore_errors=True)
 
     print("\n=== targets ===")
     checks: list[tuple[str, float, str, float, float | None]] = []
     for w, res in ratios.items():
         checks += [
             (f"save, page cache, {w} ranks: dcp time / sp time", res["save"], ">=", 2.0, None),
-            (f"save, durable, {w} ranks: dcp time / sp time", res["save_durable"], ">=", 2.0, None),
+            (
+                f"save, durable, {w} ranks: dcp time / sp time",
+                res["save_durable"],
+                ">=",
+                2.0,
+                res["bound_save_durable"],
+            ),
             (f"load, warm, {w} ranks: dcp time / sp time", res["load_warm"], ">=", 1.5, None),
         ]
         if "load_cold" in res:
@@ -757,13 +782,15 @@ def main() -> None:
             + (f"  at the limit: {bound:.2f}x" if bound is not None else "")
         )
     print(
-        "  (at the limit: dcp's cold load time over plain preadv's, the ratio a load reading at\n"
-        "   the disk's speed measured in the same section would have scored)"
+        "  (at the limit: dcp's time over plain's in the same section (durable: one fsynced stream\n"
+        "   per rank; cold: preadv), the ratio a save or load at the disk's measured speed would\n"
+        "   have scored)"
     )
     print("  ----  without targets:")
     for w, res in ratios.items():
         print(
             f"        sp save / plain write, {w} ranks: {res['sp_vs_limit_save']:.2f}x;  "
+            f"durable: {res['sp_vs_limit_durable']:.2f}x;  "
             f"sp warm load / plain read: {res['sp_vs_limit_load']:.2f}x;  "
             f"DDP-replicated: files / state bytes {res['ddp_sum']:.3f}"
         )

@@ -48,6 +48,7 @@ from _common import (
     drop_caches,
     files_under,
     format_section,
+    freed_memory_held,
     fsync_tree,
     log_err,
     peak_rss,
@@ -584,6 +585,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--keep", action="store_true", help="leave the scratch directory in place")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--vm-memory-as-is",
+        action="store_true",
+        help="leave this VM's free page reporting as it is (by default freed memory is held "
+        "in the guest for 30 s during the run; see freed_memory_held in _common.py)",
+    )
+    parser.add_argument(
         "--sections",
         default=",".join(SECTIONS),
         help="comma-separated subset of " + ", ".join(SECTIONS) + " (default: all); without the "
@@ -642,7 +649,9 @@ class CpuShare:
         return line, share
 
 
-def describe_setup(args: argparse.Namespace, shape: ModelShape, nbytes: int, root: str) -> str:
+def describe_setup(
+    args: argparse.Namespace, shape: ModelShape, nbytes: int, root: str, memory: str
+) -> str:
     sp_env = {k: v for k, v in os.environ.items() if k.startswith("SHARDPOINT_")}
     return "\n".join(
         [
@@ -651,6 +660,7 @@ def describe_setup(args: argparse.Namespace, shape: ModelShape, nbytes: int, roo
             f"machine: {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
             f"drop_caches {'yes' if can_drop_caches() else 'no (fadvise fallback)'}, "
             f"load average {format_loadavg()}",
+            memory,
             f"state dict: fp32 Llama-like, vocab {shape.vocab}, hidden {shape.hidden}, "
             f"intermediate {shape.intermediate}, {shape.layers} layers: {nbytes / 1e9:.3f} GB",
             f"rounds: 1 warm-up (discarded) + {args.rounds} timed saves / {args.load_rounds} "
@@ -663,6 +673,11 @@ def describe_setup(args: argparse.Namespace, shape: ModelShape, nbytes: int, roo
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    with freed_memory_held(not args.vm_memory_as_is) as memory:
+        return run(args, memory)
+
+
+def run(args: argparse.Namespace, memory: str) -> int:
     started = time.perf_counter()
     cpu_share = CpuShare()
     shape = model_shape_for(args.gb * 1e9)
@@ -672,7 +687,7 @@ def main(argv: list[str] | None = None) -> int:
         log_err("building the state dict ...")
         state = make_state_dict(shapes, args.seed)
         nbytes = tensor_bytes(state)
-        print(describe_setup(args, shape, nbytes, root), flush=True)
+        print(describe_setup(args, shape, nbytes, root, memory), flush=True)
 
         outputs: dict[str, str] = {}
         sections: dict[str, SectionResult] = {}
