@@ -88,3 +88,44 @@ def test_writer_threads_follow_this_process_share_of_the_cpus(
     assert transfer.writer_threads(ranks_here) == expected
     monkeypatch.setenv("SHARDPOINT_WRITE_THREADS", "7")  # the knob, when set, wins
     assert transfer.writer_threads(ranks_here) == 7
+
+
+@pytest.mark.parametrize(
+    ("total_mib", "limit_mib", "threads", "expected_mib"),
+    [
+        (2048, 5120, 2, 1024),  # 1 rank, 2 writer threads: two files of ~1 GiB
+        (2048, 5120, 1, 5120),  # one thread: the shard limit as it is
+        (2048, 512, 2, 512),  # the shard limit is already smaller
+        (200, 5120, 2, 5120),  # small: never split below the floor
+        (600, 5120, 4, 256),  # 4 threads' shares are under the floor: the floor
+    ],
+)
+def test_a_rank_splits_its_bytes_so_each_writer_thread_has_a_file(total_mib, limit_mib, threads, expected_mib):
+    from shardpoint._distributed.save import _rank_file_bytes
+
+    assert _rank_file_bytes(total_mib << 20, limit_mib << 20, threads) == expected_mib << 20
+
+
+def test_chunked_rank_files_follow_the_writer_threads(tmp_path, monkeypatch):
+    import torch
+    from safetensors.torch import load_file
+
+    from shardpoint._distributed import save
+
+    monkeypatch.setattr(save, "SPLIT_FLOOR_BYTES", 1 << 10)
+    tensors = {f"w{i}": torch.arange(i * 1000, i * 1000 + 512, dtype=torch.float32) for i in range(4)}
+    plans = [
+        ChunkPlan("model", n, "F32", (512,), (0,), (512,), 2048) for n in tensors
+    ]
+    local = {("model", n): t for n, t in tensors.items()}
+    refs, files = save._write_chunked(
+        plans, local, str(tmp_path), 3, 5 << 30, {}, durable=False, advance=None, threads=2
+    )
+    assert sorted(files) == ["model-r00003-00001.safetensors", "model-r00003-00002.safetensors"]
+    read = {}
+    for name in files:
+        read.update(load_file(tmp_path / name))
+    assert sorted(read) == ["w0", "w1", "w2", "w3"]
+    for n, t in tensors.items():
+        assert torch.equal(read[n], t)
+    assert {ref.file for _c, _n, ref in refs} == set(files)
