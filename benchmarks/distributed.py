@@ -46,7 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from _common import freed_memory_held
+from _common import can_drop_caches, drop_caches, files_under, freed_memory_held, remove
 
 # ----------------------------------------------------------------------------- the state
 
@@ -135,26 +135,6 @@ def _rchar() -> int:
     return 0
 
 
-def can_drop_caches() -> bool:
-    return os.access("/proc/sys/vm/drop_caches", os.W_OK)
-
-
-def _drop_caches(paths: list[str]) -> None:
-    os.sync()
-    if can_drop_caches():
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return
-    for root in paths:
-        for d, _, names in os.walk(root):
-            for n in names:
-                fd = os.open(os.path.join(d, n), os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
-
-
 @dataclass
 class Case:
     key: str
@@ -199,7 +179,7 @@ class Ranks:
         self.dist.barrier()
         if self.rank == 0:
             if cold_paths is not None:
-                _drop_caches(cold_paths)
+                drop_caches(f for p in cold_paths for f in files_under(p))
             else:
                 os.sync()
         self.dist.barrier()
@@ -293,13 +273,6 @@ def plain_read(path: str, buffer: Any) -> None:
         os.close(fd)
 
 
-def _rm(path: str) -> None:
-    if os.path.isdir(path):
-        shutil.rmtree(path)
-    elif os.path.exists(path):
-        os.remove(path)
-
-
 # ----------------------------------------------------------------------------- the ranks
 
 
@@ -332,9 +305,9 @@ def main_section(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, flo
         def prepare() -> None:
             if r.rank == 0:
                 for n in names:
-                    _rm(paths[n])
+                    remove(paths[n])
             if not names:  # the limit
-                _rm(plain)
+                remove(plain)
             r.dist.barrier()
 
         return prepare
@@ -493,7 +466,7 @@ def main_section(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, flo
         results["ddp_sum"] = sum(sp_bytes) / rep_total
     for p in (rep_sp, rep_dcp):
         if r.rank == 0:
-            _rm(p)
+            remove(p)
     r.dist.barrier()
     return results
 

@@ -119,7 +119,7 @@ def test_chunked_rank_files_follow_the_writer_threads(tmp_path, monkeypatch):
     ]
     local = {("model", n): t for n, t in tensors.items()}
     refs, files = save._write_chunked(
-        plans, local, str(tmp_path), 3, 5 << 30, {}, durable=False, advance=None, threads=2
+        plans, local, str(tmp_path), 3, 5 << 30, {}, False, None, None, threads=2, segment=256 << 10
     )
     assert sorted(files) == ["model-r00003-00001.safetensors", "model-r00003-00002.safetensors"]
     read = {}

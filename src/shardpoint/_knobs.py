@@ -48,10 +48,11 @@ class Knobs:
     requests anyway.)"""
     collective_segment_bytes: int
     """The same for the writes of a collective save (every rank of a machine writing at
-    once). On the 2-core VM, with 2 and 4 ranks, 2 MiB writes (2 MiB folios) took the slow
-    path of the kernel's page-cache allocation in 3/8 and 6/8 saves against 2/8 with
-    256 KiB (medians 0.52 / 1.31 s against 0.35 / 0.40 s for 1.94 GB), and a resumed
-    job's load is cold, where the folio size does not matter."""
+    once). On the 2-core VM, with 2 and 4 ranks, 2 MiB writes (2 MiB folios) landed in its
+    slow mode (page cache allocated from memory the VM had already handed back to its host,
+    5x the system time) in 3/8 and 6/8 saves against 2/8 with 256 KiB (medians 0.52 /
+    1.31 s against 0.35 / 0.40 s for 1.94 GB), and a resumed job's load is cold, where the
+    folio size does not matter."""
     cached_copy: bool
     """Copy page-cache-resident pieces straight from the mapped cache with non-temporal
     stores and crc32c folded in (the C extension on x86-64 with AVX-512), instead of

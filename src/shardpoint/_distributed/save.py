@@ -251,9 +251,9 @@ def _write_chunked(
     file_meta: dict[str, str],
     durable: bool,
     advance: Any,
-    storage_options: Mapping[str, Any] | None = None,
-    threads: int | None = None,
-    segment: int | None = None,
+    storage_options: Mapping[str, Any] | None,
+    threads: int,
+    segment: int,
 ) -> tuple[list[tuple[str, str, ChunkRef]], dict[str, int]]:
     by_component: dict[str, list[ChunkPlan]] = {}
     for plan in to_write:
@@ -262,7 +262,7 @@ def _write_chunked(
     placed: list[tuple[ChunkPlan, str]] = []
     files: dict[str, int] = {}
     for component, plans in by_component.items():
-        file_bytes = _rank_file_bytes(sum(p.nbytes for p in plans), max_shard_bytes, threads or 1)
+        file_bytes = _rank_file_bytes(sum(p.nbytes for p in plans), max_shard_bytes, threads)
         groups = plan_shards([(p.name, p.nbytes) for p in plans], file_bytes)
         by_name = {p.name: p for p in plans}
         for i, names in enumerate(groups, start=1):
@@ -364,8 +364,8 @@ def _write_hf_part(
     directory: str,
     durable: bool,
     advance: Any,
-    threads: int | None = None,
-    segment: int | None = None,
+    threads: int,
+    segment: int,
 ) -> list[tuple[str, str, int, int, int]]:
     """Write this rank's chunks into the shared HF files; return (component, name,
     byte start within the tensor, crc32c, length) for every contiguous run written."""
