@@ -122,12 +122,23 @@ def _data_start(directory, key):
 
 
 class _CountingNative:
-    """The extension with its ``copy_cached`` counted: (calls, pieces it copied)."""
+    """The extension with its ``copy_cached`` counted: (calls, pieces it copied), and its
+    ``pread_direct`` calls counted (bytes each read), or failing with ``direct_errno``."""
 
-    def __init__(self, module):
+    def __init__(self, module, direct_errno=None):
         self._module = module
         self.calls = self.copied = 0
         self.prefixes: list[int] = []
+        self.direct: list[int] = []
+        self.direct_errno = direct_errno
+
+    def pread_direct(self, fd, buffer, offset, bounce, check):
+        if self.direct_errno is not None:
+            self.direct.append(0)
+            raise OSError(self.direct_errno, os.strerror(self.direct_errno))
+        done = self._module.pread_direct(fd, buffer, offset, bounce, check)
+        self.direct.append(done[0])
+        return done
 
     def __getattr__(self, name):
         return getattr(self._module, name)
@@ -279,3 +290,156 @@ def test_write_segments_end_on_multiples_of_the_segment_in_the_file(monkeypatch)
     crc = transfer._write_segments(-1, data, 100, 4096)
     assert calls == [(100, 3996), (4096, 4096), (8192, 1908)]
     assert crc == reference.crc32c(bytes(data))
+
+
+def _direct_fd(path):
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except (OSError, AttributeError) as exc:
+        pytest.skip(f"the file system under {path} refuses O_DIRECT here: {exc}")
+
+
+def _evict(path):
+    """Drop ``path`` from the page cache (clean pages only, hence the fsync), as after a reboot."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@needs_native
+def test_pread_direct_reads_any_alignment_and_reports_the_end_of_file(tmp_path):
+    import mmap
+
+    rng = random.Random(8)
+    data = rng.randbytes((3 << 20) + 4321)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    fd = _direct_fd(path)
+    try:
+        small = memoryview(mmap.mmap(-1, 4096))  # one block per request: many requests
+        large = memoryview(mmap.mmap(-1, 1 << 20))
+        offsets = [0, 1, 511, 512, 4095, 4096, 4097]
+        lengths = [1, 511, 4096, 4097, 65_543, (1 << 20) + 3]
+        cases = [(o, n) for o in offsets for n in lengths]
+        cases += [(rng.randrange(len(data)), rng.randrange(1, 2 << 20)) for _ in range(30)]
+        cases.append((0, len(data)))
+        for offset, length in cases:
+            shift = rng.randrange(128)  # the destination at every alignment
+            dest = bytearray(shift + length + 64)
+            view = memoryview(dest)[shift : shift + length]
+            bounce = rng.choice([small, large])
+            got, crc = native.pread_direct(fd, view, offset, bounce, True)
+            expected = data[offset : offset + length]  # shorter past the end of the file
+            assert got == len(expected) and crc == reference.crc32c(expected), (offset, length, shift)
+            assert bytes(view[:got]) == expected
+            assert not any(dest[:shift]) and not any(dest[shift + got :]), "wrote outside"
+        assert native.pread_direct(fd, bytearray(10), 5, large, False) == (10, 0)
+        assert native.pread_direct(fd, bytearray(10), len(data) + 5, large, True) == (0, 0)
+        for bad in (small[1:], memoryview(bytearray(0)), large[:1000]):
+            with pytest.raises(ValueError, match="multiples of 4096"):
+                native.pread_direct(fd, bytearray(10), 0, bad, True)
+        with pytest.raises(ValueError, match="offset"):
+            native.pread_direct(fd, bytearray(10), -1, large, True)
+        with pytest.raises(TypeError):
+            native.pread_direct(fd, bytes(10), 0, large, True)  # not writable
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError) as err:
+        native.pread_direct(fd, bytearray(10), 0, large, True)  # closed
+    assert err.value.errno == errno.EBADF
+
+
+@needs_native
+@pytest.mark.parametrize("cached_copy", ["1", "0"])
+def test_cold_loads_go_past_the_page_cache_and_still_check_every_byte(tmp_path, monkeypatch, cached_copy):
+    """A file not in the page cache is read with O_DIRECT (found cold by the mapped copy, or
+    where that is off by a non-blocking probe); a cached one never is; damage is caught."""
+    monkeypatch.setenv("SHARDPOINT_CACHED_COPY", cached_copy)
+    monkeypatch.setenv("SHARDPOINT_DIRECT_READS", "1")
+    gen = torch.Generator().manual_seed(9)
+    state = {"big": torch.randn(3_000_001, generator=gen), "small": torch.randn(1000, generator=gen)}
+    out = tmp_path / "ckpt"
+    sp.save(state, out)
+    (f,) = out.glob("*.safetensors")
+    _direct_fd(f)  # skips where O_DIRECT is refused
+    counting = _CountingNative(native)
+    monkeypatch.setattr(transfer, "_native", counting)
+
+    loaded = sp.load(out)  # just written: in the page cache
+    assert torch.equal(loaded["big"], state["big"]) and counting.direct == []
+
+    _evict(f)
+    loaded = sp.load(out)
+    assert torch.equal(loaded["big"], state["big"]) and torch.equal(loaded["small"], state["small"])
+    if cached_copy == "1":  # the mapped copy found the first window not wholly cached
+        assert counting.direct == [3_000_001 * 4], "the cold tensor came through O_DIRECT"
+    else:  # the part reading the header pulled into the cache is copied from it, no more
+        (direct,) = counting.direct
+        assert 3_000_001 * 4 - (1 << 20) < direct <= 3_000_001 * 4
+
+    monkeypatch.delenv("SHARDPOINT_DIRECT_READS")  # off by default
+    counting.direct.clear()
+    _evict(f)
+    assert torch.equal(sp.load(out)["big"], state["big"]) and counting.direct == []
+    monkeypatch.setenv("SHARDPOINT_DIRECT_READS", "1")
+
+    _, start = _data_start(out, "big")
+    blob = bytearray(f.read_bytes())
+    blob[start + 7_777_777] ^= 0x10
+    f.write_bytes(bytes(blob))
+    _evict(f)
+    with pytest.raises(ChecksumMismatchError, match=f"{f.name}.*'big'"):
+        sp.load(out, keys=["big"])
+    f.write_bytes(bytes(blob[: start + (5 << 20) + 3]))
+    _evict(f)
+    with pytest.raises(CorruptCheckpointError, match=f"{f.name} is {start + (5 << 20) + 3} bytes"):
+        sp.load(out, keys=["big"], verify=False)
+
+
+@needs_native
+def test_cached_prefix_counts_resident_bytes_up_to_the_first_page_that_is_not(tmp_path):
+    page = os.sysconf("SC_PAGESIZE")
+    path = tmp_path / "f.bin"
+    path.write_bytes(random.Random(11).randbytes(40 * page + 123))
+    _evict(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.path.getsize(path)
+        assert native.cached_prefix(fd, 0, size) == 0
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: exactly the pages read
+        os.pread(fd, 3 * page, 2 * page)  # pages 2, 3, 4
+        assert native.cached_prefix(fd, 2 * page, size - 2 * page) == 3 * page
+        assert native.cached_prefix(fd, 2 * page + 100, size) == 0  # runs past the end
+        assert native.cached_prefix(fd, 2 * page + 100, 10 * page) == 3 * page - 100
+        assert native.cached_prefix(fd, 3 * page, 5) == 5
+        assert native.cached_prefix(fd, 0, 10 * page) == 0
+        assert native.cached_prefix(fd, 5, 0) == 0
+        with pytest.raises(ValueError, match="offset"):
+            native.cached_prefix(fd, -1, 5)
+    finally:
+        os.close(fd)
+
+
+@needs_native
+def test_a_file_system_refusing_direct_reads_is_read_through_the_page_cache(tmp_path, monkeypatch):
+    tensor = torch.randn(5_000_000, generator=torch.Generator().manual_seed(10))  # 20 MB: one piece
+    out = tmp_path / "ckpt"
+    sp.save({"t": tensor}, out)
+    (f,) = out.glob("*.safetensors")
+    _evict(f)
+    refusing = _CountingNative(native, direct_errno=errno.EINVAL)
+    monkeypatch.setattr(transfer, "PIECE_BYTES", 4 << 20)  # 5 pieces of the one file
+    monkeypatch.setattr(transfer, "_native", refusing)
+    monkeypatch.setenv("SHARDPOINT_READ_THREADS", "1")
+    monkeypatch.setenv("SHARDPOINT_DIRECT_READS", "1")
+    assert torch.equal(sp.load(out)["t"], tensor)
+    assert refusing.direct == [0], "refused once, then that file is read as usual"
+    # Any other error is the disk's: it is raised, naming the file.
+    _evict(f)
+    monkeypatch.setattr(transfer, "_native", _CountingNative(native, direct_errno=errno.EIO))
+    with pytest.raises(OSError, match=f.name) as err:
+        sp.load(out)
+    assert err.value.errno == errno.EIO
