@@ -20,45 +20,112 @@ from dataclasses import dataclass, field
 
 # ------------------------------------------------------------------- the VM's memory
 
-PAGE_REPORTING_MIN_FREE = "/sys/module/page_reporting/parameters/min_free_ms"
-HELD_MS = 30_000
+PAGE_REPORTING = "/sys/module/page_reporting/parameters"
+HELD_MS = 300_000
+"""The longest hold this kernel accepts (5 min; 600 000 is refused): longer than one
+interleaved section, each of which starts by touching the free memory again."""
+
+HOLDING_ENV = "SP_BENCH_MEMORY_HELD"
+"""Set while a hold is in force (then :func:`refresh_free_memory` touches the free memory),
+in the environment so that spawned ranks see it too."""
+
+
+def _parameter(name: str, value: str | None = None) -> str:
+    """Read (and with ``value``, then set) one of the kernel's page reporting parameters."""
+    path = os.path.join(PAGE_REPORTING, name)
+    with open(path) as f:
+        old = f.read().strip()
+    if value is not None:
+        with open(path, "w") as f:
+            f.write(f"{value}\n")
+    return old
+
+
+def _meminfo_kib(field_name: str) -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])
+    raise KeyError(field_name)
+
+
+def refresh_free_memory() -> None:
+    """While a hold is in force, touch the free memory again (see :func:`freed_memory_held`):
+    every interleaved section starts so, whatever happened to the memory before it."""
+    if os.environ.get(HOLDING_ENV) == "1":
+        fault_in_free_memory()
+
+
+def fault_in_free_memory(spare_bytes: int = 1 << 30) -> tuple[int, float]:
+    """Touch all free memory but ``spare_bytes`` once and free it again; return (bytes, seconds).
+
+    Memory this VM reported to its host before the run is slow the first time it is touched
+    again; done here, no timed call pays for it.
+    """
+    import ctypes
+    import mmap
+
+    nbytes = max(0, _meminfo_kib("MemFree") * 1024 - spare_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if nbytes == 0:
+        return 0, 0.0
+    started = time.perf_counter()
+    block = mmap.mmap(-1, nbytes)
+    try:
+        ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(block)), 1, nbytes)
+    finally:
+        block.close()
+    return nbytes, time.perf_counter() - started
 
 
 @contextmanager
 def freed_memory_held(enabled: bool = True, hold_ms: int = HELD_MS) -> Iterator[str]:
-    """Keep memory the guest frees out of the host's hands for ``hold_ms``, for the run.
+    """Keep the guest's free memory out of the host's hands for the run.
 
-    These Firecracker VMs report free memory to the host (free page reporting; this
-    kernel's ``page_reporting.min_free_ms`` is how long a page must have been free first,
-    0 by default), and touching reported memory again faults on the host. A benchmark
-    call that writes right after the previous output was deleted then gets fresh memory
-    or reported memory depending on whether the reporter ran in between: 4 ranks of
-    ``sp.save`` spent 0.10-0.14 s of system time per rank in the first case and 0.7-1.0 s
-    in the second, for the same 0.48 GB each (2026-11-24), and every peer swung so. With a
-    hold, memory freed a moment ago is still the guest's when the next call writes, as on
-    a machine without a hypervisor taking memory back; the old value is put back at the
-    end. Yields a line for the run's header. Needs root and this kernel's parameter;
+    These Firecracker VMs report free memory to the host (free page reporting), and
+    touching reported memory again faults on the host. A benchmark call that writes right
+    after the previous output was deleted then gets fresh memory or reported memory
+    depending on whether the reporter ran in between: 4 ranks of ``sp.save`` spent
+    0.10-0.14 s of system time per rank in the first case and 0.7-1.0 s in the second, for
+    the same 0.48 GB each (2026-11-24), and every peer swung so. This kernel reports a page
+    once it has been free ``page_reporting.min_free_ms`` (0 by default), or as soon as more
+    than ``max_waiting_mib`` (1024) is waiting: with only the first raised to 30 s, 3 GB of
+    freed page cache was still reported within 2 s, and after 30 s with both raised. So for
+    the run both are raised (the hold to 5 minutes, the cap to the machine's RAM), all free
+    memory is touched once first (:func:`fault_in_free_memory`), and the old values are put
+    back at the end: memory then behaves as on a machine without a hypervisor taking it
+    back. The hold lasts at most 5 minutes here, so each interleaved section touches the
+    free memory again first (:func:`refresh_free_memory`). Yields a line for the run's header. Needs root and this kernel's parameters;
     otherwise it changes nothing and says so.
     """
     if not enabled:
         yield "freed VM memory: left as it is (--vm-memory-as-is)"
         return
+    cap_mib = str(_meminfo_kib("MemTotal") // 1024)
     try:
-        with open(PAGE_REPORTING_MIN_FREE) as f:
-            before = f.read().strip()
-        with open(PAGE_REPORTING_MIN_FREE, "w") as f:
-            f.write(f"{hold_ms}\n")
+        before_ms = _parameter("min_free_ms", str(hold_ms))
     except OSError:
         yield "freed VM memory: no page_reporting.min_free_ms to set (not this VM, or not root)"
         return
     try:
-        yield (
-            f"freed VM memory: held {hold_ms / 1000:.0f} s before the host may take it back "
-            f"(page_reporting.min_free_ms {before} -> {hold_ms} for this run; --vm-memory-as-is to leave it)"
-        )
+        try:
+            before_cap = _parameter("max_waiting_mib", cap_mib)
+        except OSError:
+            before_cap = None
+        try:
+            os.environ[HOLDING_ENV] = "1"
+            touched, seconds = fault_in_free_memory()
+            cap = "" if before_cap is None else f", max_waiting_mib {before_cap} -> {cap_mib}"
+            yield (
+                f"freed VM memory: kept from the host for the run (page_reporting.min_free_ms "
+                f"{before_ms} -> {hold_ms}{cap}), {touched / 1e9:.1f} GB of free memory touched "
+                f"first ({seconds:.1f} s); --vm-memory-as-is to leave it"
+            )
+        finally:
+            os.environ.pop(HOLDING_ENV, None)
+            if before_cap is not None:
+                _parameter("max_waiting_mib", before_cap)
     finally:
-        with open(PAGE_REPORTING_MIN_FREE, "w") as f:
-            f.write(f"{before}\n")
+        _parameter("min_free_ms", before_ms)
 
 
 # ------------------------------------------------------------------- files and caches
@@ -273,6 +340,7 @@ def run_interleaved(
     """
     result = SectionResult(name, nbytes, {c.key: c.label for c in cases})
     result.baseline = cases[0].key
+    refresh_free_memory()
     for round_no in range(rounds + 1):
         warmup = round_no == 0
         round_started = time.perf_counter()

@@ -48,7 +48,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from _common import can_drop_caches, drop_caches, files_under, freed_memory_held, remove
+from _common import (
+    can_drop_caches,
+    drop_caches,
+    files_under,
+    freed_memory_held,
+    refresh_free_memory,
+    remove,
+)
 
 # ----------------------------------------------------------------------------- the state
 
@@ -194,6 +201,9 @@ class Ranks:
         self, name: str, cases: list[Case], rounds: int, cold_paths: list[str] | None = None
     ) -> dict[str, list[float]]:
         times: dict[str, list[float]] = {c.key: [] for c in cases}
+        self.dist.barrier()
+        if self.rank == 0:
+            refresh_free_memory()
         for round_no in range(rounds + 1):
             parts = []
             shift = round_no % len(cases)  # each round starts one case later: A B C, B C A, ...
@@ -706,7 +716,7 @@ def main() -> None:
         "--vm-memory-as-is",
         action="store_true",
         help="leave this VM's free page reporting as it is (by default freed memory is held "
-        "in the guest for 30 s during the run; see freed_memory_held in _common.py)",
+        "in the guest during the run; see freed_memory_held in _common.py)",
     )
     args = parser.parse_args()
     if args.quick:

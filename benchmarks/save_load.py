@@ -588,7 +588,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--vm-memory-as-is",
         action="store_true",
         help="leave this VM's free page reporting as it is (by default freed memory is held "
-        "in the guest for 30 s during the run; see freed_memory_held in _common.py)",
+        "in the guest during the run; see freed_memory_held in _common.py)",
     )
     parser.add_argument(
         "--sections",

@@ -623,8 +623,36 @@ def threads_worker(rank: int, world: int, root: str) -> None:
     # and write in the collective save's segments (256 KiB), not the single-process 2 MiB
     assert segments == [256 << 10, 256 << 10], f"rank {rank}: segments {segments}"
 
+    # A collective load reads with this machine's share too.
+    import torch.distributed as dist
 
-def test_ranks_sharing_a_machine_split_its_writer_threads_and_write_small_segments(tmp_path: Path) -> None:
+    import shardpoint._read as reading
+
+    asked_read: list[int] = []
+    ran_with: list[int | None] = []
+    real_threads, real_reads = reading.reader_threads, reading.run_reads
+
+    def recording_read(ranks_here: int = 1) -> int:
+        asked_read.append(ranks_here)
+        return real_threads(ranks_here)
+
+    def reads(*args: Any, **kwargs: Any) -> Any:
+        ran_with.append(kwargs.get("threads"))
+        return real_reads(*args, **kwargs)
+
+    reading.reader_threads = recording_read  # type: ignore[assignment]
+    reading.run_reads = reads  # type: ignore[assignment]
+    try:
+        target = parallelize(Net(), "fsdp2", world)
+        assert sp.load_into(target, Path(root) / "chunked", process_group=dist.group.WORLD).ok
+    finally:
+        reading.reader_threads = real_threads  # type: ignore[assignment]
+        reading.run_reads = real_reads  # type: ignore[assignment]
+    assert asked_read == [world], f"rank {rank}: reader_threads asked for {asked_read}"
+    assert ran_with == [real_threads(world)], f"rank {rank}: reads ran with {ran_with}"
+
+
+def test_ranks_sharing_a_machine_split_its_reader_and_writer_threads_and_write_small_segments(tmp_path: Path) -> None:
     from shardpoint._verify import verify_checkpoint
 
     run_ranks(threads_worker, 3, str(tmp_path), timeout=120)

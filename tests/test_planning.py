@@ -91,6 +91,29 @@ def test_writer_threads_follow_this_process_share_of_the_cpus(
 
 
 @pytest.mark.parametrize(
+    ("machine", "pinned_to", "ranks_here", "expected"),
+    [
+        (8, 8, 1, 4),  # one process: up to 4
+        (2, 2, 1, 4),  # twice the cores: cold reads wait on the disk
+        (2, 2, 2, 2),  # 2 ranks on 2 cores: 2 each
+        (2, 2, 4, 2),  # 4 ranks on 2 cores: never fewer than 2
+        (64, 1, 8, 2),  # a rank pinned to 1 core: twice that
+    ],
+)
+def test_reader_threads_follow_this_process_share_of_the_cpus(
+    monkeypatch, machine, pinned_to, ranks_here, expected
+):
+    from shardpoint._io import transfer
+
+    monkeypatch.delenv("SHARDPOINT_READ_THREADS", raising=False)
+    monkeypatch.setattr(transfer.os, "cpu_count", lambda: machine)
+    monkeypatch.setattr(transfer, "_cpu_count", lambda: pinned_to)
+    assert transfer.reader_threads(ranks_here) == expected
+    monkeypatch.setenv("SHARDPOINT_READ_THREADS", "7")  # the knob, when set, wins
+    assert transfer.reader_threads(ranks_here) == 7
+
+
+@pytest.mark.parametrize(
     ("total_mib", "limit_mib", "threads", "expected_mib"),
     [
         (2048, 5120, 2, 1024),  # 1 rank, 2 writer threads: two files of ~1 GiB

@@ -35,8 +35,9 @@ class Knobs:
     """Threads writing data files concurrently (syscalls release the GIL). 0, the default:
     up to 4, but no more than this process's share of the CPUs (``writer_threads``)."""
     read_threads: int
-    """Threads reading tensors concurrently on load. More than the cores: on a cold read
-    each thread waits on the disk, and more requests in flight keep it busy."""
+    """Threads reading tensors concurrently on load. 0, the default: twice this process's
+    share of the CPUs, at least 2 and at most 4 (``reader_threads``). More than the cores:
+    on a cold read each thread waits on the disk, and more requests in flight keep it busy."""
     io_segment_bytes: int
     """Bytes moved per write/read syscall, crc32c computed on each segment just before it is
     written or just after it was read, while it is still in the CPU cache (L2), instead of a
@@ -95,7 +96,7 @@ def knobs() -> Knobs:
     """Read the knobs now (environment variables are consulted on every call)."""
     return Knobs(
         write_threads=_env_int("SHARDPOINT_WRITE_THREADS", 0),
-        read_threads=_env_int("SHARDPOINT_READ_THREADS", 4),
+        read_threads=_env_int("SHARDPOINT_READ_THREADS", 0),
         io_segment_bytes=_env_int("SHARDPOINT_IO_SEGMENT_BYTES", 2 << 20),
         collective_segment_bytes=_env_int("SHARDPOINT_COLLECTIVE_SEGMENT_BYTES", 256 << 10),
         cached_copy=_env_bool("SHARDPOINT_CACHED_COPY", True),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import mmap as _mmap
 import os
+import socket
 from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,7 @@ import torch
 from ._distributed.group import Group, local_chunk
 from ._flatten import WRAPPER_TYPES, tree_tensor_names, unflatten_state
 from ._format.manifest import ComponentRecord, TensorRecord
-from ._io.transfer import ReadTask, run_reads
+from ._io.transfer import ReadTask, reader_threads, run_reads
 from ._knobs import knobs
 from ._planning.chunks import byte_runs, intersect
 from ._prepare import storage_key
@@ -58,10 +59,14 @@ class LoadResult:
 class ReadBatch:
     """Collects reads from one checkpoint and runs them together on the I/O pool."""
 
-    def __init__(self, ckpt: Checkpoint, *, verify: bool, staging_bytes: int | None = None) -> None:
+    def __init__(
+        self, ckpt: Checkpoint, *, verify: bool, staging_bytes: int | None = None, threads: int | None = None
+    ) -> None:
         self.ckpt = ckpt
         self.verify = verify
         self.staging_bytes = staging_bytes
+        self.threads = threads
+        """Reader threads (default: ``reader_threads()``)."""
         self.tasks: list[ReadTask] = []
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -147,7 +152,7 @@ class ReadBatch:
             if self.ckpt.store is not None:
                 run_remote_reads(self.ckpt.store, self.tasks, advance=advance)
             else:
-                run_reads(self.tasks, advance=advance, staging_bytes=self.staging_bytes)
+                run_reads(self.tasks, threads=self.threads, advance=advance, staging_bytes=self.staging_bytes)
             for dest, temp in self._copies:
                 dest.copy_(temp)
 
@@ -590,10 +595,14 @@ def load_into(
         True
     """
     group = Group(process_group)
+    threads = None
+    if group.distributed:  # the ranks on this machine share its CPUs
+        host = socket.gethostname()
+        threads = reader_threads(group.all_gather(host).count(host))
     return group.phase(
         f"loading {os.fspath(path)}",
         lambda: _load_into(target, path, strict, progress, verify, allow_pickle, device, dtype, device_map,
-                           _buffer_size(max_buffer_bytes), storage_options),
+                           _buffer_size(max_buffer_bytes), storage_options, threads),
     )
 
 
@@ -609,6 +618,7 @@ def _load_into(
     device_map: Mapping[str, str | torch.device] | None,
     staging_bytes: int | None,
     storage_options: Mapping[str, Any] | None = None,
+    threads: int | None = None,
 ) -> LoadResult:
     path, pickled = route(path)
     if pickled is not None:
@@ -619,7 +629,7 @@ def _load_into(
             mismatch_message=_mismatch_message,
         )
     ckpt = open_checkpoint(path, storage_options)
-    batch = ReadBatch(ckpt, verify=resolve_verify(verify), staging_bytes=staging_bytes)
+    batch = ReadBatch(ckpt, verify=resolve_verify(verify), staging_bytes=staging_bytes, threads=threads)
     planner = _Planner(ckpt, batch, allow_pickle=allow_pickle)
     planner.device = torch.device(device)
     planner.dtype = dtype

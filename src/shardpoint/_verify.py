@@ -27,6 +27,7 @@ from ._format.dtypes import NAME_TO_DTYPE, itemsize
 from ._format.index import index_name, parse_index
 from ._format.manifest import MANIFEST_NAME, ChunkRef, Manifest
 from ._format.safetensors import SafetensorsHeader
+from ._io.transfer import reader_threads
 from ._knobs import knobs
 from ._progress import byte_progress
 from ._source import Checkpoint, _read_json_file, is_tmp, open_checkpoint
@@ -505,7 +506,7 @@ def _check_crcs(
                 for message in problems:
                     found.problem(fname, message)
 
-        threads = max(1, min(cfg.read_threads, len(per_file)))
+        threads = max(1, min(reader_threads(), len(per_file)))
         if threads == 1:
             for fname in per_file:
                 run(fname)
