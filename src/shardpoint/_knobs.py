@@ -53,7 +53,9 @@ class Knobs:
     slow mode (page cache allocated from memory the VM had already handed back to its host,
     5x the system time) in 3/8 and 6/8 saves against 2/8 with 256 KiB (medians 0.52 /
     1.31 s against 0.35 / 0.40 s for 1.94 GB), and a resumed job's load is cold, where the
-    folio size does not matter."""
+    folio size does not matter. With that memory held in the guest (no slow mode), 2 MiB
+    was still slower: ``sp.save`` took 1.33x / 1.48x plain's time with 2 / 4 ranks against
+    1.23x / 1.29x with 256 KiB (``benchmarks/distributed.py --gb 2 --rounds 5``, one run each)."""
     cached_copy: bool
     """Copy page-cache-resident pieces straight from the mapped cache with non-temporal
     stores and crc32c folded in (the C extension on x86-64 with AVX-512), instead of
