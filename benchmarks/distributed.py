@@ -11,8 +11,8 @@ barrier before every timed call; a call's time is the slowest rank's; medians):
   default) vs the limit with ``fsync``;
 * load into the same sharded targets, warm (page cache) and cold (caches dropped before
   every call, when root): ``sp.load_into`` vs ``dcp.load`` vs the limit: each rank
-  ``preadv``s its own bytes into a preallocated buffer (cold, also with ``O_DIRECT`` into
-  page-aligned memory: the disk's own speed, no page cache, no copy);
+  ``preadv``s its own bytes into a preallocated buffer (cold, also with ``O_DIRECT``, 2 MiB
+  requests into a reused page-aligned buffer: the disk's own speed, no page cache, no copy);
 
 then bytes written per rank for a DDP-replicated state (plain tensors, every rank holds
 all of them; shardpoint with ``process_group=WORLD``, DCP as is), and a resharded load:
@@ -32,7 +32,6 @@ import argparse
 import datetime
 import gc
 import math
-import mmap
 import multiprocessing as mp
 import os
 import platform
@@ -53,6 +52,7 @@ from _common import (
     drop_caches,
     files_under,
     freed_memory_held,
+    read_direct,
     refresh_free_memory,
     remove,
 )
@@ -272,23 +272,7 @@ def plain_write(path: str, state: dict[str, Any], *, durable: bool) -> None:
 
 
 DIRECT_READ_BYTES = 2 << 20
-
-
-def plain_direct_read(path: str, buffer: Any) -> None:
-    """This rank's file read past the page cache (``O_DIRECT``, 2 MiB requests) straight
-    into ``buffer``, page-aligned memory (an anonymous mmap): what the disk itself delivers
-    to one stream, with no page-cache allocation and no copy. Cold loads only."""
-    view = memoryview(buffer).cast("B")
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    try:
-        pos = 0
-        while pos < len(view):
-            n = os.preadv(fd, [view[pos : pos + DIRECT_READ_BYTES]], pos)
-            if n <= 0:
-                raise OSError(f"{path}: short read")
-            pos += n
-    finally:
-        os.close(fd)
+"""Request size of the O_DIRECT limit: this disk read fastest at 1-2 MiB (see transfer.py)."""
 
 
 def plain_read(path: str, buffer: Any) -> None:
@@ -422,16 +406,12 @@ def main_section(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, flo
     ]
     t_load = r.interleaved("load, warm", loads, args.rounds)
     t_cold = None
-    # Page-aligned and a whole number of 4 KiB blocks, as O_DIRECT wants (the file is padded).
-    aligned = mmap.mmap(-1, -(-mine // 4096) * 4096)
     direct = Case(
         "plain_direct",
         "plain O_DIRECT read of this rank's bytes (limit)",
-        lambda: plain_direct_read(plain, aligned),
+        lambda: read_direct(plain, streams=1, request_bytes=DIRECT_READ_BYTES),
     )
     if not args.no_cold:
-        with open(plain, "ab") as f:
-            f.truncate(len(aligned))
         t_cold = r.interleaved("load, cold", [*loads, direct], args.rounds, cold_paths=[d])
 
     labels_s = {c.key: c.label for c in saves}

@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import multiprocessing
 import os
 import platform
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -52,6 +50,7 @@ from _common import (
     fsync_tree,
     log_err,
     peak_rss,
+    read_direct,
     read_into_cache,
     remove,
     reset_peak_rss,
@@ -247,30 +246,7 @@ def load_disk_direct(model: StateDict, src: str) -> None:
     """The disk's own limit: plain.bin read with O_DIRECT (no page cache, no copy into
     ``model``), 4 streams of 64 MB requests into page-aligned buffers. Cold loads only."""
     del model
-    path = os.path.join(src, "plain.bin")
-    size = os.path.getsize(path)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-    buffers = [mmap.mmap(-1, PLAIN_PIECE_BYTES) for _ in range(DIRECT_STREAMS)]
-    free = list(buffers)
-    lock = threading.Lock()
-
-    def read(pos: int) -> None:
-        with lock:
-            buf = free.pop()
-        try:
-            if os.preadv(fd, [buf], pos) <= 0:
-                raise EOFError(f"plain.bin ends before byte {pos}")
-        finally:
-            with lock:
-                free.append(buf)
-
-    try:
-        with ThreadPoolExecutor(DIRECT_STREAMS) as pool:
-            list(pool.map(read, range(0, size, PLAIN_PIECE_BYTES)))
-    finally:
-        os.close(fd)
-        for buf in buffers:
-            buf.close()
+    read_direct(os.path.join(src, "plain.bin"), streams=DIRECT_STREAMS, request_bytes=PLAIN_PIECE_BYTES)
 
 
 def load_shardpoint(model: StateDict, src: str) -> None:

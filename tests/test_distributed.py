@@ -22,12 +22,13 @@ report them one cell at a time.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -594,62 +595,55 @@ def test_a_rank_failing_its_write_fails_the_save_on_every_rank(tmp_path: Path) -
         assert all(torch.equal(loaded[k], v) for k, v in expected.items()), name
 
 
+@contextlib.contextmanager
+def _recorded(module: Any, name: str, log: list[Any], what: Callable[..., Any]) -> Iterator[None]:
+    """Replace ``module.name`` by a wrapper that appends ``what(*args, **kwargs)`` to ``log``
+    and calls the real one."""
+    real = getattr(module, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        log.append(what(*args, **kwargs))
+        return real(*args, **kwargs)
+
+    setattr(module, name, wrapper)
+    try:
+        yield
+    finally:
+        setattr(module, name, real)
+
+
 def threads_worker(rank: int, world: int, root: str) -> None:
-    """Each rank writes with its share of this machine's CPUs: every rank here is on one host."""
+    """Each rank writes and reads with its share of this machine's CPUs: every rank here is
+    on one host."""
+    import torch.distributed as dist
+
+    import shardpoint._read as reading
     from shardpoint._distributed import save as collective
 
     asked: list[int] = []
     segments: list[int | None] = []
-    real, real_write = collective.writer_threads, collective.write_files
-
-    def recording(ranks_here: int = 1) -> int:
-        asked.append(ranks_here)
-        return real(ranks_here)
-
-    def writing(*args: Any, **kwargs: Any) -> Any:
-        segments.append(kwargs.get("segment"))
-        return real_write(*args, **kwargs)
-
-    collective.writer_threads = recording  # type: ignore[assignment]
-    collective.write_files = writing  # type: ignore[assignment]
-    try:
+    with (
+        _recorded(collective, "writer_threads", asked, lambda ranks_here=1: ranks_here),
+        _recorded(collective, "write_files", segments, lambda *a, **kw: kw.get("segment")),
+    ):
         model = parallelize(Net(), "fsdp2", world)
         for layout in ("chunked", "hf"):
             sp.save(model.state_dict(), Path(root) / layout, layout=layout)
-    finally:
-        collective.writer_threads = real  # type: ignore[assignment]
-        collective.write_files = real_write  # type: ignore[assignment]
     assert asked == [world, world], f"rank {rank}: writer_threads asked for {asked}"
     # and write in the collective save's segments (256 KiB), not the single-process 2 MiB
     assert segments == [256 << 10, 256 << 10], f"rank {rank}: segments {segments}"
 
     # A collective load reads with this machine's share too.
-    import torch.distributed as dist
-
-    import shardpoint._read as reading
-
     asked_read: list[int] = []
     ran_with: list[int | None] = []
-    real_threads, real_reads = reading.reader_threads, reading.run_reads
-
-    def recording_read(ranks_here: int = 1) -> int:
-        asked_read.append(ranks_here)
-        return real_threads(ranks_here)
-
-    def reads(*args: Any, **kwargs: Any) -> Any:
-        ran_with.append(kwargs.get("threads"))
-        return real_reads(*args, **kwargs)
-
-    reading.reader_threads = recording_read  # type: ignore[assignment]
-    reading.run_reads = reads  # type: ignore[assignment]
-    try:
+    with (
+        _recorded(reading, "reader_threads", asked_read, lambda ranks_here=1: ranks_here),
+        _recorded(reading, "run_reads", ran_with, lambda *a, **kw: kw.get("threads")),
+    ):
         target = parallelize(Net(), "fsdp2", world)
         assert sp.load_into(target, Path(root) / "chunked", process_group=dist.group.WORLD).ok
-    finally:
-        reading.reader_threads = real_threads  # type: ignore[assignment]
-        reading.run_reads = real_reads  # type: ignore[assignment]
     assert asked_read == [world], f"rank {rank}: reader_threads asked for {asked_read}"
-    assert ran_with == [real_threads(world)], f"rank {rank}: reads ran with {ran_with}"
+    assert ran_with == [reading.reader_threads(world)], f"rank {rank}: reads ran with {ran_with}"
 
 
 def test_ranks_sharing_a_machine_split_its_reader_and_writer_threads_and_write_small_segments(tmp_path: Path) -> None:

@@ -68,49 +68,33 @@ def test_more_holders_than_rows():
 
 
 @pytest.mark.parametrize(
-    ("machine", "pinned_to", "ranks_here", "expected"),
+    ("pool", "machine", "pinned_to", "ranks_here", "expected"),
     [
-        (8, 8, 1, 4),  # one process: up to 4
-        (2, 2, 1, 2),  # no more writers than cores
-        (8, 8, 4, 2),  # 4 ranks share 8 cores
-        (8, 8, 16, 1),  # never fewer than 1
-        (64, 3, 8, 3),  # a rank pinned to 3 cores: those are its share
+        ("writer", 8, 8, 1, 4),  # one process: up to 4
+        ("writer", 2, 2, 1, 2),  # no more writers than cores
+        ("writer", 8, 8, 4, 2),  # 4 ranks share 8 cores
+        ("writer", 8, 8, 16, 1),  # never fewer than 1
+        ("writer", 64, 3, 8, 3),  # a rank pinned to 3 cores: those are its share
+        ("reader", 8, 8, 1, 4),  # one process: up to 4
+        ("reader", 2, 2, 1, 4),  # twice the cores: cold reads wait on the disk
+        ("reader", 2, 2, 2, 2),  # 2 ranks on 2 cores: 2 each
+        ("reader", 2, 2, 4, 2),  # 4 ranks on 2 cores: never fewer than 2
+        ("reader", 64, 1, 8, 2),  # a rank pinned to 1 core: twice that
     ],
 )
-def test_writer_threads_follow_this_process_share_of_the_cpus(
-    monkeypatch, machine, pinned_to, ranks_here, expected
+def test_io_threads_follow_this_process_share_of_the_cpus(
+    monkeypatch, pool, machine, pinned_to, ranks_here, expected
 ):
     from shardpoint._io import transfer
 
-    monkeypatch.delenv("SHARDPOINT_WRITE_THREADS", raising=False)
+    threads = transfer.writer_threads if pool == "writer" else transfer.reader_threads
+    knob = "SHARDPOINT_WRITE_THREADS" if pool == "writer" else "SHARDPOINT_READ_THREADS"
+    monkeypatch.delenv(knob, raising=False)
     monkeypatch.setattr(transfer.os, "cpu_count", lambda: machine)
     monkeypatch.setattr(transfer, "_cpu_count", lambda: pinned_to)
-    assert transfer.writer_threads(ranks_here) == expected
-    monkeypatch.setenv("SHARDPOINT_WRITE_THREADS", "7")  # the knob, when set, wins
-    assert transfer.writer_threads(ranks_here) == 7
-
-
-@pytest.mark.parametrize(
-    ("machine", "pinned_to", "ranks_here", "expected"),
-    [
-        (8, 8, 1, 4),  # one process: up to 4
-        (2, 2, 1, 4),  # twice the cores: cold reads wait on the disk
-        (2, 2, 2, 2),  # 2 ranks on 2 cores: 2 each
-        (2, 2, 4, 2),  # 4 ranks on 2 cores: never fewer than 2
-        (64, 1, 8, 2),  # a rank pinned to 1 core: twice that
-    ],
-)
-def test_reader_threads_follow_this_process_share_of_the_cpus(
-    monkeypatch, machine, pinned_to, ranks_here, expected
-):
-    from shardpoint._io import transfer
-
-    monkeypatch.delenv("SHARDPOINT_READ_THREADS", raising=False)
-    monkeypatch.setattr(transfer.os, "cpu_count", lambda: machine)
-    monkeypatch.setattr(transfer, "_cpu_count", lambda: pinned_to)
-    assert transfer.reader_threads(ranks_here) == expected
-    monkeypatch.setenv("SHARDPOINT_READ_THREADS", "7")  # the knob, when set, wins
-    assert transfer.reader_threads(ranks_here) == 7
+    assert threads(ranks_here) == expected
+    monkeypatch.setenv(knob, "7")  # the knob, when set, wins
+    assert threads(ranks_here) == 7
 
 
 @pytest.mark.parametrize(
