@@ -91,12 +91,13 @@ def test_pread_into_reads_exactly_and_reports_the_end_of_file(tmp_path):
 
 
 @needs_native
-def test_pwrite_from_writes_everything_and_returns_its_crc(tmp_path):
-    data = random.Random(3).randbytes(777_777)
+@pytest.mark.parametrize("segment", [65_536, 1 << 20, 2 << 20])  # crc after / after / before the write
+def test_pwrite_from_writes_everything_and_returns_its_crc(tmp_path, segment):
+    data = random.Random(3).randbytes(3_333_333)
     path = tmp_path / "out.bin"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
-        crc = native.pwrite_from(fd, memoryview(data), 100, 65_536)
+        crc = native.pwrite_from(fd, memoryview(data), 100, segment)
     finally:
         os.close(fd)
     assert crc == reference.crc32c(data)
@@ -282,13 +283,20 @@ def test_copy_cached_copies_only_what_is_cached_and_the_caller_reads_the_rest(tm
     assert counting.calls == 1 and 0 < counting.prefixes[0] < tensor.numel() * 4
 
 
-def test_write_segments_end_on_multiples_of_the_segment_in_the_file(monkeypatch):
+@pytest.mark.parametrize(
+    ("size", "segment", "expected"),
+    [
+        (10_000, 4096, [(100, 3996), (4096, 4096), (8192, 1908)]),  # crc after each write
+        (5_000_000, 2 << 20, [(100, 2_097_052), (2_097_152, 2_097_152), (4_194_304, 805_796)]),
+    ],
+)
+def test_write_segments_end_on_multiples_of_the_segment_in_the_file(monkeypatch, size, segment, expected):
     """Aligned writes let the page cache keep large folios (see _knobs.io_segment_bytes)."""
     calls = []
     monkeypatch.setattr(transfer, "_pwrite_all", lambda fd, chunk, at: calls.append((at, len(chunk))))
-    data = memoryview(random.Random(8).randbytes(10_000))
-    crc = transfer._write_segments(-1, data, 100, 4096)
-    assert calls == [(100, 3996), (4096, 4096), (8192, 1908)]
+    data = memoryview(random.Random(8).randbytes(size))
+    crc = transfer._write_segments(-1, data, 100, segment)
+    assert calls == expected
     assert crc == reference.crc32c(bytes(data))
 
 
