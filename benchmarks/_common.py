@@ -231,6 +231,18 @@ def read_direct(path: str, *, streams: int, request_bytes: int) -> int:
             buf.close()
 
 
+def accepts_direct(directory: str) -> bool:
+    """Whether files in ``directory`` can be opened with ``O_DIRECT`` (tmpfs refuses it)."""
+    probe = os.path.join(directory, f".direct-probe-{os.getpid()}")
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    except (OSError, AttributeError):
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True
+
+
 def write_direct(path: str, nbytes: int, *, streams: int, request_bytes: int) -> int:
     """Write ``nbytes`` (rounded up to 4 KiB) to a new ``path`` past the page cache
     (``O_DIRECT``), then fsync it: ``streams`` threads, each request ``request_bytes`` from a
