@@ -8,6 +8,7 @@ plain physical limit taken in the same rounds.
 
 from __future__ import annotations
 
+import mmap
 import os
 import resource
 import shutil
@@ -63,7 +64,6 @@ def fault_in_free_memory(spare_bytes: int = 1 << 30) -> tuple[int, float]:
     again; done here, no timed call pays for it.
     """
     import ctypes
-    import mmap
 
     nbytes = max(0, _meminfo_kib("MemFree") * 1024 - spare_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
     if nbytes == 0:
@@ -196,43 +196,66 @@ def drop_caches(paths: Iterable[str] = ()) -> None:
             os.close(fd)
 
 
-def read_direct(path: str, *, streams: int, request_bytes: int) -> int:
-    """Read ``path`` past the page cache (``O_DIRECT``): ``streams`` threads, each request
-    ``request_bytes`` into a reused page-aligned buffer. What the disk itself delivers, with
-    no page cache and no copy (cold reads only: it fills nothing). Returns the bytes read."""
-    import mmap
+def _direct_requests(
+    end: int,
+    *,
+    streams: int,
+    request_bytes: int,
+    transfer: Callable[[mmap.mmap, int], int],
+    filled: bool = False,
+) -> int:
+    """``transfer(buffer, pos)`` for every ``request_bytes`` step of ``[0, end)``, on
+    ``streams`` threads, each request with a reused page-aligned buffer of the pool (``filled``:
+    touched and not zero first, for writes). Returns the sum of what the calls return."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    size = os.path.getsize(path)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
     buffers = [mmap.mmap(-1, request_bytes) for _ in range(streams)]
+    if filled:
+        for buf in buffers:
+            buf.write(b"\x5a" * request_bytes)
     free = list(buffers)
     lock = threading.Lock()
 
-    def read(pos: int) -> int:
+    def request(pos: int) -> int:
         with lock:
             buf = free.pop()
         try:
-            got = os.preadv(fd, [buf], pos)
-            if got <= 0:
-                raise EOFError(f"{path} ends before byte {pos}")
-            return got
+            return transfer(buf, pos)
         finally:
             with lock:
                 free.append(buf)
 
     try:
         with ThreadPoolExecutor(streams) as pool:
-            return sum(pool.map(read, range(0, size, request_bytes)))
+            return sum(pool.map(request, range(0, end, request_bytes)))
     finally:
-        os.close(fd)
         for buf in buffers:
             buf.close()
 
 
+def read_direct(path: str, *, streams: int, request_bytes: int) -> int:
+    """Read ``path`` past the page cache (``O_DIRECT``): ``streams`` threads, each request
+    ``request_bytes`` into a reused page-aligned buffer. What the disk itself delivers, with
+    no page cache and no copy (cold reads only: it fills nothing). Returns the bytes read."""
+
+    def read(buf: mmap.mmap, pos: int) -> int:
+        got = os.preadv(fd, [buf], pos)
+        if got <= 0:
+            raise EOFError(f"{path} ends before byte {pos}")
+        return got
+
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    try:
+        size = os.fstat(fd).st_size
+        return _direct_requests(size, streams=streams, request_bytes=request_bytes, transfer=read)
+    finally:
+        os.close(fd)
+
+
 def accepts_direct(directory: str) -> bool:
-    """Whether files in ``directory`` can be opened with ``O_DIRECT`` (tmpfs refuses it)."""
+    """Whether files in ``directory`` can be opened with ``O_DIRECT`` (not all file systems
+    take it: tmpfs before Linux 6.6, some network file systems)."""
     probe = os.path.join(directory, f".direct-probe-{os.getpid()}")
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
@@ -248,40 +271,24 @@ def write_direct(path: str, nbytes: int, *, streams: int, request_bytes: int) ->
     (``O_DIRECT``), then fsync it: ``streams`` threads, each request ``request_bytes`` from a
     reused page-aligned buffer. What the disk itself takes durably, with no page cache and
     no copy. Returns the bytes written."""
-    import mmap
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
     nbytes = -(-nbytes // 4096) * 4096
+
+    def write(buf: mmap.mmap, pos: int) -> int:
+        want = min(request_bytes, nbytes - pos)
+        put = os.pwrite(fd, memoryview(buf)[:want], pos)
+        if put != want:
+            raise OSError(f"{path}: short write at byte {pos}")
+        return put
+
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
-    buffers = [mmap.mmap(-1, request_bytes) for _ in range(streams)]
-    for buf in buffers:
-        buf.write(b"\x5a" * request_bytes)  # touched and not zero: nothing to elide
-    free = list(buffers)
-    lock = threading.Lock()
-
-    def write(pos: int) -> int:
-        with lock:
-            buf = free.pop()
-        try:
-            want = min(request_bytes, nbytes - pos)
-            put = os.pwrite(fd, memoryview(buf)[:want], pos)
-            if put != want:
-                raise OSError(f"{path}: short write at byte {pos}")
-            return put
-        finally:
-            with lock:
-                free.append(buf)
-
     try:
-        with ThreadPoolExecutor(streams) as pool:
-            written = sum(pool.map(write, range(0, nbytes, request_bytes)))
+        written = _direct_requests(
+            nbytes, streams=streams, request_bytes=request_bytes, transfer=write, filled=True
+        )
         os.fsync(fd)
         return written
     finally:
         os.close(fd)
-        for buf in buffers:
-            buf.close()
 
 
 def read_into_cache(paths: Iterable[str], buffer_bytes: int = 64 << 20) -> None:

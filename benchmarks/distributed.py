@@ -242,6 +242,11 @@ def median(times: dict[str, list[float]], key: str) -> float:
     return statistics.median(times[key])
 
 
+def disk_limit(times: dict[str, list[float]]) -> float:
+    """The faster of a section's limits: ``plain`` and, where it ran, ``plain_direct``."""
+    return min(median(times, k) for k in ("plain", "plain_direct") if k in times)
+
+
 # ----------------------------------------------------------------------------- the limit
 
 
@@ -389,7 +394,8 @@ def main_section(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, flo
             removing("dcp_durable"),
         ),
     ]
-    # The O_DIRECT limits, where the file system takes O_DIRECT (tmpfs does not).
+    # The O_DIRECT limits, where the file system takes O_DIRECT (not all do: tmpfs before
+    # Linux 6.6, some network file systems).
     direct_ok = accepts_direct(d)
     if direct_ok:
         durable_saves.append(
@@ -469,16 +475,14 @@ def main_section(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, flo
     results["save_durable"] = median(t_dsave, "dcp") / median(t_dsave, "sp")
     # A durable save ends at the disk too: what a save writing at the limit (the faster of a
     # buffered stream flushed as it goes and direct writes) would have scored.
-    limit = min(median(t_dsave, k) for k in ("plain", "plain_direct") if k in t_dsave)
-    results["bound_save_durable"] = median(t_dsave, "dcp") / limit
+    results["bound_save_durable"] = median(t_dsave, "dcp") / disk_limit(t_dsave)
     results["sp_vs_limit_durable"] = median(t_dsave, "sp") / median(t_dsave, "plain")
     results["load_warm"] = median(t_load, "dcp") / median(t_load, "sp")
     if t_cold is not None:
         results["load_cold"] = median(t_cold, "dcp") / median(t_cold, "sp")
         # The disk sets the pace of a cold load: what a load at the limit (the faster of a
         # buffered and a direct read) would have scored.
-        limit = min(median(t_cold, k) for k in ("plain", "plain_direct") if k in t_cold)
-        results["bound_load_cold"] = median(t_cold, "dcp") / limit
+        results["bound_load_cold"] = median(t_cold, "dcp") / disk_limit(t_cold)
     results["sp_vs_limit_save"] = median(t_save, "sp") / median(t_save, "plain")
     results["sp_vs_limit_load"] = median(t_load, "sp") / median(t_load, "plain")
 

@@ -338,7 +338,7 @@ def load_section(
 ) -> SectionResult:
     """Interleaved loads into ``model``; the warm-up round of a warm section checks the bytes."""
     cases = []
-    # The disk limit reads with O_DIRECT, where the file system takes it (tmpfs does not).
+    # The disk limit reads with O_DIRECT, where the file system takes it (see accepts_direct).
     direct = cold and accepts_direct(outputs["plain"])
     loaders = {**LOADERS, **COLD_LOADERS} if direct else LOADERS
     for key, (label, source, loader) in loaders.items():

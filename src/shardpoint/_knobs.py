@@ -39,9 +39,10 @@ class Knobs:
     share of the CPUs, at least 2 and at most 4 (``reader_threads``). More than the cores:
     on a cold read each thread waits on the disk, and more requests in flight keep it busy."""
     io_segment_bytes: int
-    """Bytes moved per write/read syscall, crc32c computed on each segment just before it is
-    written or just after it was read, while it is still in the CPU cache (L2), instead of a
-    second pass over memory. Writes end their segments on multiples of this in the file, so
+    """Bytes moved per write/read syscall, crc32c computed on each segment while it is in the
+    CPU cache (L2), instead of a second pass over memory: just after it was read; for writes,
+    just before (segments over 1 MiB) or just after (1 MiB or less, which the kernel's copy
+    leaves in L2; see ``_native.pwrite_from``). Writes end their segments on multiples of this in the file, so
     the page cache holds each as one aligned folio of this size: 2 MiB folios are mapped with
     huge pages, and a warm load of files written in 2 MiB segments took 0.17 s against 0.21 s
     for 256 KiB ones (2.14 GB, median of 5; the saves themselves were no slower, within the
