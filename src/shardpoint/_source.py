@@ -28,13 +28,13 @@ from ._format.names import check_file_name
 from ._format.safetensors import HeaderEntry, SafetensorsHeader, read_header, read_header_with
 from ._knobs import knobs
 from ._storage.local import TMP_MARKER
+from ._storage.paths import member_path
 from ._storage.remote import PENDING_NAME, RemoteStore, header_reader, resolve
 from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     MissingShardError,
-    UnsafePathError,
 )
 
 
@@ -72,14 +72,7 @@ class Checkpoint:
         check_file_name(name, where=self.location)
         if self.store is not None:
             return name
-        path = os.path.join(self.directory, name)
-        real_dir = os.path.realpath(self.directory)
-        real = os.path.realpath(path)
-        if os.path.dirname(real) != real_dir:
-            raise UnsafePathError(
-                f"{self.location}: {name!r} is a symlink that leaves the checkpoint directory "
-                f"(to {real}); refusing to read it"
-            )
+        path = member_path(self.directory, name, where=self.location)
         self._paths[name] = path
         return path
 

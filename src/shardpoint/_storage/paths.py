@@ -1,0 +1,76 @@
+"""The one rule for which files a checkpoint directory may name, whatever the format.
+
+A file named by an index, a manifest or a directory listing must be a plain basename
+(``_format.names.check_file_name``) and must resolve, after following symlinks, to a file
+directly inside the checkpoint directory. The single exception is the Hugging Face cache:
+in ``…/models--org--name/snapshots/<revision>/`` every file is a symlink to
+``../../blobs/<hash>``, and such a link is followed when it lands directly in the ``blobs``
+folder of the same cached repository. Anything else that leaves the directory is refused
+by name with :class:`~shardpoint.errors.UnsafePathError`.
+
+Safetensors, ``.bin`` shards and their indexes, DCP folders and the manager's control
+files all go through :func:`member_path`.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .._format.names import check_file_name
+from ..errors import UnsafePathError
+
+_CACHE_REPO_PREFIXES = ("models--", "datasets--", "spaces--")
+
+
+def cache_blobs_dir(real_directory: str) -> str | None:
+    """The ``blobs`` folder of the cached repository holding this snapshot directory.
+
+    ``real_directory`` is already resolved (``os.path.realpath``). Returns None unless it is
+    ``<repo>/snapshots/<revision>`` with ``<repo>`` named ``models--…`` (or ``datasets--…``,
+    ``spaces--…``), as ``huggingface_hub`` lays out its cache.
+
+    >>> cache_blobs_dir("/home/u/.cache/huggingface/hub/models--gpt2/snapshots/abc123")
+    '/home/u/.cache/huggingface/hub/models--gpt2/blobs'
+    >>> cache_blobs_dir("/data/ckpt/step-100") is None
+    True
+    """
+    snapshots, revision = os.path.split(real_directory)
+    repo, middle = os.path.split(snapshots)
+    if middle != "snapshots" or not revision:
+        return None
+    if not os.path.basename(repo).startswith(_CACHE_REPO_PREFIXES):
+        return None
+    return os.path.join(repo, "blobs")
+
+
+def member_path(directory: str, name: str, *, where: str) -> str:
+    """The path to open for file ``name`` of the checkpoint in ``directory``.
+
+    Args:
+        directory: the checkpoint directory as the user named it.
+        name: a file name read from an index, a manifest or a listing (untrusted).
+        where: how errors name the checkpoint (the path the user gave).
+
+    Returns:
+        ``os.path.join(directory, name)``, once the name and its symlink target are
+        known to stay inside the directory (or inside the cached repository's ``blobs``).
+
+    Raises:
+        UnsafePathError: the name is not a plain basename, or it is a symlink whose
+            target leaves the directory (and is not a blob of the same cached repository).
+    """
+    check_file_name(name, where=where)
+    path = os.path.join(directory, name)
+    real_dir = os.path.realpath(directory)
+    real = os.path.realpath(path)
+    parent = os.path.dirname(real)
+    if parent == real_dir:
+        return path
+    blobs = cache_blobs_dir(real_dir)
+    if blobs is not None and parent == blobs:
+        return path
+    raise UnsafePathError(
+        f"{where}: {name!r} is a symlink that leaves the checkpoint directory (to {real}); "
+        "refusing to read it. Only links inside the directory, or into the same Hugging Face "
+        "cache repository's blobs/, are followed; copy the file into the directory instead"
+    )
