@@ -6,6 +6,7 @@ data, so ``strict=True`` can refuse a mismatch before a single byte of the targe
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap as _mmap
 import os
@@ -32,6 +33,7 @@ from ._storage.remote import run_remote_reads
 from .errors import (
     CheckpointError,
     CorruptCheckpointError,
+    InsufficientMemoryError,
     InvalidSizeError,
     InvalidStateError,
     LoadMismatchError,
@@ -110,6 +112,7 @@ class ReadBatch:
             item = entry.dtype.itemsize
             name = self.ckpt.location if self.ckpt.kind == "hf-file" else os.path.join(self.ckpt.location, chunk.file)
             path = self.ckpt.file_path(chunk.file)
+            fd = self.ckpt.fd(chunk.file) if self.ckpt.store is None else -1
             pos = 0
             for start, length in byte_runs(chunk.shape, relative, box_shape, item):
                 count = length // item
@@ -123,6 +126,7 @@ class ReadBatch:
                         stored_dtype=entry.dtype,
                         crc32c=chunk.crc32c if (whole and self.verify) else None,
                         label=label,
+                        fd=fd,
                     )
                 )
                 pos += count
@@ -137,11 +141,24 @@ class ReadBatch:
     def planned_bytes(self) -> int:
         return sum(t.nbytes for t in self.tasks)
 
+    def check(self, record: TensorRecord, label: str) -> int:
+        """Check every chunk of ``record`` against its file's header; return the stored bytes.
+
+        Each chunk must be an entry of its file's header (validated against the file's real
+        size) with the manifest's dtype and shape, and the manifest gives each (file, key) to
+        one chunk only: so the tensors of a load never need more memory than its files hold.
+        """
+        return sum(self.ckpt.entry(chunk, record.dtype, label).nbytes for chunk in record.chunks)
+
     def new(self, record: TensorRecord, label: str, *, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
-        """A new tensor that will hold ``record`` once the batch has run."""
+        """A new tensor that will hold ``record`` once the batch has run.
+
+        Every chunk is checked against its file before the tensor is allocated.
+        """
+        self.check(record, label)
         stored = self.ckpt.entry(record.chunks[0], record.dtype, label).dtype
         want = dtype if (dtype is not None and stored.is_floating_point) else stored
-        dest = torch.empty(record.shape, dtype=want, device=device)
+        dest = allocate(record.shape, want, device, f"{self.ckpt.location}, tensor {label!r}")
         self.fill(record, dest, label)
         return dest
 
@@ -166,6 +183,66 @@ def _buffer_size(value: int | str | None) -> int | None:
     return size
 
 
+def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, what: str) -> torch.Tensor:
+    """``torch.empty``, with the allocator's refusal as an :class:`InsufficientMemoryError`."""
+    try:
+        return torch.empty(shape, dtype=dtype, device=device)
+    except (RuntimeError, MemoryError) as exc:
+        if "alloc" not in str(exc).lower() and "memory" not in str(exc).lower():
+            raise
+        nbytes = math.prod(shape) * dtype.itemsize
+        raise InsufficientMemoryError(
+            f"{what}: allocating {nbytes} bytes on {device} failed ({str(exc).splitlines()[0][:200]}); "
+            "free memory, or load fewer tensors at once (keys=..., mmap=True, or load_into a model "
+            "on the meta device with a device_map)"
+        ) from None
+
+
+def memory_limit() -> int | None:
+    """Bytes this process could allocate at most: RAM + swap, or its address-space limit."""
+    limits = []
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:]}
+        limits.append(info.get("MemTotal", 0) + info.get("SwapTotal", 0))
+    except (OSError, ValueError, IndexError):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            limits.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft != resource.RLIM_INFINITY:
+            limits.append(soft)
+    except (ImportError, OSError, ValueError):
+        pass
+    limits = [x for x in limits if x > 0]
+    return min(limits) if limits else None
+
+
+def check_memory(ckpt: Checkpoint, total: int, files: set[str]) -> None:
+    """Refuse, before the first allocation, a load needing more memory than the machine has.
+
+    ``total`` is already bounded by the bytes the files hold (every chunk is a header entry
+    inside its file); a sparse file may still declare far more than it occupies on disk.
+    """
+    limit = memory_limit()
+    if limit is None or total <= limit:
+        return
+    on_disk = ""
+    if ckpt.store is None:
+        blocks = 0
+        for name in files:
+            with contextlib.suppress(CheckpointError, OSError):
+                blocks += os.fstat(ckpt.fd(name)).st_blocks * 512
+        on_disk = f" (its files occupy {blocks} bytes on disk)"
+    raise InsufficientMemoryError(
+        f"{ckpt.location}: loading it needs {total} bytes of memory for its tensors{on_disk}, more "
+        f"than this machine has ({limit} bytes of RAM + swap); nothing was allocated. Load fewer "
+        "tensors (keys=...), mmap=True, or load_into a model on the meta device with a device_map"
+    )
+
+
 def resolve_verify(verify: bool | None) -> bool:
     return knobs().verify_checksums if verify is None else verify
 
@@ -182,8 +259,8 @@ def _mmap_tensor(ckpt: Checkpoint, record: TensorRecord, label: str, maps: dict[
         return torch.empty(entry.shape, dtype=entry.dtype)
     mm = maps.get(chunk.file)
     if mm is None:
-        with open(ckpt.file_path(chunk.file), "rb") as f:
-            mm = maps[chunk.file] = _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_COPY)
+        # Mapped from the descriptor the checkpoint holds: the version that was opened.
+        mm = maps[chunk.file] = _mmap.mmap(ckpt.fd(chunk.file), 0, access=_mmap.ACCESS_COPY)
     flat = torch.frombuffer(mm, dtype=torch.uint8, count=entry.nbytes, offset=entry.start)
     return flat.view(entry.dtype).reshape(entry.shape)
 
@@ -268,7 +345,21 @@ def load(
         if mmap:
             raise CheckpointError(f"{os.fspath(path)} holds .bin (torch.save) weights; mmap=True needs safetensors")
         return load_pickled(path, pickled, keys=keys, device=torch.device(device), dtype=dtype)
-    ckpt = open_checkpoint(path, storage_options)
+    with open_checkpoint(path, storage_options) as ckpt:
+        return _load(ckpt, keys, device, dtype, mmap, progress, verify, allow_pickle, max_buffer_bytes)
+
+
+def _load(
+    ckpt: Checkpoint,
+    keys: Sequence[str] | None,
+    device: str | torch.device,
+    dtype: torch.dtype | None,
+    mmap: bool,
+    progress: bool | None,
+    verify: bool | None,
+    allow_pickle: bool,
+    max_buffer_bytes: int | str | None,
+) -> Any:
     if mmap and ckpt.store is not None:
         raise CheckpointError(f"{ckpt.location}: mmap=True needs local files; load it with mmap=False")
     device = torch.device(device)
@@ -276,6 +367,18 @@ def load(
     maps: dict[str, Any] = {}
     loaded: dict[str, dict[str, torch.Tensor]] = {}
     selection = _selection(ckpt, keys)
+    # Every chunk to read is checked against its file before the first allocation.
+    total = 0
+    files: set[str] = set()
+    for cname, names in selection.items():
+        comp = ckpt.components[cname]
+        stored_names = dict.fromkeys(comp.aliases.get(n, n) for n in (list(comp.tensors) if names is None else names))
+        for stored in stored_names:
+            record = comp.tensors[stored]
+            total += batch.check(record, stored)
+            files.update(c.file for c in record.chunks)
+    if not mmap and device.type == "cpu":
+        check_memory(ckpt, total, files)
     for cname, names in selection.items():
         comp = ckpt.components[cname]
         wanted = list(comp.tensors) if names is None else names
@@ -438,7 +541,8 @@ class _Planner:
                     device, dtype = self.placement(key, tensor)
                     if device.type == "meta":
                         continue  # the device map keeps it off this process
-                    new = torch.empty(tensor.shape, dtype=dtype, device=device)
+                    self.batch.check(record, stored)  # before allocating
+                    new = allocate(tuple(tensor.shape), dtype, device, f"{self.ckpt.location}, tensor {stored!r}")
                     self.batch.fill(record, new, stored)
                     value = (
                         torch.nn.Parameter(new, requires_grad=tensor.requires_grad)
@@ -628,7 +732,24 @@ def _load_into(
             assign=lambda m, k, v: None if _assign(m, k, v) else m.load_state_dict({k: v}, strict=False, assign=True),
             mismatch_message=_mismatch_message,
         )
-    ckpt = open_checkpoint(path, storage_options)
+    with open_checkpoint(path, storage_options) as ckpt:
+        return _load_into_checkpoint(target, ckpt, strict, progress, verify, allow_pickle, device, dtype,
+                                     device_map, staging_bytes, threads)
+
+
+def _load_into_checkpoint(
+    target: Any,
+    ckpt: Checkpoint,
+    strict: bool,
+    progress: bool | None,
+    verify: bool | None,
+    allow_pickle: bool,
+    device: str | torch.device,
+    dtype: torch.dtype | None,
+    device_map: Mapping[str, str | torch.device] | None,
+    staging_bytes: int | None,
+    threads: int | None,
+) -> LoadResult:
     batch = ReadBatch(ckpt, verify=resolve_verify(verify), staging_bytes=staging_bytes, threads=threads)
     planner = _Planner(ckpt, batch, allow_pickle=allow_pickle)
     planner.device = torch.device(device)

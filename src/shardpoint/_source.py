@@ -2,13 +2,29 @@
 
 Everything is validated before any tensor memory is allocated: the manifest or index,
 every file name (plain basenames that stay inside the directory), file sizes, and each
-file's safetensors header (read lazily, once, when a tensor of that file is needed).
+file's safetensors header (read once, when a tensor of that file is first needed).
+
+A local checkpoint is read as one snapshot. Saves replace a checkpoint by an atomic
+directory exchange (or move-aside + rename) and then delete the old directory, and a
+``CheckpointManager`` deletes retired steps; so :func:`open_checkpoint` opens the
+directory once (``O_DIRECTORY``) and, through that descriptor, the manifest or index and
+every data file it names, before any tensor byte is read. Every later read (headers,
+tensors, mmap, checksums) goes through those held descriptors: a load sees exactly the
+committed version it opened, whatever is saved to or deleted from the path meanwhile. If
+the directory is replaced or removed while it is being opened, the open starts over from
+the path (a few times); a checkpoint that is gone for good is reported as removed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import resource
+import stat
 import threading
+import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,16 +41,22 @@ from ._format.manifest import (
 )
 from ._format.names import check_file_name
 from ._format.safetensors import HeaderEntry, SafetensorsHeader, read_header, read_header_with
+from ._io.transfer import read_error
 from ._knobs import knobs
 from ._storage.local import TMP_MARKER
 from ._storage.paths import member_path, open_regular, read_small_file
 from ._storage.remote import PENDING_NAME, RemoteStore, header_reader, resolve
 from .errors import (
+    CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     MissingShardError,
+    StorageError,
 )
+
+OPEN_TRIES = 5
+"""How many times an open starts over when the directory is replaced while being opened."""
 
 
 @dataclass
@@ -59,6 +81,122 @@ class Checkpoint:
     _paths: dict[str, str] = field(default_factory=dict)
     """Data files already checked by ``file_path`` (name -> path)."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    dir_fd: int | None = None
+    """The directory, opened once (local checkpoints opened by :func:`open_checkpoint`);
+    every file is opened through it, so all reads see the version that was opened."""
+    names: list[str] | None = None
+    """The directory's listing, taken through ``dir_fd``."""
+    _fds: dict[str, int] = field(default_factory=dict)
+    """Data files opened (name -> descriptor), held until :meth:`close`."""
+    _open_errors: dict[str, BaseException] = field(default_factory=dict)
+    """Why a data file could not be opened (raised when the file is needed)."""
+    _finalizer: Any = None
+
+    def pin_directory(self) -> None:
+        """Open the directory once; every file is then opened through it (idempotent)."""
+        if self.dir_fd is not None or self.store is not None:
+            return
+        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        self._adopt(fd)
+
+    def _adopt(self, dir_fd: int) -> None:
+        self.dir_fd = dir_fd
+        self._finalizer = weakref.finalize(self, _close_all, self._fds, [dir_fd])
+
+    def close(self) -> None:
+        """Close the held descriptors (tensors already mapped from them stay valid)."""
+        if self._finalizer is not None:
+            self._finalizer()
+        else:
+            _close_all(self._fds, [])
+        self.dir_fd = None
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def fd(self, name: str) -> int:
+        """The held read-only descriptor of data file ``name`` (opened now if it was not).
+
+        Raises:
+            MissingShardError: the file is not in the opened directory.
+            CorruptCheckpointError: it is not a regular file.
+        """
+        with self._lock:
+            fd = self._fds.get(name)
+            error = self._open_errors.get(name)
+        if fd is not None:
+            return fd
+        if error is not None:
+            raise error
+        path = self.file_path(name)
+        where = self.file_label(name)
+        try:
+            fd = self._open_file(name, path, where)
+        except FileNotFoundError:
+            raise self._missing(name) from None
+        with self._lock:
+            if name in self._fds:  # another thread opened it meanwhile
+                os.close(fd)
+                return self._fds[name]
+            self._fds[name] = fd
+        return fd
+
+    def _open_file(self, name: str, path: str, where: str) -> int:
+        if self.dir_fd is None:
+            return _open_regular(path, where=where)
+        fd = os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0), dir_fd=self.dir_fd)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise CorruptCheckpointError(
+                f"{where} is not a regular file (a FIFO, device, socket or directory); "
+                "the checkpoint is damaged or forged"
+            )
+        return fd
+
+    def _missing(self, name: str) -> MissingShardError:
+        return MissingShardError(
+            f"{self.file_label(name)} is missing: the checkpoint lists it but it is not there; "
+            "the checkpoint is incomplete (copy the file back or load another checkpoint)"
+        )
+
+    def open_all(self, names: list[str]) -> None:
+        """Open every data file in ``names`` now, through the held directory.
+
+        A file that is absent is remembered and reported when it is needed, unless the
+        directory itself was replaced or removed meanwhile: then :class:`_Replaced` is
+        raised so that the whole open starts over.
+        """
+        _raise_nofile_limit(len(names) + 64)
+        for name in names:
+            if name in self._fds or name in self._open_errors:
+                continue
+            try:
+                self.fd(name)
+            except MissingShardError as exc:
+                if self.dir_fd is not None and _replaced(self.location, self.dir_fd):
+                    raise _Replaced from None
+                with self._lock:
+                    self._open_errors[name] = exc
+            except CheckpointError as exc:
+                with self._lock:
+                    self._open_errors[name] = exc
+            except OSError as exc:
+                if exc.errno == errno.EMFILE:
+                    raise StorageError(
+                        f"{self.location}: cannot hold its {len(names)} files open at once "
+                        f"({exc.strerror}); raise the open-files limit (ulimit -n) and load again"
+                    ) from None
+                with self._lock:
+                    self._open_errors[name] = read_error(exc, self.file_label(name), "opening")
+
+    def read_member(self, name: str, *, where: str) -> bytes:
+        """A small control file of the directory (an index), read through ``dir_fd``."""
+        if self.dir_fd is None:
+            return _read_json_file(os.path.join(self.directory, name), where=where)
+        return _read_json_at(self.dir_fd, name, where=where)
 
     def file_path(self, name: str) -> str:
         """Absolute path of a data file, refusing names or symlinks that leave the directory.
@@ -85,32 +223,28 @@ class Checkpoint:
             cached = self._headers.get(name)
         if cached is not None:
             return cached
-        path = self.file_path(name)
+        self.file_path(name)
         where = self.file_label(name)
         if self.store is not None:
             header = self._remote_header(name, where)
             with self._lock:
                 self._headers[name] = header
             return header
+        fd = self.fd(name)
+        size = os.fstat(fd).st_size
+        if self.manifest is not None:
+            expected = self.manifest.files.get(name)
+            if expected is not None and size != expected:
+                raise CorruptCheckpointError(
+                    f"{where} is {size} bytes but the manifest recorded {expected}; "
+                    "the file is truncated, padded or from another save"
+                )
         try:
-            fd = _open_regular(path, where=where)
-        except FileNotFoundError:
-            raise MissingShardError(
-                f"{where} is missing: the checkpoint lists it but it is not there; "
-                "the checkpoint is incomplete (copy the file back or load another checkpoint)"
-            ) from None
-        try:
-            size = os.fstat(fd).st_size
-            if self.manifest is not None:
-                expected = self.manifest.files.get(name)
-                if expected is not None and size != expected:
-                    raise CorruptCheckpointError(
-                        f"{where} is {size} bytes but the manifest recorded {expected}; "
-                        "the file is truncated, padded or from another save"
-                    )
             header = read_header(fd, size, name=where, max_header_bytes=knobs().max_header_bytes)
-        finally:
-            os.close(fd)
+        except CheckpointError:
+            raise
+        except OSError as exc:
+            raise read_error(exc, where, "reading the header of") from None
         self._check_save_id(header, where)
         with self._lock:
             self._headers[name] = header
@@ -177,12 +311,95 @@ def _read_json_file(path: str, *, where: str) -> bytes:
     return read_small_file(path, where=where, limit=knobs().max_json_bytes)
 
 
+def _read_json_at(dir_fd: int, name: str, *, where: str) -> bytes:
+    """A capped control file of the directory held open as ``dir_fd``."""
+    fd = os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0), dir_fd=dir_fd)
+    try:
+        return _read_capped(fd, where)
+    finally:
+        os.close(fd)
+
+
+def _read_capped(fd: int, where: str) -> bytes:
+    limit = knobs().max_json_bytes
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        raise CorruptCheckpointError(
+            f"{where} is not a regular file (a FIFO, device, socket or directory); "
+            "the checkpoint is damaged or forged"
+        )
+    size = os.fstat(fd).st_size
+    if size > limit:
+        raise CorruptCheckpointError(
+            f"{where} is {size} bytes, over the {limit}-byte limit for this kind of file; "
+            "refusing to read it (the file is damaged or forged)"
+        )
+    data = os.pread(fd, limit + 1, 0)
+    if len(data) > limit:
+        raise CorruptCheckpointError(f"{where} grew past the {limit}-byte limit while being read")
+    return data
+
+
+def _close_all(fds: dict[str, int], others: list[int]) -> None:
+    for fd in [*fds.values(), *others]:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    fds.clear()
+    others.clear()
+
+
+def _raise_nofile_limit(needed: int) -> None:
+    """Raise RLIMIT_NOFILE's soft limit toward the hard one when a load holds many files."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (OSError, ValueError):  # pragma: no cover - not POSIX
+        return
+    if soft == resource.RLIM_INFINITY or needed + 64 <= soft:
+        return
+    want = needed + 256 if hard == resource.RLIM_INFINITY else min(hard, needed + 256)
+    if want > soft:
+        with contextlib.suppress(OSError, ValueError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
+class _Replaced(Exception):
+    """The directory being opened was replaced or removed meanwhile: start over."""
+
+
+def _replaced(location: str, dir_fd: int) -> bool:
+    """Whether ``location`` no longer names the directory held as ``dir_fd``."""
+    held = os.fstat(dir_fd)
+    if held.st_nlink == 0:
+        return True  # removed (a retired step, the old version after an exchange)
+    try:
+        now = os.stat(location)
+    except OSError:
+        return True
+    return (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
+
+
+def _being_replaced(location: str) -> bool:
+    """Whether a save is moving a previous version of ``location`` aside right now."""
+    parent, base = os.path.split(os.path.normpath(location))
+    prefix = f".{base}{TMP_MARKER}"
+    try:
+        return any(n.startswith(prefix) for n in os.listdir(parent or "."))
+    except OSError:
+        return False
+
+
 def _from_headers(location: str, directory: str, kind: str, weight_map: dict[str, str] | None,
                   files: list[str], *, single_file: bool = False, store: RemoteStore | None = None,
                   sizes: dict[str, int] | None = None) -> Checkpoint:
     """A foreign HF checkpoint: one flat component ``model`` described by the headers."""
     ckpt = Checkpoint(location, directory, kind, {}, flat=True, single_file=single_file,
                       store=store, sizes=dict(sizes or {}))
+    return _fill_from_headers(ckpt, weight_map, files)
+
+
+def _fill_from_headers(ckpt: Checkpoint, weight_map: dict[str, str] | None, files: list[str]) -> Checkpoint:
+    """Describe a foreign HF checkpoint's one flat component ``model`` from its headers."""
+    location = ckpt.location
+    ckpt.flat = True
     tensors: dict[str, TensorRecord] = {}
     seen_in: dict[str, str] = {}
     for fname in files:
@@ -223,13 +440,39 @@ def open_checkpoint(
     path, store = resolve(path, storage_options)
     if store is not None:
         return _open_remote(store)
-    location = os.fspath(path)
+    return _open_local(os.fspath(path))
+
+
+def _open_local(location: str) -> Checkpoint:
+    """Open a local checkpoint as one snapshot, starting over if it is replaced meanwhile."""
     base = os.path.basename(os.path.normpath(location))
     if TMP_MARKER in base and base.startswith("."):
         raise IncompleteCheckpointError(
             f"{location} is the temporary directory of a save that never committed; "
             "it is not a checkpoint. Load the committed one beside it, or delete it"
         )
+    existed = False
+    for attempt in range(OPEN_TRIES):
+        if attempt:
+            time.sleep(0.005 * 2**attempt)
+        try:
+            ckpt = _open_local_once(location, retry=existed or attempt > 0)
+        except _Replaced:
+            existed = True
+            continue
+        return ckpt
+    if not os.path.lexists(location):
+        raise CheckpointNotFoundError(
+            f"{location} was removed (e.g. retired by a CheckpointManager's retention) while "
+            "being loaded; load a checkpoint that is still there"
+        )
+    raise StorageError(
+        f"{location} was replaced {OPEN_TRIES} times while being opened (saves to it follow "
+        "each other too fast to load a whole version); load it again, or load a fixed step"
+    )
+
+
+def _open_local_once(location: str, *, retry: bool) -> Checkpoint:
     if os.path.isfile(location):
         if not location.endswith(".safetensors"):
             raise CheckpointNotFoundError(
@@ -238,29 +481,82 @@ def open_checkpoint(
             )
         # The user named this file: follow it if it is a link (as in a Hugging Face cache).
         directory, name = os.path.split(os.path.realpath(location))
-        return _from_headers(location, directory, "hf-file", None, [name], single_file=True)
-    if not os.path.isdir(location):
-        raise CheckpointNotFoundError(f"{location} does not exist; nothing to load")
-    names = os.listdir(location)
+        ckpt = Checkpoint(location, directory, "hf-file", {}, flat=True, single_file=True)
+        try:
+            ckpt.pin_directory()
+            ckpt.open_all([name])
+        except BaseException:
+            ckpt.close()
+            raise
+        if name in ckpt._open_errors and isinstance(ckpt._open_errors[name], FileNotFoundError):
+            ckpt.close()
+            raise _Replaced  # replaced between the check and the open
+        return _fill_from_headers(ckpt, None, [name])
+    try:
+        dir_fd = os.open(location, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        if retry or _being_replaced(location):
+            raise _Replaced from None
+        raise CheckpointNotFoundError(f"{location} does not exist; nothing to load") from None
+    except NotADirectoryError:
+        raise CheckpointNotFoundError(f"{location} does not exist; nothing to load") from None
+    ckpt = Checkpoint(location, location, "shardpoint", {}, flat=True)
+    ckpt._adopt(dir_fd)
+    try:
+        return _fill_local(ckpt)
+    except BaseException:
+        ckpt.close()
+        raise
+
+
+def _fill_local(ckpt: Checkpoint) -> Checkpoint:
+    """Read the manifest or index through the held directory and open every data file."""
+    assert ckpt.dir_fd is not None
+    location = ckpt.location
+    names = os.listdir(ckpt.dir_fd)
+    ckpt.names = names
+
+    def control(name: str) -> bytes:
+        where = os.path.join(location, name)
+        try:
+            return _read_json_at(ckpt.dir_fd, name, where=where)  # type: ignore[arg-type]
+        except FileNotFoundError:
+            raise _Replaced from None  # listed a moment ago: the directory is being deleted
+        except CheckpointError:
+            raise
+        except OSError as exc:
+            raise read_error(exc, where, "reading") from None
+
     if MANIFEST_NAME in names:
         where = os.path.join(location, MANIFEST_NAME)
-        manifest = parse_manifest(_read_json_file(where, where=where), where=where)
-        return Checkpoint(
-            location, location, "shardpoint", manifest.components, manifest.flat, manifest
-        )
+        manifest = parse_manifest(control(MANIFEST_NAME), where=where)
+        ckpt.kind = "shardpoint"
+        ckpt.components = manifest.components
+        ckpt.flat = manifest.flat
+        ckpt.manifest = manifest
+        ckpt.open_all(list(manifest.files))
+        return ckpt
     indexes = sorted(n for n in names if n.endswith(".safetensors.index.json"))
     singles = sorted(n for n in names if n.endswith(".safetensors"))
     if "model.safetensors.index.json" in indexes:
         indexes = ["model.safetensors.index.json"]
     if "model.safetensors" in singles:
-        return _from_headers(location, location, "hf-file", None, ["model.safetensors"])
+        ckpt.kind = "hf-file"
+        ckpt.open_all(["model.safetensors"])
+        return _fill_from_headers(ckpt, None, ["model.safetensors"])
     if len(indexes) == 1:
         where = os.path.join(location, indexes[0])
-        index = parse_index(_read_json_file(where, where=where), where=where)
+        index = parse_index(control(indexes[0]), where=where)
         files = list(dict.fromkeys(index.weight_map.values()))
-        return _from_headers(location, location, "hf-index", index.weight_map, files)
+        ckpt.kind = "hf-index"
+        ckpt.open_all(files)
+        return _fill_from_headers(ckpt, index.weight_map, files)
     if len(singles) == 1:
-        return _from_headers(location, location, "hf-file", None, singles)
+        ckpt.kind = "hf-file"
+        ckpt.open_all(singles)
+        return _fill_from_headers(ckpt, None, singles)
+    if not names and _replaced(location, ckpt.dir_fd):
+        raise _Replaced  # emptied by a deletion in progress
     if any(is_tmp(n) for n in names) and not singles:
         raise CheckpointNotFoundError(
             f"{location} holds no committed checkpoint, only the temporary directory of a save "

@@ -30,7 +30,7 @@ from ._format.safetensors import SafetensorsHeader
 from ._io.transfer import reader_threads
 from ._knobs import knobs
 from ._progress import byte_progress
-from ._source import Checkpoint, _read_json_file, is_tmp, open_checkpoint
+from ._source import Checkpoint, is_tmp, open_checkpoint
 from ._storage.remote import PENDING_NAME, RemoteStore, resolve
 from .errors import CheckpointError, CheckpointNotFoundError
 
@@ -200,7 +200,7 @@ def _read_json(ckpt: Checkpoint, name: str, where: str) -> bytes:
     """An index of ``ckpt``, local or remote, size-capped."""
     if ckpt.store is not None:
         return ckpt.store.get(name, limit=knobs().max_json_bytes)
-    return _read_json_file(where, where=where)
+    return ckpt.read_member(name, where=where)
 
 
 def _verify_shardpoint(
@@ -224,6 +224,8 @@ def _verify_shardpoint(
         )
     manifest = ckpt.manifest
     assert manifest is not None
+    if ckpt.names is not None:
+        names = ckpt.names  # the listing of the version that was opened
     found = _Findings()
 
     # Which stored tensors each file must hold, in manifest order.
@@ -377,6 +379,10 @@ def _verify_foreign(
     ckpt = Checkpoint(location, directory, kind, {}, flat=True, store=store, sizes=dict(sizes or {}))
     # ``location`` is the data file itself: errors name it, not ``location/name``.
     ckpt.single_file = location != directory
+    try:
+        ckpt.pin_directory()  # the index and every file through one directory: one version
+    except OSError as exc:
+        return VerifyReport(location, kind, [f"{directory} cannot be opened: {exc}"], [], 0, 0, 0, False)
     weight_map: dict[str, str] | None = None
     if index is not None:
         where = os.path.join(location, index)
@@ -434,7 +440,7 @@ def _verify_foreign(
 
     if location == directory:
         accounted = set(files) | ({index} if index else set())
-        listing = sorted(ckpt.sizes) if store is not None else sorted(os.listdir(directory))
+        listing = sorted(ckpt.sizes) if store is not None else sorted(os.listdir(ckpt.dir_fd or directory))
         for name in listing:
             if name not in accounted and name.endswith((".safetensors", ".safetensors.index.json")):
                 found.warnings.append(
@@ -532,7 +538,8 @@ def _crc_file(
     if ckpt.store is not None:
         return _crc_object(ckpt.store, fname, where, items, advance=advance)
     try:
-        fd = os.open(ckpt.file_path(fname), os.O_RDONLY)
+        # The checkpoint's held descriptor (the version that was opened), duplicated.
+        fd = os.dup(ckpt.fd(fname))
     except (OSError, CheckpointError) as exc:
         return 0, [f"{where} cannot be read: {exc}"]
     try:

@@ -17,6 +17,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "InvalidStateError",
     "InvalidSizeError",
+    "InsufficientMemoryError",
     "LoadMismatchError",
     "MissingShardError",
     "StorageError",
@@ -60,9 +61,11 @@ class UnsafePathError(CorruptCheckpointError):
 
 class StorageError(CheckpointError, OSError):
     """A remote store (an fsspec URL such as ``s3://``) failed: after the bounded retries of
-    a transient error, or at once for a permanent one (access denied, no such bucket).
+    a transient error, or at once for a permanent one (access denied, no such bucket); or a
+    local read failed (EIO from the disk: ``errno`` is the kernel's), or a checkpoint kept
+    being replaced while it was opened.
 
-    The message names the object and the operation.
+    The message names the object or file and the operation.
     """
 
 
@@ -72,6 +75,11 @@ class UnsupportedFormatError(CheckpointError, ValueError):
 
 class InvalidStateError(CheckpointError, TypeError):
     """The state passed to ``save`` holds a value shardpoint cannot store."""
+
+
+class InsufficientMemoryError(CheckpointError, MemoryError):
+    """A load needs more memory for its tensors than this machine has (RAM + swap); refused
+    before anything is allocated. The message says how to load less (``mmap=True``, ``keys=``)."""
 
 
 class InvalidSizeError(CheckpointError, ValueError):

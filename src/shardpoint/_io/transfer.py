@@ -28,7 +28,7 @@ import torch
 
 from .._checksum import NATIVE, crc32c_combine, crc32c_update
 from .._knobs import knobs
-from ..errors import ChecksumMismatchError, CorruptCheckpointError
+from ..errors import CheckpointError, ChecksumMismatchError, CorruptCheckpointError, StorageError
 
 PIECE_BYTES = 64 << 20
 """Unit of work shared between threads; crcs of whole pieces are combined cheaply. (For
@@ -84,6 +84,28 @@ def naming(path: str) -> Iterator[None]:
         if exc.filename is None:
             exc.filename = path
         raise
+
+
+def read_error(exc: OSError, where: str, doing: str) -> StorageError:
+    """An OSError of a local read (EIO, ...) as a :class:`StorageError` naming the file:
+    the kernel's ``[Errno 5] Input/output error`` alone names nothing."""
+    err = StorageError(
+        f"{where}: {doing} the file failed: {exc.strerror or exc}; the disk or file system "
+        "reported an error. Check it (e.g. dmesg), then load again, or restore the file from a copy"
+    )
+    err.errno = exc.errno
+    return err
+
+
+@contextlib.contextmanager
+def read_errors_named(where: str, doing: str = "reading") -> Iterator[None]:
+    """Turn OSErrors of reads into :class:`StorageError` naming ``where``."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except OSError as exc:
+        raise read_error(exc, where, doing) from exc
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
@@ -360,6 +382,9 @@ class ReadTask:
     crc32c: int | None
     label: str
     """Names the tensor in errors."""
+    fd: int = -1
+    """The file, already open (held by the opened checkpoint, so that every read sees the
+    version that was opened); -1: open ``path`` here."""
 
 
 class _Staging(threading.local):
@@ -431,6 +456,8 @@ def run_reads(
     crc_lock = threading.Lock()
 
     def fd_for(task: ReadTask) -> int:
+        if task.fd >= 0:
+            return task.fd
         with fd_lock:
             fd = fds.get(task.path)
             if fd is None:
@@ -450,10 +477,19 @@ def run_reads(
     def direct_fd_for(task: ReadTask) -> int | None:
         with fd_lock:
             if task.path not in direct_fds:
+                # A held descriptor is opened again through /proc: the same file, whatever
+                # the path names now.
+                source = f"/proc/self/fd/{task.fd}" if task.fd >= 0 else task.path
                 try:
-                    direct_fds[task.path] = os.open(task.path, os.O_RDONLY | os.O_DIRECT)
+                    direct_fd = os.open(source, os.O_RDONLY | os.O_DIRECT)
                 except OSError:
-                    direct_fds[task.path] = None
+                    direct_fd = None
+                if direct_fd is not None and task.fd >= 0 and not os.path.samestat(
+                    os.fstat(direct_fd), os.fstat(task.fd)
+                ):
+                    os.close(direct_fd)
+                    direct_fd = None
+                direct_fds[task.path] = direct_fd
             return None if task.path in refused else direct_fds[task.path]
 
     def refuse_direct(task: ReadTask) -> None:
@@ -476,6 +512,10 @@ def run_reads(
     copy_slots = threading.Semaphore(_cpu_count())
 
     def run(item: tuple[int, ReadTask, int, int]) -> None:
+        with read_errors_named(item[1].name):
+            read_piece(item)
+
+    def read_piece(item: tuple[int, ReadTask, int, int]) -> None:
         i, task, start, end = item
         fd = fd_for(task)
         direct = task.dest.device.type == "cpu" and task.dest.dtype == task.stored_dtype
