@@ -10,7 +10,7 @@ import torch
 
 from ._flatten import flatten_state
 from ._format.dtypes import dtype_name
-from ._format.names import validate_component_key
+from ._format.names import check_tensor_name, validate_component_key
 from ._stateful import find_modules, make_to_state, parameter_names
 from .errors import InvalidStateError
 
@@ -70,6 +70,17 @@ def split_components(state: Any) -> tuple[dict[str, Any], bool]:
 def check_tensor(name: str, component: str, tensor: torch.Tensor) -> None:
     """Refuse what safetensors cannot hold, naming the tensor and what to do."""
     where = f"tensor {name!r}" + (f" of component {component!r}" if component != "model" else "")
+    check_tensor_name(name, where="the state to save")
+    if tensor.is_nested:
+        raise InvalidStateError(
+            f"{where} is a nested (ragged) tensor; safetensors stores dense tensors only. "
+            "Save its components instead (`list(t.unbind())`) or pad it (`t.to_padded_tensor(0.0)`)"
+        )
+    if _functorch_wrapped(tensor):
+        raise InvalidStateError(
+            f"{where} is a functorch-wrapped tensor (a value from inside vmap/grad/functionalize "
+            "that escaped it); it has no storage of its own. Save the tensors outside the transform"
+        )
     if tensor.layout != torch.strided:
         raise InvalidStateError(
             f"{where} is a {tensor.layout} tensor; safetensors stores dense tensors only. "
@@ -81,6 +92,15 @@ def check_tensor(name: str, component: str, tensor: torch.Tensor) -> None:
             "(e.g. `module.to_empty(device='cpu')` and initialize it) before saving"
         )
     dtype_name(tensor.dtype, key=name)
+
+
+def _functorch_wrapped(tensor: torch.Tensor) -> bool:
+    probe = getattr(torch._C, "_functorch", None)
+    check = getattr(probe, "is_functorch_wrapped_tensor", None)
+    try:
+        return bool(check(tensor)) if check is not None else False
+    except (RuntimeError, TypeError):
+        return False
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:

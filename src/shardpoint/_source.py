@@ -176,7 +176,7 @@ class Checkpoint:
             try:
                 self.fd(name)
             except MissingShardError as exc:
-                if self.dir_fd is not None and _replaced(self.location, self.dir_fd):
+                if self.dir_fd is not None and _changing(self):
                     raise _Replaced from None
                 with self._lock:
                     self._open_errors[name] = exc
@@ -377,6 +377,28 @@ def _replaced(location: str, dir_fd: int) -> bool:
     return (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
 
 
+def _changing(ckpt: Checkpoint) -> bool:
+    """Whether the directory held by ``ckpt`` is being replaced, removed or deleted file by
+    file (``rm -r``, a manager retiring the step) right now.
+
+    A committed checkpoint directory never changes: so a listing that differs from the one
+    taken at the open, within a few short waits, means a deletion in progress (a file that
+    is missing for good leaves the listing as it was).
+    """
+    assert ckpt.dir_fd is not None
+    before = set(ckpt.names or ())
+    for delay in (0.0, 0.01, 0.03, 0.1):
+        time.sleep(delay)
+        if _replaced(ckpt.location, ckpt.dir_fd):
+            return True
+        try:
+            if set(os.listdir(ckpt.dir_fd)) != before:
+                return True
+        except OSError:
+            return True
+    return False
+
+
 def _being_replaced(location: str) -> bool:
     """Whether a save is moving a previous version of ``location`` aside right now."""
     parent, base = os.path.split(os.path.normpath(location))
@@ -555,8 +577,8 @@ def _fill_local(ckpt: Checkpoint) -> Checkpoint:
         ckpt.kind = "hf-file"
         ckpt.open_all(singles)
         return _fill_from_headers(ckpt, None, singles)
-    if not names and _replaced(location, ckpt.dir_fd):
-        raise _Replaced  # emptied by a deletion in progress
+    if _changing(ckpt):
+        raise _Replaced  # a deletion in progress (it may have taken the manifest first)
     if any(is_tmp(n) for n in names) and not singles:
         raise CheckpointNotFoundError(
             f"{location} holds no committed checkpoint, only the temporary directory of a save "

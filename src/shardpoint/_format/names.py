@@ -30,6 +30,43 @@ def check_file_name(name: object, *, where: str) -> str:
     return name
 
 
+RESERVED_TENSOR_NAME = "__metadata__"
+"""The safetensors header's key for the file's metadata: no tensor may be named so."""
+
+
+def check_tensor_name(name: object, *, where: str) -> str:
+    """Refuse a tensor name that a safetensors file cannot hold, naming it.
+
+    The format stores names as keys of the JSON header: ``__metadata__`` is that header's
+    metadata entry (a tensor under it makes the whole file unreadable, to us and to the
+    ``safetensors`` library), and a name must encode as UTF-8 (a lone surrogate does not).
+    Anything else is a valid JSON key that ``safetensors`` reads back as written: the
+    empty name, control characters, quotes, non-ASCII text.
+
+    >>> check_tensor_name("model.embed.weight", where="state")
+    'model.embed.weight'
+    """
+    if not isinstance(name, str):
+        raise InvalidStateError(
+            f"{where}: tensor name {name!r} is a {type(name).__name__}; tensor names must be str"
+        )
+    if name == RESERVED_TENSOR_NAME:
+        raise InvalidStateError(
+            f"{where}: a tensor cannot be named {name!r}: the safetensors format reserves that key "
+            "for the file's metadata, and a tensor under it would make the file unreadable. "
+            "Rename the key (e.g. 'metadata') before saving"
+        )
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidStateError(
+            f"{where}: tensor name {name!r} cannot be stored: it holds {exc.object[exc.start:exc.end]!r}, "
+            "which is not valid Unicode text (a lone surrogate, often from a mis-decoded byte "
+            "string) and cannot be written as UTF-8. Rename the key before saving"
+        ) from None
+    return name
+
+
 def check_component_name(name: object, *, where: str) -> str:
     """Component names become file prefixes: letters, digits, ``_ . -``, not reserved."""
     if not isinstance(name, str) or not _COMPONENT_RE.match(name) or name in _RESERVED:

@@ -17,8 +17,12 @@ from typing import Any
 
 import torch
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, InvalidStateError
 from .dtypes import dtype_from_name, itemsize
+from .names import check_tensor_name
+
+SAFETENSORS_MAX_HEADER = 100_000_000
+"""The ``safetensors`` library refuses headers longer than this; so do we, at save time."""
 
 HEADER_ALIGN = 8
 """The JSON header is padded with spaces so tensor data starts 8-byte aligned."""
@@ -91,8 +95,18 @@ def plan_file(specs: Sequence[TensorSpec], metadata: dict[str, str]) -> FileLayo
             "data_offsets": [offset, offset + spec.nbytes],
         }
         offset += spec.nbytes
+    for spec in specs:
+        check_tensor_name(spec.key, where="planning a safetensors file")
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     raw += b" " * (-(8 + len(raw)) % HEADER_ALIGN)
+    if len(raw) > SAFETENSORS_MAX_HEADER:
+        longest = max((spec.key for spec in specs), key=len, default="")
+        raise InvalidStateError(
+            f"the safetensors header of a file holding {len(specs)} tensors would be {len(raw)} "
+            f"bytes, over the {SAFETENSORS_MAX_HEADER}-byte limit readers accept (the longest "
+            f"name is {len(longest)} characters: {longest[:80]!r}...); shorten the tensor names "
+            "or save with a smaller max_shard_size"
+        )
     data_start = 8 + len(raw)
     ranges = {}
     for spec in specs:

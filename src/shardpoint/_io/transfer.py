@@ -58,6 +58,8 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     if tensor.numel() == 0:
         return memoryview(b"")
     flat = tensor.detach().reshape(-1)
+    if flat.stride(0) != 1:  # one element with any stride (e.g. ``x.conj().imag[:1]``)
+        flat = flat.as_strided((flat.numel(),), (1,))
     # ``ndarray.data`` is ``memoryview(array)``; numpy types ``__buffer__`` for Python 3.12+ only.
     return flat.view(torch.uint8).numpy().data.cast("B")
 

@@ -1,0 +1,238 @@
+"""Loads see exactly one committed version, whatever happens to the path meanwhile.
+
+Saves replace a checkpoint by an atomic directory exchange and then delete the old
+directory; a ``CheckpointManager`` deletes retired steps. A load opens the directory once
+and every file through it before reading, so it returns one whole version (or, when the
+checkpoint is gone for good, says so) and never a mix or a false "damaged" alarm.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardpoint as sp
+from shardpoint._read import ReadBatch
+from shardpoint._source import open_checkpoint
+from shardpoint.errors import CheckpointError, CheckpointNotFoundError
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+# 4 tensors of 1 MiB, one file each: a multi-file checkpoint of ~4 MB.
+_NAMES = ("a", "b", "c", "d")
+_NUMEL = 1 << 18
+
+
+def _state(value: float) -> dict[str, torch.Tensor]:
+    return {n: torch.full((_NUMEL,), value) for n in _NAMES}
+
+
+def _versions(state: dict[str, torch.Tensor]) -> set[float]:
+    """The distinct values a loaded state holds (one per version it was read from)."""
+    return {float(v) for t in state.values() for v in torch.unique(t).tolist()}
+
+
+_WRITER = textwrap.dedent(
+    """
+    import sys, time, torch, shardpoint as sp
+    path, seconds, mode = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+    end = time.monotonic() + seconds
+    i = 1
+    while time.monotonic() < end:
+        i += 1
+        state = {n: torch.full((1 << 18,), float(i)) for n in "abcd"}
+        if mode == "overwrite":
+            sp.save(state, path, max_shard_size="1MiB", overwrite=True)
+        else:  # appear, then be deleted (retention)
+            sp.save(state, path, max_shard_size="1MiB", overwrite=True)
+            import shutil; shutil.rmtree(path, ignore_errors=True)
+    """
+)
+
+
+def _writer(path: Path, seconds: float, mode: str) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-c", _WRITER, str(path), str(seconds), mode], env=env)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["verify", "no-verify", "mmap"])
+def test_loads_racing_overwrites_see_one_version(tmp_path: Path, how: str) -> None:
+    """Two processes: one overwrites a 4-file checkpoint in a loop with a new value each
+    time, this one loads it (10 s per mode, 30 s in all): every load is one whole version,
+    and none fails."""
+    path = tmp_path / "ckpt"
+    sp.save(_state(1.0), path, max_shard_size="1MiB")
+    assert len([n for n in os.listdir(path) if n.endswith(".safetensors")]) == 4
+    writer = _writer(path, 10.0, "overwrite")
+    loads, mixed, errors, values = 0, [], [], set()
+    try:
+        while writer.poll() is None:
+            try:
+                if how == "mmap":
+                    state = sp.load(path, mmap=True)
+                else:
+                    state = sp.load(path, verify=(how == "verify"))
+            except CheckpointError as exc:
+                errors.append(str(exc))
+                continue
+            loads += 1
+            seen = _versions(state)
+            values |= seen
+            if len(seen) != 1:
+                mixed.append(sorted(seen))
+    finally:
+        writer.wait(timeout=60)
+    assert writer.returncode == 0
+    assert mixed == [] and errors == []
+    assert loads >= 20
+    assert len(values) >= 3  # the loads really raced the saves (saw several versions)
+
+
+@pytest.mark.slow
+def test_loads_racing_deletion_see_one_version_or_say_removed(tmp_path: Path) -> None:
+    """A checkpoint saved and deleted in a loop (as retention retires steps): a load returns
+    one whole version or says the checkpoint is not there; never a mix or a damage alarm."""
+    path = tmp_path / "ckpt"
+    writer = _writer(path, 5.0, "delete")
+    loads, bad = 0, []
+    try:
+        while writer.poll() is None:
+            try:
+                state = sp.load(path)
+            except CheckpointNotFoundError as exc:
+                text = str(exc)
+                if not ("does not exist" in text or "was removed (e.g. retired by a CheckpointManager's "
+                                                      "retention) while being loaded" in text
+                        or "is not a checkpoint" in text or "holds no committed checkpoint" in text):
+                    bad.append(text)
+                continue
+            except CheckpointError as exc:
+                bad.append(f"{type(exc).__name__}: {exc}")
+                continue
+            loads += 1
+            if len(_versions(state)) != 1:
+                bad.append(f"mixed {sorted(_versions(state))}")
+    finally:
+        writer.wait(timeout=60)
+    assert writer.returncode == 0
+    assert bad == []
+    assert loads >= 1
+
+
+def test_opened_checkpoint_is_read_after_its_directory_is_deleted(tmp_path: Path) -> None:
+    """Once opened, a checkpoint is read whole even if its directory is deleted before the
+    tensor bytes are read (the files are held open)."""
+    path = tmp_path / "ckpt"
+    sp.save(_state(7.0), path, max_shard_size="1MiB")
+    with open_checkpoint(path) as ckpt:
+        shutil.rmtree(path)
+        assert not path.exists()
+        batch = ReadBatch(ckpt, verify=True)
+        comp = ckpt.components["model"]
+        out = {n: batch.new(comp.tensors[n], n, device=torch.device("cpu"), dtype=None) for n in _NAMES}
+        batch.run(False)
+    assert _versions(out) == {7.0}
+
+
+def test_opened_checkpoint_is_read_after_an_overwrite(tmp_path: Path) -> None:
+    """An overwrite committed after the open does not leak into the opened version."""
+    path = tmp_path / "ckpt"
+    sp.save(_state(1.0), path, max_shard_size="1MiB")
+    with open_checkpoint(path) as ckpt:
+        sp.save(_state(2.0), path, max_shard_size="1MiB", overwrite=True)
+        batch = ReadBatch(ckpt, verify=True)
+        comp = ckpt.components["model"]
+        out = {n: batch.new(comp.tensors[n], n, device=torch.device("cpu"), dtype=None) for n in _NAMES}
+        batch.run(False)
+    assert _versions(out) == {1.0}
+    assert _versions(sp.load(path)) == {2.0}
+
+
+def test_mmap_load_keeps_its_version_after_an_overwrite(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    sp.save(_state(1.0), path, max_shard_size="1MiB")
+    state = sp.load(path, mmap=True)
+    sp.save(_state(2.0), path, max_shard_size="1MiB", overwrite=True)
+    assert _versions(state) == {1.0}
+
+
+def test_verify_sees_one_version(tmp_path: Path) -> None:
+    """verify_checkpoint after an overwrite between its open and its reads: no false alarm."""
+    from shardpoint._verify import verify_checkpoint
+
+    path = tmp_path / "ckpt"
+    sp.save(_state(1.0), path, max_shard_size="1MiB")
+    report = verify_checkpoint(path)
+    assert report.ok and report.files_checked == 4
+
+
+def test_open_checkpoint_holds_every_file(tmp_path: Path) -> None:
+    """Every data file is opened before any read, and closed with the checkpoint."""
+    path = tmp_path / "ckpt"
+    sp.save(_state(1.0), path, max_shard_size="1MiB")
+    ckpt = open_checkpoint(path)
+    assert sorted(ckpt._fds) == [
+        "model-00001-of-00004.safetensors",
+        "model-00002-of-00004.safetensors",
+        "model-00003-of-00004.safetensors",
+        "model-00004-of-00004.safetensors",
+    ]
+    fds = list(ckpt._fds.values())
+    ckpt.close()
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)
+
+
+def test_removed_for_good_is_said_plainly(tmp_path: Path) -> None:
+    """A directory replaced by nothing while being opened: the open starts over from the
+    path and, finding nothing, says the checkpoint was removed (not 'copy the file back')."""
+    from shardpoint import _source
+
+    path = tmp_path / "ckpt"
+    sp.save(_state(1.0), path, max_shard_size="1MiB")
+    real = _source._fill_local
+    calls = []
+
+    def delete_then_fill(ckpt: _source.Checkpoint) -> _source.Checkpoint:
+        calls.append(1)
+        shutil.rmtree(path, ignore_errors=True)  # retention deletes the step mid-open
+        return real(ckpt)
+
+    _source._fill_local = delete_then_fill  # a real deletion, at the worst moment
+    try:
+        with pytest.raises(CheckpointNotFoundError, match="was removed \\(e.g. retired by a "
+                           "CheckpointManager's retention\\) while being loaded"):
+            sp.load(path)
+    finally:
+        _source._fill_local = real
+    assert len(calls) == 1
+    _ = time
+
+
+def test_fd_limit_is_raised_for_many_files(tmp_path: Path) -> None:
+    """A load holding more files than the soft RLIMIT_NOFILE raises it toward the hard one."""
+    import resource
+
+    path = tmp_path / "ckpt"
+    state = {f"t{i:03d}": torch.full((4,), float(i)) for i in range(300)}
+    sp.save(state, path, max_shard_size=16)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 700:
+        pytest.skip("hard open-files limit too low")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (200, hard))
+    try:
+        out = sp.load(path)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] > 300
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert out["t299"].tolist() == [299.0] * 4
