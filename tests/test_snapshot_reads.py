@@ -22,7 +22,7 @@ import torch
 import shardpoint as sp
 from shardpoint._read import ReadBatch
 from shardpoint._source import open_checkpoint
-from shardpoint.errors import CheckpointError, CheckpointNotFoundError
+from shardpoint.errors import CheckpointError, CheckpointNotFoundError, StorageError
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -114,6 +114,11 @@ def test_loads_racing_deletion_see_one_version_or_say_removed(tmp_path: Path) ->
                                                       "retention) while being loaded" in text
                         or "is not a checkpoint" in text or "holds no committed checkpoint" in text):
                     bad.append(text)
+                continue
+            except StorageError as exc:
+                # Saved and deleted again within each of the 5 tries: said so honestly.
+                if "was replaced 5 times while being opened" not in str(exc):
+                    bad.append(f"{type(exc).__name__}: {exc}")
                 continue
             except CheckpointError as exc:
                 bad.append(f"{type(exc).__name__}: {exc}")

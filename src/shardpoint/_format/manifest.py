@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._flatten import validate_tree
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from .dtypes import dtype_from_name, itemsize
 from .names import check_component_name, check_file_name
@@ -241,6 +242,8 @@ def parse_manifest(raw: bytes, *, where: str) -> Manifest:
         for alias, target in aliases.items():
             _need(alias not in tensors, cwhere, f"alias {alias!r} is also a stored tensor")
             _need(target in tensors, cwhere, f"alias {alias!r} points to unknown tensor {target!r}")
+        # The one check of the tree that load, load_into, convert and diff all rely on.
+        validate_tree(tree, tensors.keys() | aliases.keys(), where=cwhere)
         components[cname] = ComponentRecord(tree, tensors, dict(aliases))
     return Manifest(
         save_id=doc["save_id"],
