@@ -236,7 +236,8 @@ def fuzz_with_atheris(parser: str, seconds: float, findings: Path, corpus: Path)
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parser", default="all", choices=["all", "header", "index", "manifest", "latest"])
+    parser.add_argument("--parser", default="all", choices=["all", "header", "index", "manifest", "latest",
+                                                                   "load_into", "load_keys", "manager"])
     parser.add_argument("--minutes", type=float, default=None, help="time per parser")
     parser.add_argument("--seconds", type=float, default=None, help="time per parser (instead of --minutes)")
     parser.add_argument("--engine", default="auto", choices=["auto", "atheris", "hypothesis"])
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     corpus_root = Path(args.corpus).parent if args.corpus else HERE / "corpus"
     os.environ.setdefault("SHARDPOINT_FUZZ_FIXTURES", str(corpus_root / "fixtures"))
     findings = Path(args.findings)
-    parsers = ["header", "index", "manifest", "latest"] if args.parser == "all" else [args.parser]
+    parsers = ["header", "index", "manifest", "latest", "load_into", "load_keys", "manager"] if args.parser == "all" else [args.parser]
     any_findings = False
     for name in parsers:
         started = time.monotonic()

@@ -44,6 +44,26 @@ def nested_state() -> dict[str, Any]:
     }
 
 
+def trained_target() -> dict[str, Any]:
+    """A real small nested state: a module, its optimizer (after one step), JSON leaves.
+    Built the same way each time (the ``load_into`` target loads into a fresh one)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.LayerNorm(2))
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    return {"model": model, "optim": optim, "extra": {"step": 5, "names": ["a", "b"], "lr": 0.5,
+                                                      "best": float("inf"), "pair": (1, "x")}}
+
+
+def write_trained(root: Path) -> None:
+    state = trained_target()
+    state["model"](torch.ones(4, 3)).sum().backward()
+    state["optim"].step()
+    sp.save(state, root / "trained", max_shard_size=256, progress=False)
+    mgr = sp.CheckpointManager(root / "ranked", metric="loss", keep_best=2, progress=False)
+    for step, loss in ((1, 0.5), (2, 0.25), (3, float("nan"))):
+        mgr.save(step, {"x": torch.tensor([step])}, metrics={"loss": loss})
+
+
 def write_fixtures(root: Path) -> None:
     """Checkpoints the index, manifest and ``latest`` targets load through."""
     flat = fixture_tensors("hf")
@@ -93,6 +113,12 @@ def seeds(parser: str, fixtures: Path) -> list[bytes]:
         return [(fixtures / d / "shardpoint.json").read_bytes() for d in ("nested", "chunked")]
     if parser == "latest":
         return [b"step-000007\n", b"step-000002\n", b"step-", b"", b"step-000099\n", b"\xff\xfe"]
+    if parser == "load_into":
+        return [(fixtures / "trained" / "shardpoint.json").read_bytes()]
+    if parser == "load_keys":
+        return [(fixtures / d / "shardpoint.json").read_bytes() for d in ("chunked", "nested")]
+    if parser == "manager":
+        return [(fixtures / "ranked" / f"step-{s:06d}" / "shardpoint.json").read_bytes() for s in (2, 3, 1)]
     raise ValueError(parser)
 
 

@@ -38,6 +38,8 @@ from shardpoint._format.manifest import parse_manifest
 from shardpoint._format.safetensors import read_header
 
 PARSERS = ("header", "index", "manifest", "latest")
+LOAD_TARGETS = ("load_into", "load_keys", "manager")
+"""Targets that feed a fuzzed manifest to a public entry point beyond ``load``."""
 MAX_HEADER = 1 << 20
 """Header bound while fuzzing (the default is 100 MB; the logic is the same)."""
 ALLOC_BOUND = 1 << 22
@@ -167,6 +169,12 @@ def _fixture_dir() -> Path:
             for name in os.listdir(root):
                 shutil.rmtree(root / name)
             write_fixtures(root)
+        if not (root / "ranked").is_dir():
+            from seeds import write_trained
+
+            for name in ("trained", "ranked"):
+                shutil.rmtree(root / name, ignore_errors=True)
+            write_trained(root)
         for name in os.listdir(root):
             if name.startswith("work-"):
                 shutil.rmtree(root / name)  # scratch copies of an earlier run
@@ -245,11 +253,74 @@ def latest(data: bytes) -> str:
     return outcome
 
 
+# --------------------------------------------------------------- load_into / keys / manager
+
+
+def load_into(data: bytes) -> str:
+    """``data`` as the manifest of a saved module + optimizer + JSON leaves, loaded with
+    ``load_into`` into a freshly built state of the same shape (strict, then not)."""
+    from seeds import trained_target
+
+    if _classify(lambda: parse_manifest(data, where="fuzz/shardpoint.json")) == "error":
+        return "error"
+    work = _scratch("trained")
+    (work / "shardpoint.json").write_bytes(data)
+    results = [
+        _classify(lambda: sp.load_into(trained_target(), work)),
+        _classify(lambda: sp.load_into(trained_target(), work, strict=False)),
+        _classify(lambda: sp.load_into({"model": trained_target()["model"]}, work, strict=False)),
+    ]
+    return "result" if "result" in results else "error"
+
+
+def load_keys(data: bytes) -> str:
+    """``data`` as a manifest, loaded with ``keys=`` (a tensor or a component) and ``mmap``."""
+    if _classify(lambda: parse_manifest(data, where="fuzz/shardpoint.json")) == "error":
+        return "error"
+    results = []
+    for kind, keys in (("chunked", ["embed.weight", "scalar"]), ("nested", ["model"])):
+        work = _scratch(kind)
+        (work / "shardpoint.json").write_bytes(data)
+        results.append(_classify(lambda w=work, k=keys: sp.load(w, keys=k)))
+        results.append(_classify(lambda w=work, k=keys: sp.load(w, keys=k, mmap=True)))
+        results.append(_classify(lambda w=work, k=keys: sp.load(w, keys=k[:1], verify=False, dtype=torch.float64)))
+    return "result" if "result" in results else "error"
+
+
+def manager(data: bytes) -> str:
+    """``data`` as the manifest of step 2 of a ranked root (steps 1-3, metric ``loss``):
+    ``steps``, ``latest_step``, ``best_steps``, ``metrics`` and ``restore`` must each end
+    in a result or a CheckpointError, and the listing must stay right."""
+    src = _fixture_dir() / "ranked"
+    work = _fixture_dir() / "work-ranked"
+    if not work.exists():
+        shutil.copytree(src, work)
+    (work / "step-000002" / "shardpoint.json").write_bytes(data)
+    mgr = sp.CheckpointManager(work, metric="loss")
+    got: dict[str, Any] = {}
+    outcomes = [
+        _classify(lambda: got.__setitem__("steps", mgr.steps())),
+        _classify(lambda: got.__setitem__("latest", mgr.latest_step())),
+        _classify(lambda: mgr.best_steps()),
+        _classify(lambda: mgr.metrics(2)),
+        _classify(lambda: mgr.restore({"x": torch.zeros(1, dtype=torch.int64)}, step=2)),
+        _classify(lambda: mgr.restore({"x": torch.zeros(1, dtype=torch.int64)})),
+    ]
+    if "steps" in got and not set(got["steps"]) >= {1, 3}:
+        raise Finding("wrong", f"steps() is {got['steps']!r}; steps 1 and 3 are committed and untouched")
+    if got.get("latest") not in (None, 3):
+        raise Finding("wrong", f"latest_step() is {got['latest']!r}, the newest committed step is 3")
+    return "result" if "result" in outcomes else "error"
+
+
 TARGETS: dict[str, Callable[[bytes], str]] = {
     "header": header,
     "index": index,
     "manifest": manifest,
     "latest": latest,
+    "load_into": load_into,
+    "load_keys": load_keys,
+    "manager": manager,
 }
 
 

@@ -188,3 +188,30 @@ def test_long_run_cli_with_atheris(tmp_path: Path) -> None:
     assert line, done.stdout
     inputs, results, errors = map(int, line.groups())
     assert inputs > 100 and results > 0 and errors > 0 and inputs == results + errors
+
+
+# ------------------------------------------- load_into, load(keys=, mmap=), the manager
+
+
+@pytest.mark.parametrize("target", targets.LOAD_TARGETS)
+def test_load_target_seeds_are_accepted(target: str) -> None:
+    """Each entry point's seed loads (the targets really reach the reads)."""
+    assert check(target, corpus(target)[0]) == "result"
+
+
+@given(data=st.data())
+@settings(BOUNDED, max_examples=60)
+def test_fuzz_load_into_a_module_optimizer_and_json_leaves(data: st.DataObject) -> None:
+    check("load_into", data.draw(seeds.input_strategy("load_into", corpus("load_into"))))
+
+
+@given(data=st.data())
+@settings(BOUNDED, max_examples=60)
+def test_fuzz_load_with_keys_and_mmap(data: st.DataObject) -> None:
+    check("load_keys", data.draw(seeds.input_strategy("load_keys", corpus("load_keys"))))
+
+
+@given(data=st.data())
+@settings(BOUNDED, max_examples=60)
+def test_fuzz_manager_on_a_forged_step_manifest(data: st.DataObject) -> None:
+    check("manager", data.draw(seeds.input_strategy("manager", corpus("manager"))))

@@ -494,7 +494,7 @@ class _Planner:
             tensors[name] = tensors[stored]
         where = f"{self.ckpt.location}, {path}"
         allow = self.allow_pickle
-        self.post.append(lambda: apply(unflatten_state(node, tensors, where=where, allow_pickle=allow)))
+        self.post.append(lambda: _apply_saved(apply, unflatten_state(node, tensors, where=where, allow_pickle=allow), where))
 
     def tensors_into(self, targets: Mapping[str, torch.Tensor], names: Mapping[str, str],
                      comp: ComponentRecord, prefix: str, module: torch.nn.Module | None) -> None:
@@ -619,6 +619,20 @@ class _Planner:
                 "optimizer, Stateful, tensor nor a mutable container"
             )
         self.build(comp, node, setter, path)
+
+
+def _apply_saved(apply: Callable[[Any], None], value: Any, where: str) -> None:
+    """Hand a rebuilt value to its target (``load_state_dict``, a container slot); a target
+    that refuses it (an optimizer given groups of another size, ...) raises LoadMismatchError."""
+    try:
+        apply(value)
+    except CheckpointError:
+        raise
+    except (KeyError, IndexError, ValueError, TypeError, AttributeError, RuntimeError) as exc:
+        raise LoadMismatchError(
+            f"{where}: the target refused the saved state ({type(exc).__name__}: {str(exc)[:200]}); "
+            "the checkpoint was saved from a different object, or it is damaged"
+        ) from exc
 
 
 def _component_targets(target: Any, ckpt: Checkpoint) -> dict[str, Any]:

@@ -525,7 +525,7 @@ def run_reads(
         if direct:
             view = byte_view(task.dest)[start:end]
         else:
-            slot, buffer = staging.take(max(staging_bytes, end - start), for_device=task.dest.device)
+            slot, buffer = staging.take(max(end - start, 1), for_device=task.dest.device)  # grows to a piece, never past what is read
             view = byte_view(buffer)[: end - start]
         check = task.crc32c is not None
         # Unchecked, a piece goes in one call: from the page cache that copies fastest.
