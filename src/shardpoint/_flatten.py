@@ -224,7 +224,8 @@ def _check_optimizer_value(value: Any, bad: Callable[[str], CorruptCheckpointErr
     if not isinstance(value, dict) or value.get("type") != "dict" or not isinstance(value.get("items"), list):
         raise bad("optimizer state is not a dict")
     fields = {
-        item[1]: item[2] for item in value["items"] if isinstance(item, list) and len(item) == 3
+        item[1]: item[2] for item in value["items"]
+        if isinstance(item, list) and len(item) == 3 and isinstance(item[1], str)
     }
     state, groups = fields.get("state"), fields.get("param_groups")
     if not isinstance(state, dict) or state.get("type") != "dict":
@@ -234,7 +235,8 @@ def _check_optimizer_value(value: Any, bad: Callable[[str], CorruptCheckpointErr
     for group in groups["items"]:
         if not isinstance(group, dict) or group.get("type") != "dict" or not isinstance(group.get("items"), list):
             raise bad("an optimizer parameter group is not a dict")
-        keys = [item[1] for item in group["items"] if isinstance(item, list) and len(item) == 3]
+        keys = [item[1] for item in group["items"]
+                if isinstance(item, list) and len(item) == 3 and isinstance(item[1], str)]
         if "params" not in keys:
             raise bad("an optimizer parameter group has no 'params'")
 

@@ -117,6 +117,8 @@ def storage_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
         tuple(tensor.shape),
         tuple(tensor.stride()),
         tensor.dtype,
+        tensor.is_conj(),  # x.conj() shares x's memory but holds other values
+        tensor.is_neg(),
     )
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CorruptCheckpointError, InvalidStateError
+from ..errors import CorruptCheckpointError, InvalidStateError, StorageError
 from .dtypes import dtype_from_name, itemsize
 from .names import check_tensor_name
 
@@ -259,10 +259,25 @@ def validate_header(raw: bytes, file_size: int, *, name: str) -> SafetensorsHead
 
 
 def read_header(fd: int, file_size: int, *, name: str, max_header_bytes: int) -> SafetensorsHeader:
-    """Read and validate the header of an open safetensors file."""
-    return read_header_with(
-        lambda n, offset: os.pread(fd, n, offset), file_size, name=name, max_header_bytes=max_header_bytes
-    )
+    """Read and validate the header of an open safetensors file.
+
+    An OSError of the read (EIO from a failing disk: the kernel's message names no file)
+    is raised as :class:`~shardpoint.errors.StorageError` naming ``name``.
+    """
+
+    def pread(n: int, offset: int) -> bytes:
+        try:
+            return os.pread(fd, n, offset)
+        except OSError as exc:
+            err = StorageError(
+                f"{name}: reading the safetensors header failed: [Errno {exc.errno}] "
+                f"{exc.strerror or exc}; the disk or file system reported an error. Check it "
+                "(e.g. dmesg), then load again, or restore the file from a copy"
+            )
+            err.errno = exc.errno
+            raise err from exc
+
+    return read_header_with(pread, file_size, name=name, max_header_bytes=max_header_bytes)
 
 
 def read_header_with(

@@ -92,7 +92,7 @@ def read_error(exc: OSError, where: str, doing: str) -> StorageError:
     """An OSError of a local read (EIO, ...) as a :class:`StorageError` naming the file:
     the kernel's ``[Errno 5] Input/output error`` alone names nothing."""
     err = StorageError(
-        f"{where}: {doing} the file failed: {exc.strerror or exc}; the disk or file system "
+        f"{where}: {doing} the file failed: [Errno {exc.errno}] {exc.strerror or exc}; the disk or file system "
         "reported an error. Check it (e.g. dmesg), then load again, or restore the file from a copy"
     )
     err.errno = exc.errno

@@ -1,0 +1,292 @@
+"""What cannot be stored is refused at save, naming the key; what is forged is refused at
+load with the same CorruptCheckpointError by ``load`` and ``load_into``; read errors name
+the file. Every error is a CheckpointError.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+
+import shardpoint as sp
+from shardpoint.errors import CorruptCheckpointError, InvalidStateError, StorageError
+
+RESERVED = (
+    "a tensor cannot be named '__metadata__': the safetensors format reserves that key for the "
+    "file's metadata, and a tensor under it would make the file unreadable"
+)
+
+
+def _raises(cls: type[BaseException], text: str) -> Any:
+    return pytest.raises(cls, match=re.escape(text))
+
+
+# ------------------------------------------------------------------------ tensor names
+
+
+def _save_paths() -> dict[str, Callable[[dict[str, torch.Tensor], Path], Any]]:
+    def manager(state: dict[str, torch.Tensor], path: Path) -> None:
+        sp.CheckpointManager(path).save(1, {"model": state, "step": 1})
+
+    def async_save(state: dict[str, torch.Tensor], path: Path) -> None:
+        sp.async_save(state, path).result()
+
+    def convert(state: dict[str, torch.Tensor], path: Path) -> None:
+        torch.save(state, path.parent / f"{path.name}.pt")
+        sp.convert(path.parent / f"{path.name}.pt", path)
+
+    return {
+        "save-hf": lambda s, p: sp.save(s, p),
+        "save-chunked": lambda s, p: sp.save(s, p, layout="chunked"),
+        "save-nested": lambda s, p: sp.save({"model": s, "extra": {"n": 1}}, p),
+        "async_save": async_save,
+        "manager": manager,
+        "convert": convert,
+    }
+
+
+@pytest.mark.parametrize("how", list(_save_paths()))
+def test_a_tensor_named_metadata_is_refused_by_every_save(tmp_path: Path, how: str) -> None:
+    """Before: it saved "successfully" and every load then refused the file as damaged."""
+    path = tmp_path / "ckpt"
+    state = {"w": torch.ones(2), "__metadata__": torch.zeros(3)}
+    with _raises(InvalidStateError, RESERVED):
+        _save_paths()[how](state, path)
+    assert not path.exists() or not any(path.rglob("*.safetensors"))
+
+
+def test_save_pretrained_refuses_a_weight_named_metadata(tmp_path: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shardpoint.integrations.transformers import save_pretrained
+
+    config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, vocab_size=32)
+    model = LlamaForCausalLM(config)
+    model.register_buffer("__metadata__", torch.ones(2))
+    with _raises(InvalidStateError, RESERVED):
+        save_pretrained(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_name_with_a_lone_surrogate_is_refused(tmp_path: Path) -> None:
+    with _raises(InvalidStateError, "tensor name 'w\\udc80' cannot be stored: it holds '\\udc80', which is "
+                 "not valid Unicode text"):
+        sp.save({"w\udc80": torch.ones(2)}, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("name", ["", " ", "a\x00b", "line\nbreak", 'quote"s\\', "\u2028", "é.ß.名"])
+def test_names_safetensors_accepts_round_trip(tmp_path: Path, name: str) -> None:
+    """The rest of the class stores fine: we and the safetensors library read them back."""
+    path = tmp_path / "ckpt"
+    sp.save({name: torch.arange(3.0), "x": torch.ones(1)}, path)
+    assert sp.load(path)[name].tolist() == [0.0, 1.0, 2.0]
+    assert safetensors.torch.load_file(path / "model.safetensors")[name].tolist() == [0.0, 1.0, 2.0]
+
+
+def test_a_header_past_the_readers_limit_is_refused_at_save(tmp_path: Path) -> None:
+    from shardpoint._format.safetensors import TensorSpec, plan_file
+
+    specs = [TensorSpec(f"{i:04d}" + "n" * 1_000_000, "U8", (0,), 0) for i in range(101)]
+    with _raises(InvalidStateError, "over the 100000000-byte limit readers accept"):
+        plan_file(specs, {"format": "pt"})
+
+
+# ------------------------------------------------------------------------ exotic tensors
+
+
+def test_a_nested_tensor_is_refused_naming_the_key(tmp_path: Path) -> None:
+    """Before: RuntimeError: NestedTensorImpl doesn't support sizes."""
+    ragged = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with _raises(InvalidStateError, "tensor 'ragged' is a nested (ragged) tensor; safetensors stores dense "
+                 "tensors only"):
+        sp.save({"ragged": ragged, "w": torch.ones(1)}, tmp_path / "ckpt")
+    jagged = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)
+    with _raises(InvalidStateError, "tensor 'j' is a nested (ragged) tensor"):
+        sp.save({"j": jagged}, tmp_path / "ckpt")
+
+
+def test_a_functorch_wrapped_tensor_is_refused_naming_the_key(tmp_path: Path) -> None:
+    """Before: NotImplementedError: Cannot access storage of TensorWrapper."""
+    escaped: dict[str, torch.Tensor] = {}
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        escaped["x"] = x
+        return x.sum()
+
+    torch.func.grad(f)(torch.ones(3))
+    with _raises(InvalidStateError, "tensor 'x' is a functorch-wrapped tensor"):
+        sp.save({"x": escaped["x"]}, tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("kind", ["sparse_coo", "sparse_csr", "quantized"])
+def test_other_unstorable_kinds_are_refused(tmp_path: Path, kind: str) -> None:
+    tensor = {
+        "sparse_coo": lambda: torch.eye(2).to_sparse(),
+        "sparse_csr": lambda: torch.eye(2).to_sparse_csr(),
+        "quantized": lambda: torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8),
+    }[kind]()
+    with pytest.raises(InvalidStateError, match="tensor 't' "):
+        sp.save({"t": tensor}, tmp_path / "ckpt")
+
+
+def test_views_with_odd_strides_and_bits_round_trip_exactly(tmp_path: Path) -> None:
+    """Expanded (zero stride), transposed, flipped, conjugate and negative-bit views, a
+    non-leaf with grad, a tensor subclass: stored as their values. (``conj().imag[:1]`` of
+    one element with stride 2 used to fail: "self.stride(-1) must be 1 to view Float as Byte";
+    ``z.conj()`` saved beside ``z`` was stored as an alias of it and loaded as ``z``.)"""
+
+    class Tagged(torch.Tensor):
+        pass
+
+    leaf = torch.ones(3, requires_grad=True)
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    state = {
+        "expanded": torch.arange(3.0).expand(4, 3),
+        "transposed": torch.arange(12.0).reshape(3, 4).t(),
+        "flipped": torch.arange(5.0).flip(0),
+        "conj": z.conj(),
+        "neg_bit": z.conj().imag,
+        "neg_bit_one": torch.tensor([1 + 2j]).conj().imag,
+        "non_leaf": leaf * 2,
+        "subclass": torch.arange(4.0).as_subclass(Tagged),
+        "complex": z,
+    }
+    sp.save(state, tmp_path / "ckpt")
+    back = sp.load(tmp_path / "ckpt")
+    for key, value in state.items():
+        expected = value.detach().resolve_conj().resolve_neg().as_subclass(torch.Tensor)
+        assert torch.equal(back[key], expected), key
+    assert back["neg_bit"].tolist() == [-2.0, 1.0]
+
+
+# --------------------------------------------------------------------- forged trees
+
+
+def _forge_tree(tmp_path: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
+    path = tmp_path / "ckpt"
+    model = torch.nn.Linear(2, 2)
+    sp.save({"model": model, "extra": {"lr": 0.5, "names": ["a"]}}, path)
+    doc = json.loads((path / "shardpoint.json").read_bytes())
+    edit(doc["components"]["extra"]["tree"])
+    (path / "shardpoint.json").write_text(json.dumps(doc))
+    return path
+
+
+def _set_lr(value: Any) -> Callable[[dict[str, Any]], None]:
+    def edit(tree: dict[str, Any]) -> None:
+        tree["items"][0][2] = value
+
+    return edit
+
+
+FORGED = {
+    "huge-float": (_set_lr({"type": "float", "value": 10**400}), "float leaf 1000000000000000000000000"),
+    "float-word": (_set_lr({"type": "float", "value": "lots"}), "float leaf 'lots' is not a number, 'nan'"),
+    "unknown-type": (_set_lr({"type": "set", "items": []}), "unknown node type 'set'"),
+    "not-an-object": (_set_lr(["x"]), "node \"['x']\" is not an object"),
+    "dict-no-items": (_set_lr({"type": "dict"}), "dict node has no 'items' list"),
+    "bad-key-kind": (_set_lr({"type": "dict", "items": [["int", "a", {"type": "json", "value": 1}]]}),
+                     "dict key 'a' does not match its kind 'int'"),
+    "duplicate-key": (_set_lr({"type": "dict", "items": [["str", "a", {"type": "json", "value": 1}]] * 2}),
+                      "dict key 'a' appears twice"),
+    "unknown-tensor": (_set_lr({"type": "tensor", "name": "nope"}),
+                       "tensor leaf names 'nope', which is not a tensor of this component"),
+    "json-object": (_set_lr({"type": "json", "value": {"a": 1}}), "json leaf \"{'a': 1}\" is not null"),
+    "wrapper-no-value": (_set_lr({"type": "stateful"}), "stateful node has no 'value'"),
+    "list-items": (_set_lr({"type": "list", "items": 3}), "list node has no 'items' list"),
+}
+
+
+@pytest.mark.parametrize("case", list(FORGED))
+def test_forged_trees_raise_the_same_error_from_load_and_load_into(tmp_path: Path, case: str) -> None:
+    """Before: OverflowError, AttributeError, KeyError or a bare ValueError from load_into
+    where load raised CorruptCheckpointError (or nothing)."""
+    edit, text = FORGED[case]
+    path = _forge_tree(tmp_path, edit)
+    prefix = f"{path / 'shardpoint.json'}, component 'extra': malformed state tree node at lr: "
+    with _raises(CorruptCheckpointError, prefix + text) as from_load:
+        sp.load(path)
+    target = {"model": torch.nn.Linear(2, 2), "extra": {"lr": 0.1, "names": ["b"]}}
+    with _raises(CorruptCheckpointError, prefix + text) as from_load_into:
+        sp.load_into(target, path)
+    assert str(from_load.value) == str(from_load_into.value)
+    assert str(from_load.value).endswith("; the manifest is damaged or forged")
+
+
+def test_a_deeply_nested_tree_is_refused_not_a_recursion_error(tmp_path: Path) -> None:
+    node: dict[str, Any] = {"type": "json", "value": 1}
+    for _ in range(300):
+        node = {"type": "list", "items": [node]}
+    path = _forge_tree(tmp_path, _set_lr(node))
+    with _raises(CorruptCheckpointError, "the tree nests deeper than 200 levels"):
+        sp.load(path)
+    with _raises(CorruptCheckpointError, "the tree nests deeper than 200 levels"):
+        sp.load_into({"model": torch.nn.Linear(2, 2), "extra": {"lr": 0.1, "names": ["b"]}}, path)
+
+
+def test_a_forged_optimizer_state_is_refused_by_both(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 2)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / "ckpt"
+    sp.save({"model": model, "optim": optim}, path)
+    doc = json.loads((path / "shardpoint.json").read_bytes())
+    doc["components"]["optim"]["tree"]["value"]["items"] = []  # no state, no param_groups
+    (path / "shardpoint.json").write_text(json.dumps(doc))
+    text = "malformed state tree node at <root>: optimizer state has no 'state' dict"
+    with _raises(CorruptCheckpointError, text):
+        sp.load(path)
+    with _raises(CorruptCheckpointError, text):
+        sp.load_into({"model": torch.nn.Linear(2, 2), "optim": torch.optim.SGD(model.parameters(), lr=1)}, path)
+
+
+def test_an_optimizer_refusing_its_saved_groups_is_a_load_mismatch(tmp_path: Path) -> None:
+    """The saved state is well formed but the target optimizer has other groups."""
+    model = torch.nn.Linear(2, 2)
+    path = tmp_path / "ckpt"
+    sp.save({"opt": torch.optim.SGD(model.parameters(), lr=0.1)}, path)
+    other = torch.nn.Linear(2, 2)
+    target = torch.optim.SGD([{"params": [other.weight]}, {"params": [other.bias]}], lr=0.1)
+    with pytest.raises(sp.CheckpointError):
+        sp.load_into({"opt": target}, path)
+
+
+# ------------------------------------------------------------------------- read errors
+
+
+def test_eio_while_reading_a_header_names_the_file() -> None:
+    """A real EIO from the kernel (reading unmapped memory through /proc/self/mem)."""
+    from shardpoint._format.safetensors import read_header
+
+    fd = os.open("/proc/self/mem", os.O_RDONLY)
+    try:
+        with _raises(StorageError, "/ckpt/model.safetensors: reading the safetensors header failed: "
+                     "[Errno 5] Input/output error; the disk or file system reported an error") as info:
+            read_header(fd, 100, name="/ckpt/model.safetensors", max_header_bytes=1000)
+    finally:
+        os.close(fd)
+    assert isinstance(info.value, OSError) and info.value.errno == 5
+
+
+def test_eio_while_reading_tensor_bytes_names_the_file() -> None:
+    from shardpoint._io.transfer import ReadTask, run_reads
+
+    fd = os.open("/proc/self/mem", os.O_RDONLY)
+    dest = torch.empty(16, dtype=torch.uint8)
+    try:
+        with _raises(StorageError, "/ckpt/model.safetensors: reading the file failed: [Errno 5] "
+                     "Input/output error") as info:
+            run_reads([ReadTask("/ckpt/model.safetensors", "/proc/self/mem", 0, 16, dest, torch.uint8,
+                                None, "w", fd=fd)])
+    finally:
+        os.close(fd)
+    assert info.value.errno == 5
