@@ -290,3 +290,16 @@ def test_eio_while_reading_tensor_bytes_names_the_file() -> None:
     finally:
         os.close(fd)
     assert info.value.errno == 5
+
+
+def test_a_socket_in_place_of_a_data_file_is_refused(tmp_path: Path) -> None:
+    import socket
+
+    path = tmp_path / "ckpt"
+    sp.save({"w": torch.ones(2)}, path)
+    (path / "model.safetensors").unlink()
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(path / "model.safetensors"))
+        with _raises(CorruptCheckpointError, f"{path / 'model.safetensors'} is not a regular file (a FIFO, "
+                     "device, socket or directory); the checkpoint is damaged or forged"):
+            sp.load(path)

@@ -145,15 +145,28 @@ class Checkpoint:
         return fd
 
     def _open_file(self, name: str, path: str, where: str) -> int:
-        if self.dir_fd is None:
-            return _open_regular(path, where=where)
-        fd = os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0), dir_fd=self.dir_fd)
+        not_regular = CorruptCheckpointError(
+            f"{where} is not a regular file (a FIFO, device, socket or directory); "
+            "the checkpoint is damaged or forged"
+        )
+        try:
+            if self.dir_fd is None:
+                return _open_regular(path, where=where)
+            fd = os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0), dir_fd=self.dir_fd)
+        except FileNotFoundError:
+            raise
+        except OSError:
+            # A socket cannot be opened at all (ENXIO); say what it is, not the errno.
+            try:
+                mode = os.stat(name, dir_fd=self.dir_fd).st_mode if self.dir_fd is not None else os.stat(path).st_mode
+            except OSError:
+                mode = stat.S_IFREG
+            if not stat.S_ISREG(mode):
+                raise not_regular from None
+            raise
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
-            raise CorruptCheckpointError(
-                f"{where} is not a regular file (a FIFO, device, socket or directory); "
-                "the checkpoint is damaged or forged"
-            )
+            raise not_regular
         return fd
 
     def _missing(self, name: str) -> MissingShardError:
