@@ -240,3 +240,44 @@ def test_fd_limit_is_raised_for_many_files(tmp_path: Path) -> None:
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert out["t299"].tolist() == [299.0] * 4
+
+
+def _ranks_load_while_one_overwrites(rank: int, world_size: int, path: str, out: str) -> None:
+    import torch.distributed as dist
+
+    writer = _writer(Path(path), 6.0, "overwrite") if rank == 1 else None
+    target = {n: torch.zeros(_NUMEL) for n in _NAMES}
+    seen = []
+    try:
+        while True:
+            running = [writer is not None and writer.poll() is None]
+            dist.broadcast_object_list(running, src=1)  # rank 1 knows when the writer is done
+            if not running[0]:
+                break
+            try:
+                sp.load_into(target, path, process_group=dist.group.WORLD)
+                seen.append(sorted(_versions(target)))
+            except sp.CheckpointError as exc:
+                seen.append([f"{type(exc).__name__}: {str(exc)[:300]}"])
+    finally:
+        if writer is not None:
+            writer.wait(timeout=60)
+    Path(out, f"rank{rank}.json").write_text(repr(seen))
+
+
+@pytest.mark.slow
+def test_a_collective_load_reads_one_version_on_every_rank(tmp_path: Path) -> None:
+    """A process overwrites the checkpoint in a loop (6 s) while 2 ranks load it collectively
+    again and again: in every load both ranks hold the same one version (they agree on the
+    save id they opened), and no load fails."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _dist_utils import run_ranks
+
+    path = tmp_path / "ckpt"
+    sp.save(_state(1.0), path, max_shard_size="1MiB")
+    run_ranks(_ranks_load_while_one_overwrites, 2, str(path), str(tmp_path))
+    rank0, rank1 = ((tmp_path / f"rank{r}.json").read_text() for r in range(2))
+    assert rank0 == rank1
+    loads = eval(rank0)  # a list of lists of floats, written above
+    assert all(len(values) == 1 and isinstance(values[0], float) for values in loads), loads
+    assert len({values[0] for values in loads}) >= 3  # the loads really raced the saves

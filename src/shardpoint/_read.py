@@ -27,7 +27,7 @@ from ._prepare import storage_key
 from ._progress import byte_progress
 from ._read_pickled import load_pickled, load_pickled_into, route
 from ._sizes import parse_size
-from ._source import Checkpoint, open_checkpoint
+from ._source import OPEN_TRIES, Checkpoint, open_checkpoint
 from ._stateful import Stateful, find_modules, optimizer_state_for, parameter_names
 from ._storage.remote import run_remote_reads
 from .errors import (
@@ -37,6 +37,7 @@ from .errors import (
     InvalidSizeError,
     InvalidStateError,
     LoadMismatchError,
+    StorageError,
 )
 
 
@@ -717,10 +718,44 @@ def load_into(
     if group.distributed:  # the ranks on this machine share its CPUs
         host = socket.gethostname()
         threads = reader_threads(group.all_gather(host).count(host))
-    return group.phase(
-        f"loading {os.fspath(path)}",
-        lambda: _load_into(target, path, strict, progress, verify, allow_pickle, device, dtype, device_map,
-                           _buffer_size(max_buffer_bytes), storage_options, threads),
+    opened = _open_on_every_rank(group, path, storage_options)
+    try:
+        return group.phase(
+            f"loading {os.fspath(path)}",
+            lambda: _load_into(target, path, strict, progress, verify, allow_pickle, device, dtype, device_map,
+                               _buffer_size(max_buffer_bytes), storage_options, threads, opened),
+        )
+    finally:
+        if opened is not None:
+            opened.close()
+
+
+def _open_on_every_rank(group: Group, path: str | os.PathLike[str],
+                        storage_options: Mapping[str, Any] | None) -> Checkpoint | None:
+    """In a process group, open the checkpoint on every rank and agree that all opened the
+    same save (its ``save_id``); a save committed between two ranks' opens makes every rank
+    open again (a few times). None without a group, or for ``.bin`` weights."""
+    if not group.distributed:
+        return None
+    where = os.fspath(path)
+
+    def open_here() -> tuple[Checkpoint | None, Any]:
+        routed, pickled = route(path)
+        if pickled is not None:
+            return None, None
+        ckpt = open_checkpoint(routed, storage_options)
+        return ckpt, ckpt.manifest.save_id if ckpt.manifest is not None else None
+
+    for _ in range(OPEN_TRIES):
+        ckpt, same = group.exchange(f"opening {where}", open_here,
+                                    decide=lambda ids: [len(set(ids)) == 1] * len(ids))
+        if same:
+            return ckpt
+        if ckpt is not None:
+            ckpt.close()
+    raise StorageError(
+        f"{where}: the ranks opened different saves {OPEN_TRIES} times (it is being overwritten "
+        "while being loaded); load it again once the saves to it stop, or load a fixed step"
     )
 
 
@@ -737,7 +772,11 @@ def _load_into(
     staging_bytes: int | None,
     storage_options: Mapping[str, Any] | None = None,
     threads: int | None = None,
+    opened: Checkpoint | None = None,
 ) -> LoadResult:
+    if opened is not None:  # opened (and later closed) by load_into, agreed on by every rank
+        return _load_into_checkpoint(target, opened, strict, progress, verify, allow_pickle, device, dtype,
+                                     device_map, staging_bytes, threads)
     path, pickled = route(path)
     if pickled is not None:
         return load_pickled_into(
