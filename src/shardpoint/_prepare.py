@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,9 +29,22 @@ class Component:
     """Name -> stored name, for tensors that are the same memory as a stored one."""
     placements: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
     """For staged shards: name -> (global shape, offsets) of the local chunk in ``tensors``."""
+    hf_storage: dict[str, tuple[tuple[Any, ...] | None, int]] = field(default_factory=dict)
+    """Stored name -> (storage identity, bytes) as ``huggingface_hub`` plans files, taken
+    from the caller's tensors at prepare time (staged copies share one buffer); empty:
+    computed from ``tensors`` when the files are planned."""
+    parameters: int | None = None
+    """Parameter count of the module this component was taken from (``num_parameters()``
+    in ``transformers``); None for a state dict, where every stored element counts."""
 
     def stored_bytes(self) -> int:
         return sum(self.tensors[n].numel() * self.tensors[n].element_size() for n in self.stored)
+
+    def parameter_count(self) -> int:
+        """The index's ``total_parameters``: the module's parameters, else stored elements."""
+        if self.parameters is not None:
+            return self.parameters
+        return sum(_global_numel(self.tensors[n]) for n in self.stored)
 
 
 @dataclass
@@ -83,6 +96,43 @@ def check_tensor(name: str, component: str, tensor: torch.Tensor) -> None:
     dtype_name(tensor.dtype, key=name)
 
 
+def _global_numel(tensor: torch.Tensor) -> int:
+    return tensor.numel()  # a DTensor's numel() is its global element count
+
+
+def module_parameters(module: torch.nn.Module) -> int:
+    """Parameters of ``module``, each shared one once (``transformers``' ``num_parameters()``)."""
+    return sum(p.numel() for p in module.parameters())
+
+
+def hf_storage(tensor: torch.Tensor) -> tuple[tuple[Any, ...] | None, int]:
+    """(storage identity, bytes) as ``huggingface_hub`` sizes a tensor when it plans files.
+
+    Views of one storage share the identity and count that storage's bytes once (they go
+    to one file); a non-contiguous tensor counts its own bytes (it is written as a
+    contiguous copy); ``meta`` descriptors and DTensors count their (global) bytes and
+    share nothing.
+    """
+    nbytes = tensor.numel() * tensor.element_size()
+    if type(tensor).__name__ == "DTensor" or tensor.device.type == "meta" or not tensor.is_contiguous():
+        return None, nbytes
+    storage = tensor.untyped_storage()
+    return (tensor.device, storage.data_ptr(), storage.nbytes()), storage.nbytes()
+
+
+def hf_sizes(comp: Component) -> tuple[list[tuple[str, int]], dict[str, tuple[Any, ...] | None]]:
+    """The sizes and storage identities :func:`~shardpoint._planning.shards.plan_shards`
+    takes to lay ``comp``'s stored tensors out as ``huggingface_hub`` would (see
+    :func:`hf_storage`)."""
+    sizes = []
+    storage = {}
+    for name in comp.stored:
+        sid, nbytes = comp.hf_storage.get(name) or hf_storage(comp.tensors[name])
+        storage[name] = sid
+        sizes.append((name, nbytes))
+    return sizes, storage
+
+
 def storage_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
     """Identity of a tensor's memory view: equal keys mean the very same bytes."""
     if type(tensor).__name__ == "DTensor":
@@ -100,29 +150,70 @@ def storage_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
     )
 
 
-def dedup(comp: Component) -> None:
-    """Store tensors that are the same view of the same memory once (tied weights)."""
-    seen: dict[tuple[Any, ...], str] = {}
+def dedup(comp: Component, keep: Collection[str] = ()) -> None:
+    """Store tensors that are the same view of the same memory once (tied weights).
+
+    Of each group of such names the one kept is, as in ``transformers`` and
+    ``huggingface_hub``: the name listed in ``keep`` (the names ``transformers`` keeps of a
+    model's ties), else the alphabetically first (``huggingface_hub.save_torch_state_dict``).
+    It keeps its own place in the order; the others become aliases of it.
+    """
+    groups: dict[tuple[Any, ...], list[str]] = {}
     for name, tensor in comp.tensors.items():
         key = storage_key(tensor)
-        if key is not None and key in seen:
-            comp.aliases[name] = seen[key]
-            continue
         if key is not None:
-            seen[key] = name
-        comp.stored.append(name)
+            groups.setdefault(key, []).append(name)
+    alias_of: dict[str, str] = {}
+    for names in groups.values():
+        if len(names) > 1:
+            preferred = [n for n in names if n in keep] or names
+            kept = min(preferred)
+            alias_of.update((n, kept) for n in names if n != kept)
+    for name in comp.tensors:
+        if name in alias_of:
+            comp.aliases[name] = alias_of[name]
+        else:
+            comp.stored.append(name)
+            comp.hf_storage[name] = hf_storage(comp.tensors[name])
 
 
-def prepare_state(state: Any, *, allow_pickle: bool = False) -> PreparedState:
-    """Flatten, check and dedup ``state`` into components."""
+def transformers_kept_names(module: torch.nn.Module) -> set[str]:
+    """The names ``transformers``' ``save_pretrained`` keeps of a model's tied weights
+    (empty for other modules: the plain state-dict rule applies)."""
+    if getattr(module, "config", None) is None or not hasattr(module, "_tied_weights_keys"):
+        return set()
+    try:
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+    except ImportError:  # pragma: no cover - transformers not installed
+        return set()
+    state = module.state_dict()
+    for key in getattr(module, "_keys_to_ignore_on_save", None) or ():
+        state.pop(key, None)
+    try:
+        return set(remove_tied_weights_from_state_dict(dict(state), module))
+    except RuntimeError:  # ties transformers itself refuses to save: shardpoint's rule
+        return set()
+
+
+def prepare_state(state: Any, *, allow_pickle: bool = False, keep: Collection[str] = ()) -> PreparedState:
+    """Flatten, check and dedup ``state`` into components.
+
+    ``keep``: tensor names to store rather than record as aliases where names are tied
+    (see :func:`dedup`); a ``transformers`` model passed as ``state`` brings its own.
+    """
     raw, flat = split_components(state)
+    if isinstance(state, torch.nn.Module) and not keep:
+        keep = transformers_kept_names(state)
     to_state = make_to_state(parameter_names(find_modules(state)))
     components = []
     for cname, value in raw.items():
         tree, tensors = flatten_state(value, path=cname, to_state=to_state, allow_pickle=allow_pickle)
         comp = Component(cname, tree, tensors)
+        module = state if flat and isinstance(state, torch.nn.Module) else value
+        if isinstance(module, torch.nn.Module):
+            comp.parameters = module_parameters(module)
         for name, tensor in tensors.items():
             check_tensor(name, cname, tensor)
-        dedup(comp)
+        dedup(comp, keep if flat else ())
         components.append(comp)
     return PreparedState(components, flat)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .._prepare import prepare_state
+from .._prepare import prepare_state, storage_key
 from .._sizes import parse_size
 from .._write import SaveInfo, json_metadata, write_checkpoint
 from ..errors import CheckpointError, InvalidStateError
@@ -33,30 +33,38 @@ GENERATION_CONFIG_NAME = "generation_config.json"
 _SAVE_KWARGS = ("durable", "metadata", "overwrite", "progress")
 
 
-def _weights_to_save(model: Any) -> dict[str, torch.Tensor]:
-    """The model's state dict as ``transformers`` would store it.
+def _weights_to_save(model: Any) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """The model's state dict as ``transformers``' ``save_pretrained`` stores it, plus the
+    names it keeps.
 
-    Keys listed in ``_keys_to_ignore_on_save`` are dropped; the names ``transformers``
-    keeps among tied weights come first, so shardpoint stores those and records the others
-    as aliases (absent from the files and the index, as in ``transformers``' output); weight
-    conversions applied at load time (``transformers`` 5) are reverted when there are any.
+    As there: keys listed in ``_keys_to_ignore_on_save`` are dropped; of tied weights the
+    name ``remove_tied_weights_from_state_dict`` keeps is stored (views that share a
+    storage without overlapping become copies of their own); weight conversions applied
+    at load time (``transformers`` 5) are reverted. Unlike there, the dropped names of
+    ties follow as aliases of the kept one (absent from the files and the index, as in
+    ``transformers``' output; recorded in shardpoint's manifest, so ``sp.load`` returns
+    them). A dropped name whose twin a conversion changed is left out, as there.
     """
     state = dict(model.state_dict())
     for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
         state.pop(key, None)
     try:
         from transformers.modeling_utils import remove_tied_weights_from_state_dict
-    except ImportError:  # pragma: no cover - older transformers: the first name of a tie is kept
-        kept: dict[str, Any] = state
-    else:
-        kept = remove_tied_weights_from_state_dict(dict(state), model)
-    ordered = {k: v for k, v in state.items() if k in kept}
-    ordered.update((k, v) for k, v in state.items() if k not in kept)
+    except ImportError:  # pragma: no cover - older transformers: shardpoint's own tie rule
+        return state, set()
+    kept = remove_tied_weights_from_state_dict(dict(state), model)
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # pragma: no cover - transformers 4 converts no weights
-        return ordered
-    return dict(revert_weight_conversion(model, ordered))
+        converted = dict(kept)
+    else:
+        converted = dict(revert_weight_conversion(model, kept))
+    stored = {storage_key(t) for t in converted.values()} - {None}
+    out = dict(converted)
+    for name, tensor in state.items():
+        if name not in kept and name not in out and storage_key(tensor) in stored:
+            out[name] = tensor
+    return out, set(converted)
 
 
 def _config_files(model: Any) -> dict[str, bytes]:
@@ -117,7 +125,11 @@ def save_pretrained(
         )
     max_bytes = parse_size(max_shard_size)
     metadata = json_metadata(save_kwargs.get("metadata"))
-    prepared = prepare_state(_weights_to_save(model))
+    weights, kept = _weights_to_save(model)
+    prepared = prepare_state(weights, keep=kept)
+    num_parameters = getattr(model, "num_parameters", None)
+    if callable(num_parameters):
+        prepared.components[0].parameters = int(num_parameters())
     return write_checkpoint(
         prepared,
         path,
