@@ -7,7 +7,12 @@ Values are equal within tolerance when |a - b| <= atol + rtol * |b| element-wise
 the reference); NaN equals NaN at the same position. Keys are the names sp.load returns
 (component/name in nested checkpoints). Non-tensor values (epoch, ...) are compared too.
 
-The table lists the tensors that differ (--all: every tensor) and ends with a summary.
+Tied weights compare by value: a name stored once and recorded as an alias on one side,
+and stored separately or absent (a tie transformers' save_pretrained does not save) on the
+other, is not a difference; each such name is listed as a note.
+
+The table lists the tensors that differ (--all: every tensor), then the notes, and ends
+with a summary.
 
 Exit status: 0 equal within tolerance, 1 different, 2 error (unreadable or refused input).
 
@@ -15,7 +20,8 @@ The --json object has the keys: a, b, equal, atol, rtol, only_in_a [key], only_i
 tensors [{key, status, dtype_a, dtype_b, shape_a, shape_b, max_abs, max_rel, mismatched}]
 (every tensor in both; status is equal, close, changed, dtype or shape; non-finite numbers
 are the strings "nan" / "inf"), values [{key, a, b}] (non-tensor values that differ),
-compared_bytes.
+compared_bytes, notes [{key, a, b, alias_of_a, alias_of_b, compared_as, message}] (names
+stored differently: a and b are stored, alias or absent).
 """
 
 from __future__ import annotations
@@ -94,6 +100,18 @@ def to_json(report: DiffReport) -> dict[str, object]:
         ],
         "values": [{"key": v.key, "a": _plain(v.a), "b": _plain(v.b)} for v in report.values],
         "compared_bytes": report.compared_bytes,
+        "notes": [
+            {
+                "key": n.key,
+                "a": n.a,
+                "b": n.b,
+                "alias_of_a": n.alias_of_a,
+                "alias_of_b": n.alias_of_b,
+                "compared_as": n.compared_as,
+                "message": n.message,
+            }
+            for n in report.notes
+        ],
     }
 
 
@@ -131,11 +149,15 @@ def render(report: DiffReport, *, show_all: bool = False) -> str:
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         for r in [header, *rows]:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    lines += [f"note: {n.message}" for n in report.notes]
     tol = f"atol={report.atol:g}, rtol={report.rtol:g}"
     n = len(report.tensors)
     if report.equal:
         close = sum(1 for t in report.tensors if t.status == "close")
         extra = f", {close} within tolerance but not identical" if close else ""
+        if report.notes:
+            count = len(report.notes)
+            extra += f", {count} tied name{'s' if count != 1 else ''} stored differently (notes above)"
         lines.append(
             f"equal: {n} tensor{'s' if n != 1 else ''} ({human_size(report.compared_bytes)}) "
             f"match{extra} ({tol})"
