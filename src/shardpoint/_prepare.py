@@ -106,15 +106,15 @@ def module_parameters(module: torch.nn.Module) -> int:
 
 
 def hf_storage(tensor: torch.Tensor) -> tuple[tuple[Any, ...] | None, int]:
-    """(storage identity, bytes) as ``huggingface_hub`` sizes a tensor when it plans files.
+    """(storage identity, bytes) as ``huggingface_hub``'s ``split_torch_state_dict_into_shards``
+    (which ``transformers``' ``save_pretrained`` uses) sizes a tensor when it plans files.
 
-    Views of one storage share the identity and count that storage's bytes once (they go
-    to one file); a non-contiguous tensor counts its own bytes (it is written as a
-    contiguous copy); ``meta`` descriptors and DTensors count their (global) bytes and
-    share nothing.
+    A tensor counts the bytes of its whole storage, and views of one storage share the
+    identity (so they go to one file, counted once), contiguous or not, as there;
+    ``meta`` descriptors and DTensors count their (global) bytes and share nothing.
     """
     nbytes = tensor.numel() * tensor.element_size()
-    if type(tensor).__name__ == "DTensor" or tensor.device.type == "meta" or not tensor.is_contiguous():
+    if type(tensor).__name__ == "DTensor" or tensor.device.type == "meta":
         return None, nbytes
     storage = tensor.untyped_storage()
     return (tensor.device, storage.data_ptr(), storage.nbytes()), storage.nbytes()
