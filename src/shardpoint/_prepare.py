@@ -153,10 +153,12 @@ def storage_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
 def dedup(comp: Component, keep: Collection[str] = ()) -> None:
     """Store tensors that are the same view of the same memory once (tied weights).
 
-    Of each group of such names the one kept is, as in ``transformers`` and
-    ``huggingface_hub``: the name listed in ``keep`` (the names ``transformers`` keeps of a
-    model's ties), else the alphabetically first (``huggingface_hub.save_torch_state_dict``).
-    It keeps its own place in the order; the others become aliases of it.
+    Of each group of such names the one stored is the name listed in ``keep`` (the names
+    ``transformers``' ``save_pretrained`` keeps of a model's ties), else the first in order
+    (for the models of ``transformers`` that is the name it keeps too: the embedding comes
+    before the head that reuses it). It keeps its own place in the order; the others
+    become aliases of it. (``huggingface_hub.save_torch_state_dict`` keeps the
+    alphabetically first name unless given ``shared_tensors_to_discard``.)
     """
     groups: dict[tuple[Any, ...], list[str]] = {}
     for name, tensor in comp.tensors.items():
@@ -167,7 +169,7 @@ def dedup(comp: Component, keep: Collection[str] = ()) -> None:
     for names in groups.values():
         if len(names) > 1:
             preferred = [n for n in names if n in keep] or names
-            kept = min(preferred)
+            kept = preferred[0]
             alias_of.update((n, kept) for n in names if n != kept)
     for name in comp.tensors:
         if name in alias_of:
