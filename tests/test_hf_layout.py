@@ -325,3 +325,29 @@ def test_tied_names_kept_as_transformers_keeps_them(models: dict[str, Any], tmp_
     ]:
         manifest = json.loads((tmp_path / name / "shardpoint.json").read_text())
         assert manifest["components"]["model"]["aliases"] == aliases, name
+
+
+@pytest.mark.slow
+def test_collective_hf_save_lays_out_like_one_process(tmp_path: Path) -> None:
+    from _dist_utils import run_ranks
+    from _hf_layout_worker import collective_hf_worker, collective_state
+
+    run_ranks(collective_hf_worker, 2, str(tmp_path), timeout=120)
+    state = collective_state()
+    sp.save(state, tmp_path / "single", max_shard_size=100)
+    _hub_save(state, tmp_path / "ref", 100)
+    # a + b fill a file to exactly 100 B (the zero-size tensor joins it); "c" alone is
+    # 100 B; each oversized tensor's file comes before the one being filled.
+    expected = {
+        "model-00001-of-00006.safetensors": ["big0"],
+        "model-00002-of-00006.safetensors": ["big1"],
+        "model-00003-of-00006.safetensors": ["a", "b", "empty"],
+        "model-00004-of-00006.safetensors": ["c"],
+        "model-00005-of-00006.safetensors": ["big2"],
+        "model-00006-of-00006.safetensors": ["d", "e"],
+    }
+    assert _layout(tmp_path / "ref") == _layout(tmp_path / "single")
+    assert _layout(tmp_path / "collective") == _layout(tmp_path / "single") == expected
+    single = (tmp_path / "single" / INDEX).read_bytes()
+    assert (tmp_path / "collective" / INDEX).read_bytes() == single
+    assert json.loads(single)["metadata"] == {"total_parameters": 171, "total_size": 684}
