@@ -192,7 +192,8 @@ def transformers_kept_names(module: torch.nn.Module) -> set[str]:
     for key in getattr(module, "_keys_to_ignore_on_save", None) or ():
         state.pop(key, None)
     try:
-        return set(remove_tied_weights_from_state_dict(dict(state), module))
+        model: Any = module  # a PreTrainedModel (it has a config and _tied_weights_keys)
+        return set(remove_tied_weights_from_state_dict(dict(state), model))
     except RuntimeError:  # ties transformers itself refuses to save: shardpoint's rule
         return set()
 
