@@ -355,3 +355,15 @@ def test_collective_hf_save_lays_out_like_one_process(tmp_path: Path) -> None:
     single = (tmp_path / "single" / INDEX).read_bytes()
     assert (tmp_path / "collective" / INDEX).read_bytes() == single
     assert json.loads(single)["metadata"] == {"total_parameters": 171, "total_size": 684}
+
+
+def test_dedup_stores_the_kept_name_in_its_own_place() -> None:
+    from shardpoint._prepare import Component, dedup
+
+    emb, x = torch.ones(3), torch.zeros(2)
+    plain = Component("model", {}, {"a.head": emb, "x": x, "b.emb": emb})
+    dedup(plain)
+    assert (plain.stored, plain.aliases) == (["a.head", "x"], {"b.emb": "a.head"})
+    chosen = Component("model", {}, {"a.head": emb, "x": x, "b.emb": emb})
+    dedup(chosen, keep={"b.emb", "x"})
+    assert (chosen.stored, chosen.aliases) == (["x", "b.emb"], {"a.head": "b.emb"})

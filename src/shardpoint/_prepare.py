@@ -194,8 +194,8 @@ def transformers_kept_names(module: torch.nn.Module) -> set[str]:
     try:
         model: Any = module  # a PreTrainedModel (it has a config and _tied_weights_keys)
         return set(remove_tied_weights_from_state_dict(dict(state), model))
-    except RuntimeError:  # ties transformers itself refuses to save: shardpoint's rule
-        return set()
+    except (RuntimeError, ValueError, TypeError, AttributeError, KeyError):
+        return set()  # ties transformers itself refuses to save, or cannot read: shardpoint's rule
 
 
 def prepare_state(state: Any, *, allow_pickle: bool = False, keep: Collection[str] = ()) -> PreparedState:
@@ -205,18 +205,18 @@ def prepare_state(state: Any, *, allow_pickle: bool = False, keep: Collection[st
     (see :func:`dedup`); a ``transformers`` model passed as ``state`` brings its own.
     """
     raw, flat = split_components(state)
-    if isinstance(state, torch.nn.Module) and not keep:
-        keep = transformers_kept_names(state)
     to_state = make_to_state(parameter_names(find_modules(state)))
     components = []
     for cname, value in raw.items():
         tree, tensors = flatten_state(value, path=cname, to_state=to_state, allow_pickle=allow_pickle)
         comp = Component(cname, tree, tensors)
         module = state if flat and isinstance(state, torch.nn.Module) else value
+        comp_keep: Collection[str] = keep if flat else ()
         if isinstance(module, torch.nn.Module):
             comp.parameters = module_parameters(module)
+            comp_keep = comp_keep or transformers_kept_names(module)
         for name, tensor in tensors.items():
             check_tensor(name, cname, tensor)
-        dedup(comp, keep if flat else ())
+        dedup(comp, comp_keep)
         components.append(comp)
     return PreparedState(components, flat)
