@@ -5,9 +5,11 @@
 >>> model = sp.integrations.transformers.from_pretrained(AutoModelForCausalLM, "out/llama")  # doctest: +SKIP
 
 ``save_pretrained`` writes what ``transformers``' own ``save_pretrained`` writes for a
-model's weights (``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` plus the
-index, tied weights stored once, ``"format": "pt"``), ``config.json`` and, for models that
-generate, ``generation_config.json``, all in one atomic commit: the directory appears at
+model's weights: the same ``model.safetensors`` or ``model-0000i-of-0000n.safetensors``
+files holding the same tensors (the tied names ``transformers`` keeps, ``"format": "pt"``)
+and the same index byte for byte (``total_parameters``, ``total_size``, sorted keys);
+``config.json`` and, for models that generate, ``generation_config.json``; all in one
+atomic commit: the directory appears at
 ``path`` only when every file is on disk, next to shardpoint's manifest (so ``shardpoint
 verify`` checks every byte, and ``sp.load_into`` reads it). Adapters (PEFT), quantized
 models and remote code are not handled: use ``transformers``' ``save_pretrained`` for those.
