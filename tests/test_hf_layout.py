@@ -367,3 +367,10 @@ def test_dedup_stores_the_kept_name_in_its_own_place() -> None:
     chosen = Component("model", {}, {"a.head": emb, "x": x, "b.emb": emb})
     dedup(chosen, keep={"b.emb", "x"})
     assert (chosen.stored, chosen.aliases) == (["x", "b.emb"], {"a.head": "b.emb"})
+
+
+def test_save_pretrained_defaults_to_transformers_shard_size(models: dict[str, Any]) -> None:
+    from shardpoint.integrations.transformers import _default_shard_size
+
+    assert _default_shard_size(models["gpt2"]) == "50GB"  # transformers 5's save_pretrained default
+    assert _default_shard_size(torch.nn.Linear(2, 2)) == "50GB"  # no save_pretrained: the same

@@ -18,6 +18,7 @@ models and remote code are not handled: use ``transformers``' ``save_pretrained`
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 from typing import Any
 
@@ -32,6 +33,8 @@ __all__ = ["from_pretrained", "save_pretrained"]
 
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
+TRANSFORMERS_SHARD_SIZE = "50GB"
+"""``transformers`` 5's default ``max_shard_size``, where the model's own cannot be read."""
 _SAVE_KWARGS = ("durable", "metadata", "overwrite", "progress")
 
 
@@ -69,6 +72,15 @@ def _weights_to_save(model: Any) -> tuple[dict[str, torch.Tensor], set[str]]:
     return out, set(converted)
 
 
+def _default_shard_size(model: Any) -> int | str:
+    """The ``max_shard_size`` default of the model's own ``save_pretrained``."""
+    try:
+        default = inspect.signature(type(model).save_pretrained).parameters["max_shard_size"].default
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return TRANSFORMERS_SHARD_SIZE
+    return default if isinstance(default, (int, str)) and not isinstance(default, bool) else TRANSFORMERS_SHARD_SIZE
+
+
 def _config_files(model: Any) -> dict[str, bytes]:
     """``config.json`` (and ``generation_config.json``) as ``model.save_pretrained`` writes them."""
     config = copy.deepcopy(model.config)
@@ -88,7 +100,7 @@ def save_pretrained(
     model: Any,
     path: str | os.PathLike[str],
     *,
-    max_shard_size: int | str = "5GB",
+    max_shard_size: int | str | None = None,
     **save_kwargs: Any,
 ) -> SaveInfo:
     """Save a ``transformers`` model as a directory ``from_pretrained`` loads, atomically.
@@ -96,7 +108,9 @@ def save_pretrained(
     Args:
         model: a ``PreTrainedModel``.
         path: the directory to create.
-        max_shard_size: largest weight file, e.g. ``"5GB"`` (10^9 bytes) or ``"5GiB"``.
+        max_shard_size: largest weight file, e.g. ``"5GB"`` (10^9 bytes) or ``"5GiB"``;
+            default: the installed ``transformers``' own default (``"50GB"`` in
+            ``transformers`` 5), so both write the same files.
         **save_kwargs: ``overwrite``, ``metadata``, ``durable``, ``progress``, as for
             :func:`shardpoint.save`.
 
@@ -125,7 +139,7 @@ def save_pretrained(
             f"save_pretrained() takes a transformers PreTrainedModel, not {type(model).__name__}; "
             "save other modules with sp.save(module.state_dict(), path)"
         )
-    max_bytes = parse_size(max_shard_size)
+    max_bytes = parse_size(_default_shard_size(model) if max_shard_size is None else max_shard_size)
     metadata = json_metadata(save_kwargs.get("metadata"))
     weights, kept = _weights_to_save(model)
     prepared = prepare_state(weights, keep=kept)
