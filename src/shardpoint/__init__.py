@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 from ._api import LoadResult, SaveInfo, load, load_into, save
 from ._async import AsyncSave, async_save
 from ._convert import convert
-from ._diff import DiffReport, TensorDiff, diff
+from ._diff import DiffReport, StorageNote, TensorDiff, diff
 from ._manager import CheckpointManager
 from ._stateful import RNGState, Stateful, empty_model
 from .errors import (
@@ -55,6 +55,7 @@ __all__ = [
     "SaveInfo",
     "Stateful",
     "StorageError",
+    "StorageNote",
     "TensorDiff",
     "UnsafePathError",
     "UnsafePickleError",
