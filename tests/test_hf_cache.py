@@ -296,7 +296,9 @@ def test_blob_that_is_a_link_out_of_the_cache_is_refused(tmp_path: Path) -> None
     )
 
 
-def test_uncached_repository_revision_and_subfolder(tmp_path: Path) -> None:
+def test_uncached_repository_revision_and_subfolder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cache = tmp_path / "hub"
     src = tmp_path / "src"
     sp.save({"w": torch.arange(4.0)}, src)
@@ -320,10 +322,21 @@ def test_uncached_repository_revision_and_subfolder(tmp_path: Path) -> None:
         sp.diff(f"hf://{REPO}@main/sub", src, cache_dir=cache)
     with pytest.raises(sp.CheckpointError, match=r"storage_options \['token'\] do not apply to hf://"):
         sp.load(f"hf://{REPO}", storage_options={"cache_dir": str(cache), "token": "x"})
+    # A relative path reading like a cached repository id is never looked up in the cache:
+    # the error says how to name it.
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    with pytest.raises(sp.CheckpointNotFoundError) as exc:
+        sp.diff(REPO, src, cache_dir=cache)
+    assert str(exc.value) == (
+        f"{REPO} does not exist as a local path; the repository {REPO} is in the local Hugging "
+        f"Face cache ({cache}): name it as hf://{REPO} to read it from there"
+    )
     # A local directory named like a repository is a local directory, never a cache lookup.
-    local = tmp_path / "tiny-org" / "tiny-llama"
-    sp.save({"w": torch.zeros(2)}, local)
-    assert sp.load(local)["w"].tolist() == [0.0, 0.0]
+    sp.save({"w": torch.zeros(2)}, work / REPO)
+    assert sp.load(REPO)["w"].tolist() == [0.0, 0.0]
+    assert sp.diff(REPO, work / REPO, cache_dir=cache).equal
 
 
 def test_uncached_repository_cli_error_is_one_line(
@@ -388,3 +401,14 @@ def test_hf_home_is_honoured_by_the_cli(tmp_path: Path) -> None:
     doc = json.loads(done.stdout)
     expected = tmp_path / "home" / "hub" / repo_folder_name(repo_id=REPO, repo_type="model") / "snapshots" / COMMIT
     assert doc["path"] == str(expected) and doc["ok"] is True and doc["bytes_checked"] == 16
+
+
+def test_docstring_examples() -> None:
+    import doctest
+
+    import shardpoint._hub
+    import shardpoint._storage.paths
+
+    for module in (shardpoint._hub, shardpoint._storage.paths):
+        result = doctest.testmod(module)
+        assert result.failed == 0 and result.attempted >= 3, module.__name__

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ._hub import is_hub_ref, resolve_hub_ref
+from ._hub import local_path
 from ._io.transfer import FileWrite, write_files
 from ._prepare import Component, PreparedState
 from ._sizes import parse_size
@@ -238,7 +238,7 @@ def run_convert(
     cache_dir: str | os.PathLike[str] | None = None,
 ) -> tuple[SaveInfo, TensorSource]:
     """``convert``, also returning the (closed) source: its kind and notes, for the CLI."""
-    src = resolve_hub_ref(src, cache_dir) if is_hub_ref(src) else src
+    src = local_path(src, cache_dir)
     max_bytes = parse_size(max_shard_size)
     want = parse_dtype(dtype)
     if workers < 1:

@@ -19,7 +19,7 @@ import torch
 
 from ._flatten import WRAPPER_TYPES
 from ._format.dtypes import DTYPE_TO_NAME
-from ._hub import is_hub_ref, resolve_hub_ref
+from ._hub import local_path
 from ._stream_source import BATCH_BYTES, Ref, TensorSource, batches, open_source
 from .errors import CheckpointError
 
@@ -226,8 +226,7 @@ def diff(
     """
     if atol < 0 or rtol < 0 or math.isnan(atol) or math.isnan(rtol):
         raise CheckpointError(f"atol and rtol must be >= 0 (got atol={atol}, rtol={rtol})")
-    local_a = resolve_hub_ref(a, cache_dir) if is_hub_ref(a) else a
-    local_b = resolve_hub_ref(b, cache_dir) if is_hub_ref(b) else b
+    local_a, local_b = local_path(a, cache_dir), local_path(b, cache_dir)
     src_a = open_source(local_a, trust_pickle=trust_pickle)
     try:
         src_b = open_source(local_b, trust_pickle=trust_pickle)

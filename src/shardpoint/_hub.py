@@ -41,6 +41,7 @@ SCHEME = "hf://"
 
 _REPO_TYPES = {"datasets": "dataset", "spaces": "space", "models": "model"}
 _COMMIT = re.compile(r"[0-9a-f]{40}")
+_REPO_LIKE = re.compile(r"[\w.\-]+/[\w.\-]+")
 _REF_LIMIT = 4096
 """A refs/ file holds one commit hash; anything larger is not huggingface_hub's."""
 
@@ -182,6 +183,31 @@ def resolve_hub_ref(ref: str, cache_dir: str | os.PathLike[str] | None = None) -
     return target
 
 
+def local_path(path: Any, cache_dir: str | os.PathLike[str] | None = None) -> Any:
+    """``path`` itself, or for an ``hf://`` reference its cached snapshot folder.
+
+    A relative path that does not exist but reads like a repository id that *is* cached
+    (``org/name``) is not looked up (a local path never silently becomes a cached model):
+    the error says to write ``hf://org/name``.
+    """
+    if is_hub_ref(path):
+        return resolve_hub_ref(path, cache_dir)
+    if isinstance(path, str) and _REPO_LIKE.fullmatch(path) and not os.path.lexists(path):
+        try:
+            from huggingface_hub.file_download import repo_folder_name
+
+            cache = os.fspath(cache_dir) if cache_dir is not None else default_cache_dir()
+            cached = os.path.isdir(os.path.join(cache, repo_folder_name(repo_id=path, repo_type="model")))
+        except (ImportError, ValueError):
+            cached = False
+        if cached:
+            raise CheckpointNotFoundError(
+                f"{path} does not exist as a local path; the repository {path} is in the local "
+                f"Hugging Face cache ({cache}): name it as hf://{path} to read it from there"
+            )
+    return path
+
+
 def resolve_hub(
     path: Any, storage_options: Mapping[str, Any] | None = None
 ) -> tuple[Any, Mapping[str, Any] | None]:
@@ -194,7 +220,7 @@ def resolve_hub(
     ('/data/ckpt', None)
     """
     if not is_hub_ref(path):
-        return path, storage_options
+        return local_path(path), storage_options
     options = dict(storage_options or {})
     cache_dir = options.pop("cache_dir", None)
     if options:

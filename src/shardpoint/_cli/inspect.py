@@ -88,8 +88,8 @@ def _count_arg(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     options = hub_storage_options(args.path, args.storage_options, args.cache_dir)
-    path, options = resolve_hub(args.path, options)
-    ckpt = open_checkpoint(path, options)
+    path, resolved = resolve_hub(args.path, options)
+    ckpt = open_checkpoint(path, resolved)
     limit = args.limit if args.limit is not None else (0 if args.json else DEFAULT_LIMIT)
     doc = describe(ckpt, pattern=args.filter, limit=limit)
     if args.json:
