@@ -16,6 +16,12 @@ whole checkpoint in memory:
 - DCP (``.metadata``, a pickle): refused unless ``trust_pickle``; then ``dcp.load`` of a
   batch of keys into empty tensors (transiently about twice the batch: DCP reads each
   stored chunk into a tensor of its own, then copies it).
+
+Every file opened inside a checkpoint directory (indexes, shards, a single ``.bin``/``.pt``,
+DCP's ``.metadata`` and the data files it names) is first checked with
+``_storage.paths.member_path`` (plain name, no link out of the directory except into a
+Hugging Face cache repository's ``blobs/``) and ``open_regular`` (no FIFO, device or
+directory); control files are size-capped before they are read.
 """
 
 from __future__ import annotations
