@@ -3,7 +3,8 @@
 Each file a checkpoint directory holds (safetensors index, data file and manifest; ``.bin``
 index, shard and single file; DCP ``.metadata`` and ``__0_0.distcp``) is replaced by a
 FIFO, a symlink to ``/dev/zero``, a directory, a symlink to a valid file outside the
-directory, or (control files) a 2 GiB sparse file. Every reader that opens that format
+directory, or (control files) a 2 GiB sparse file; a data file an index names is also
+removed or made a dangling link. Every reader that opens that format
 (``load``, ``load_into``, ``convert``, ``diff``, ``verify``, ``inspect``) must stop at once
 with a CheckpointError naming the file: no hang, no unbounded read, no foreign tensor.
 """
@@ -39,6 +40,8 @@ TARGETS = {
 }
 SAFETENSORS = {"st-index", "st-shard", "st-single", "manifest"}
 DCP = {"dcp-metadata", "dcp-data"}
+LISTED = {"st-shard", "bin-shard", "dcp-data"}
+"""Data files named by an index or metadata: absent (or a dangling link), they are missing."""
 
 
 def _write(fmt: str, directory: Path) -> None:
@@ -115,6 +118,7 @@ CASES = [
     (fmt, attack, reader)
     for fmt, (_, control) in TARGETS.items()
     for attack in ["fifo", "dev-zero", "directory", "outside"] + (["sparse"] if control else [])
+    + (["missing", "dangling"] if fmt in LISTED else [])
     for reader in _readers(fmt)
 ]
 
@@ -144,6 +148,11 @@ def test_every_reader_refuses_every_non_member_file(
     elif attack == "outside":
         os.symlink(outside, victim)
         expected = f"{name!r} is a symlink that leaves the checkpoint directory (to {outside})"
+    elif attack == "missing":
+        expected = f"{victim} is missing"
+    elif attack == "dangling":
+        os.symlink("gone.bin", victim)
+        expected = f"{victim} is missing"
     else:
         with open(victim, "wb") as f:
             f.truncate(2 << 30)  # sparse: no disk, but a read of it would take 2 GiB

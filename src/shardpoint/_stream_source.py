@@ -414,7 +414,7 @@ class BinShardsSource(TensorSource):
     def _load(self, fname: str) -> dict[str, torch.Tensor]:
         check_file_name(fname, where=self._label("pytorch_model.bin.index.json"))
         path = member_path(self.directory, fname, where=self.directory)
-        if not os.path.lexists(path):
+        if not os.path.exists(path):  # absent, or a dangling link
             raise MissingShardError(
                 f"{path} is missing: the index lists it but it is not there; the checkpoint is "
                 "incomplete (copy the file back or load another checkpoint)"
