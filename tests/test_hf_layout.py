@@ -219,20 +219,22 @@ DISCARD = {"tied": ["z.head"], "tied, first name sorts last": ["a.head"], "tied 
 embedding, which comes first); ``save_torch_state_dict`` keeps the alphabetically first
 unless told which names to discard."""
 
+def _views_with_an_empty_one() -> dict[str, torch.Tensor]:
+    base = _f32(40)
+    return {"a": base[:10], "e": base[10:10], "b": base[10:], "c": _f32(15), "z": torch.empty(0)}
+
+
 VIEW_CASES: dict[str, Callable[[], dict[str, torch.Tensor]]] = {
     "views of one storage, disjoint": _views_disjoint,
+    "disjoint views with an empty one": _views_with_an_empty_one,
     "strided and transposed views": _non_contiguous,
     "a slice of a larger storage": lambda: {"a": _f32(10), "s": _f32(40)[:5], "b": _f32(10)},
     "zero-size view of a storage": lambda: {"a": _f32(10), "e": _f32(5)[2:2], "b": _f32(20)},
 }
-"""States ``save_torch_state_dict`` refuses (a view that does not cover its storage), but
-``split_torch_state_dict_into_shards`` plans and ``transformers``' ``save_pretrained`` saves:
-each view counts its whole storage's bytes, once, and all views of it share one file."""
-
-
-def _files_from_split(state: dict[str, torch.Tensor], limit: int) -> dict[str, list[str]]:
-    split = split_torch_state_dict_into_shards(state, max_shard_size=limit)
-    return {name: sorted(keys) for name, keys in split.filename_to_tensors.items()}
+"""States ``save_torch_state_dict`` refuses (a view that does not cover its storage) and
+``transformers``' ``save_pretrained`` saves: views of one storage that overlap no other are
+saved as copies of their own (each its own bytes); a view alone on its storage counts the
+whole storage's bytes."""
 
 
 def _check_save(state: dict[str, torch.Tensor], tmp_path: Path, expected: dict[str, list[str]]) -> None:
@@ -257,28 +259,34 @@ def test_edge_cases_match_huggingface_hub(case: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("case", list(VIEW_CASES))
-def test_views_are_laid_out_as_huggingface_hub_plans_them(case: str, tmp_path: Path) -> None:
+def test_views_are_laid_out_as_transformers_saves_them(case: str, models: dict[str, Any], tmp_path: Path) -> None:
     state = VIEW_CASES[case]()
-    (tmp_path / "ref").mkdir()
+    (tmp_path / "hub").mkdir()
     with pytest.raises(RuntimeError, match="None is covering the entire storage"):
-        save_torch_state_dict(state, tmp_path / "ref", max_shard_size=100)
-    _check_save(state, tmp_path, _files_from_split(state, 100))
+        save_torch_state_dict(dict(state), tmp_path / "hub", max_shard_size=100)
+    models["llama-untied"].save_pretrained(tmp_path / "ref", state_dict=dict(state), max_shard_size=100)
+    _check_save(state, tmp_path, _layout(tmp_path / "ref"))
+    ours_index, ref_index = _index(tmp_path / "ours"), _index(tmp_path / "ref")
+    assert (ours_index is None) == (ref_index is None)
+    if ours_index is not None and ref_index is not None:
+        assert ours_index["weight_map"] == ref_index["weight_map"]
 
 
 def test_views_literal_layout(tmp_path: Path) -> None:
-    # q, k, v view one 120 B storage: one oversized group, counted once, in the first file;
-    # x (20 B) and y (80 B) fill the next to exactly the limit.
+    # q, k, v view one 120 B storage without overlapping: each is saved as its own 40 B
+    # copy. x 20 + q 40 = 60; y 80 starts a file; k starts the next, v and z join it.
     _check_save(_views_disjoint(), tmp_path, {
-        "model-00001-of-00003.safetensors": ["k", "q", "v"],
-        "model-00002-of-00003.safetensors": ["x", "y"],
-        "model-00003-of-00003.safetensors": ["z"],
+        "model-00001-of-00003.safetensors": ["q", "x"],
+        "model-00002-of-00003.safetensors": ["y"],
+        "model-00003-of-00003.safetensors": ["k", "v", "z"],
     })
 
 
 def test_planner_matches_split_torch_state_dict_into_shards() -> None:
-    """The pure planner against huggingface_hub's own planner, on every edge case without ties
-    (``split_torch_state_dict_into_shards`` does not remove tied names)."""
-    for case, build in {**EDGE_CASES, **VIEW_CASES}.items():
+    """The pure planner against huggingface_hub's own planner (states without ties, which
+    ``split_torch_state_dict_into_shards`` does not remove, and without views, which
+    ``transformers`` copies first)."""
+    for case, build in EDGE_CASES.items():
         if case.startswith("tied"):
             continue
         state = build()
@@ -288,6 +296,8 @@ def test_planner_matches_split_torch_state_dict_into_shards() -> None:
             sizes, storage = sp._prepare.hf_sizes(prepared.components[0])
             groups = plan_shards(sizes, limit, storage=storage)
             assert groups == list(split.filename_to_tensors.values()), (case, limit)
+    groups = plan_shards([("q", 120), ("x", 20), ("k", 120), ("y", 80)], 100, storage={"q": 1, "k": 1})
+    assert groups == [["q", "k"], ["x", "y"]]  # one storage: sized once, in its first file
 
 
 def test_overlapping_views_are_all_kept_in_one_file(tmp_path: Path) -> None:
@@ -314,7 +324,7 @@ def test_async_save_lays_out_like_save(tmp_path: Path) -> None:
     sp.save(state, tmp_path / "sync", max_shard_size=100)
     sp.async_save(state, tmp_path / "async", max_shard_size=100).result()
     assert _layout(tmp_path / "async") == _layout(tmp_path / "sync")
-    assert list(_layout(tmp_path / "sync").values()) == [["k", "q", "v"], ["x", "y"], ["big"], ["z"]]
+    assert list(_layout(tmp_path / "sync").values()) == [["q", "x"], ["y"], ["big"], ["k", "v", "z"]]
 
 
 def test_tied_names_kept_as_transformers_keeps_them(models: dict[str, Any], tmp_path: Path) -> None:

@@ -120,14 +120,60 @@ def hf_storage(tensor: torch.Tensor) -> tuple[tuple[Any, ...] | None, int]:
     return (tensor.device, storage.data_ptr(), storage.nbytes()), storage.nbytes()
 
 
+def _end_ptr(tensor: torch.Tensor) -> int:
+    """One past the last byte of ``tensor``'s last element (its first byte when empty)."""
+    if tensor.numel() == 0:
+        return int(tensor.data_ptr())
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    return int(tensor.data_ptr()) + (last + 1) * tensor.element_size()
+
+
+def hf_storages(
+    tensors: Mapping[str, torch.Tensor], stored: list[str]
+) -> dict[str, tuple[tuple[Any, ...] | None, int]]:
+    """Stored name -> (storage identity, bytes) as ``transformers``' ``save_pretrained``
+    plans its files (see :func:`hf_storage`).
+
+    As there (``remove_tied_weights_from_state_dict``), of several names viewing one
+    storage (aliases included) those that overlap no other are saved as copies of their
+    own: each counts its own bytes and shares nothing (an empty copy, like every empty
+    tensor without memory, shares the null storage). Views that overlap stay together.
+    """
+    out = {name: hf_storage(tensors[name]) for name in stored}
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for name, tensor in tensors.items():
+        sid = out[name][0] if name in out else hf_storage(tensor)[0]
+        if sid is not None:
+            groups.setdefault(sid, []).append(name)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        areas = sorted((int(tensors[n].data_ptr()), _end_ptr(tensors[n]), n) for n in members)
+        sets: list[list[str]] = [[areas[0][2]]]
+        last_stop = areas[0][1]
+        for start, stop, name in areas[1:]:
+            if start >= last_stop:
+                sets.append([name])
+            else:
+                sets[-1].append(name)
+            last_stop = max(last_stop, stop)
+        for names in sets:
+            if len(names) == 1 and names[0] in out:
+                tensor = tensors[names[0]]
+                nbytes = tensor.numel() * tensor.element_size()
+                out[names[0]] = ((tensor.device, 0, 0) if nbytes == 0 else ("copy", names[0]), nbytes)
+    return out
+
+
 def hf_sizes(comp: Component) -> tuple[list[tuple[str, int]], dict[str, tuple[Any, ...] | None]]:
     """The sizes and storage identities :func:`~shardpoint._planning.shards.plan_shards`
-    takes to lay ``comp``'s stored tensors out as ``huggingface_hub`` would (see
-    :func:`hf_storage`)."""
+    takes to lay ``comp``'s stored tensors out as ``transformers`` would (see
+    :func:`hf_storages`); taken at prepare time where the component was prepared."""
+    planned = comp.hf_storage or hf_storages(comp.tensors, comp.stored)
     sizes = []
     storage = {}
     for name in comp.stored:
-        sid, nbytes = comp.hf_storage.get(name) or hf_storage(comp.tensors[name])
+        sid, nbytes = planned[name]
         storage[name] = sid
         sizes.append((name, nbytes))
     return sizes, storage
@@ -176,7 +222,7 @@ def dedup(comp: Component, keep: Collection[str] = ()) -> None:
             comp.aliases[name] = alias_of[name]
         else:
             comp.stored.append(name)
-            comp.hf_storage[name] = hf_storage(comp.tensors[name])
+    comp.hf_storage = hf_storages(comp.tensors, comp.stored)
 
 
 def transformers_kept_names(module: torch.nn.Module) -> set[str]:
