@@ -120,6 +120,12 @@ def test_save_pretrained_writes_the_files_and_index_transformers_writes(
     index = _index(tmp_path / "ours")
     assert index is not None
     assert index["metadata"]["total_parameters"] == model.num_parameters()
+    # A plain state dict: the same files; the same index unless the model has persistent
+    # buffers (BART's final_logits_bias counts as parameters there).
+    sp.save(model.state_dict(), tmp_path / "state", max_shard_size=LIMIT)
+    assert _layout(tmp_path / "state") == ref
+    same_index = (tmp_path / "state" / INDEX).read_bytes() == (tmp_path / "ref" / INDEX).read_bytes()
+    assert same_index == (family != "bart")
 
 
 @pytest.mark.parametrize("family", ["gpt2", "t5", "llama-untied"])
