@@ -30,9 +30,9 @@ class Component:
     placements: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
     """For staged shards: name -> (global shape, offsets) of the local chunk in ``tensors``."""
     hf_storage: dict[str, tuple[tuple[Any, ...] | None, int]] = field(default_factory=dict)
-    """Stored name -> (storage identity, bytes) as ``huggingface_hub`` plans files, taken
-    from the caller's tensors at prepare time (staged copies share one buffer); empty:
-    computed from ``tensors`` when the files are planned."""
+    """Stored name -> (storage identity, bytes) as ``transformers`` plans files (see
+    :func:`hf_storages`), taken from the caller's tensors at prepare time (staged copies
+    share one buffer); empty: computed from ``tensors`` when the files are planned."""
     parameters: int | None = None
     """Parameter count of the module this component was taken from (``num_parameters()``
     in ``transformers``); None for a state dict, where every stored element counts."""
