@@ -106,7 +106,6 @@ WRITERS: dict[str, Callable[[torch.nn.Module, Path], None]] = {
 }
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("family", list(_families()))
 def test_empty_model_loads_give_from_pretrained_logits(family: str, tmp_path: Path) -> None:
     cls, config = _families()[family]
@@ -283,3 +282,34 @@ def test_keep_in_fp32_modules_follow_from_pretrained(tmp_path: Path) -> None:
     assert dtypes["encoder.block.0.layer.1.DenseReluDense.wo.weight"] == torch.float32
     assert dtypes["encoder.block.0.layer.1.DenseReluDense.wi.weight"] == torch.float16
 
+
+
+@pytest.mark.parametrize("family", ["bert", "llama-tied", "resnet"])
+def test_meta_model_from_bin_weights_gives_from_pretrained_logits(family: str, tmp_path: Path) -> None:
+    """``pytorch_model.bin`` folders go through the same planning: buffers rebuilt, dtype applied."""
+    cls, config = _families()[family]
+    source = _trained(cls, config)
+    (tmp_path / "bin").mkdir()
+    torch.save(source.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    source.save_pretrained(tmp_path / "st")
+    reference = cls.from_pretrained(tmp_path / "st", dtype=torch.bfloat16).eval()
+    with torch.device("meta"):
+        model = cls(config).eval()
+    result = sp.load_into(model, tmp_path / "bin", dtype=torch.bfloat16)
+    assert result.ok and result.meta_keys == []
+    assert {k: v.dtype for k, v in model.state_dict().items()} == {k: v.dtype for k, v in reference.state_dict().items()}
+    assert torch.equal(_logits(model, family, torch.bfloat16), _logits(reference, family, torch.bfloat16))
+
+
+def test_bin_weights_of_a_base_model_load_into_a_head_model(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    base = transformers.LlamaModel(_llama_config())
+    torch.save(base.state_dict(), tmp_path / "base.bin")
+    head = transformers.LlamaForCausalLM(_llama_config())
+    result = sp.load_into(head, tmp_path / "base.bin", strict=False)
+    assert result.prefix_mapping == {"": ("", "model.")}
+    assert result.missing_keys == ["lm_head.weight"] and result.unexpected_keys == []
+    assert torch.equal(head.model.norm.weight, base.norm.weight)
+    with pytest.raises(sp.LoadMismatchError, match="not one of its 1 keys matches the 2 keys of the target"):
+        torch.save({"x": torch.ones(2)}, tmp_path / "x.bin")
+        sp.load_into(torch.nn.Linear(2, 2), tmp_path / "x.bin", strict=False)

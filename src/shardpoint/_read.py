@@ -14,7 +14,7 @@ import re
 import socket
 from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,7 +27,7 @@ from ._knobs import knobs
 from ._planning.chunks import byte_runs, intersect
 from ._prepare import storage_key
 from ._progress import byte_progress
-from ._read_pickled import load_pickled, load_pickled_into, route
+from ._read_pickled import PickledBatch, load_pickled, route
 from ._sizes import parse_size
 from ._source import Checkpoint, open_checkpoint
 from ._stateful import Stateful, find_modules, optimizer_state_for, parameter_names
@@ -39,6 +39,9 @@ from .errors import (
     InvalidStateError,
     LoadMismatchError,
 )
+
+if TYPE_CHECKING:
+    from ._stream_source import SourceSpec
 
 
 @dataclass(frozen=True)
@@ -402,8 +405,8 @@ class _ModuleLoad:
 class _Planner:
     """Walks a target beside the saved trees; records reads, report entries and fix-ups."""
 
-    def __init__(self, ckpt: Checkpoint, batch: ReadBatch, *, allow_pickle: bool) -> None:
-        self.ckpt = ckpt
+    def __init__(self, location: str, batch: ReadBatch | PickledBatch, *, allow_pickle: bool) -> None:
+        self.location = location
         self.batch = batch
         self.allow_pickle = allow_pickle
         self.missing: list[str] = []
@@ -429,7 +432,7 @@ class _Planner:
             if stored not in tensors:
                 tensors[stored] = self.batch.new(comp.tensors[stored], stored, device=torch.device("cpu"), dtype=None)
             tensors[name] = tensors[stored]
-        where = f"{self.ckpt.location}, {path}"
+        where = f"{self.location}, {path}"
         allow = self.allow_pickle
         self.post.append(lambda: apply(unflatten_state(node, tensors, where=where, allow_pickle=allow)))
 
@@ -556,7 +559,7 @@ class _Planner:
         rename = _module_fit.match_prefix(targets, saved, base if isinstance(base, str) else None)
         by_target = _module_fit.rename_keys(targets, saved, rename)
         if targets and saved and not by_target:
-            raise LoadMismatchError(_no_match_message(self.ckpt.location, path, list(targets), list(saved)))
+            raise LoadMismatchError(_no_match_message(self.location, path, list(targets), list(saved)))
         if rename is not None:
             self.prefix_mapping[path] = rename
         names = {k: saved[s] for k, s in by_target.items()}
@@ -605,10 +608,10 @@ class _Planner:
             return
         if isinstance(target, torch.optim.Optimizer):
             if kind != "optimizer":
-                raise LoadMismatchError(f"{self.ckpt.location}: {path!r} was not saved from an optimizer")
+                raise LoadMismatchError(f"{self.location}: {path!r} was not saved from an optimizer")
             by_name = node.get("by_name", False)
             param_names = self.param_names
-            where = f"{self.ckpt.location}, {path}"
+            where = f"{self.location}, {path}"
 
             def load_optimizer(value: Any, opt: torch.optim.Optimizer = target) -> None:
                 sd = optimizer_state_for(opt, value, param_names, where=where) if by_name else value
@@ -753,15 +756,10 @@ def _load_into(
 ) -> LoadResult:
     path, pickled = route(path)
     if pickled is not None:
-        return load_pickled_into(
-            target, path, pickled, strict=strict,
-            placement=lambda k, t: _placement(k, t, torch.device(device), dtype, dict(device_map or {})),
-            assign=lambda m, k, v: None if _assign(m, k, v) else m.load_state_dict({k: v}, strict=False, assign=True),
-            mismatch_message=_mismatch_message,
-        )
+        return _load_pickled_into(target, path, pickled, strict, progress, device, dtype, device_map)
     ckpt = open_checkpoint(path, storage_options)
     batch = ReadBatch(ckpt, verify=resolve_verify(verify), staging_bytes=staging_bytes, threads=threads)
-    planner = _Planner(ckpt, batch, allow_pickle=allow_pickle)
+    planner = _Planner(ckpt.location, batch, allow_pickle=allow_pickle)
     planner.device = torch.device(device)
     planner.dtype = dtype
     planner.device_map = dict(device_map or {})
@@ -789,6 +787,46 @@ def _load_into(
     for fix in planner.post:
         fix()
     return dataclasses.replace(result, bytes_read=batch.planned_bytes)
+
+
+def _load_pickled_into(
+    target: Any,
+    path: str | os.PathLike[str],
+    spec: SourceSpec,
+    strict: bool,
+    progress: bool | None,
+    device: str | torch.device,
+    dtype: torch.dtype | None,
+    device_map: Mapping[str, str | torch.device] | None,
+) -> LoadResult:
+    """``load_into`` of ``.bin`` weights (a flat state dict): the same planning, then the
+    tensors read a batch at a time."""
+    batch = PickledBatch(path, spec)
+    try:
+        planner = _Planner(batch.location, batch, allow_pickle=False)
+        planner.device = torch.device(device)
+        planner.dtype = dtype
+        planner.device_map = dict(device_map or {})
+        comp = batch.comp
+        names = {k: k for k in comp.tensors}
+        if isinstance(target, torch.nn.Module):
+            planner.module_into(target, names, comp, "")
+        elif isinstance(target, Mapping) and all(isinstance(v, torch.Tensor) for v in target.values()):
+            if target and names and not any(k in names for k in target):
+                raise LoadMismatchError(_no_match_message(batch.location, "", list(target), list(names)))
+            planner.tensors_into(target, names, comp, "", None)
+        else:
+            raise InvalidStateError(f"{batch.location} holds a flat state dict; load it into a module or a dict of tensors")
+        result = LoadResult(planner.missing, planner.unexpected, planner.mismatched, 0, planner.meta_left,
+                            planner.prefix_mapping)
+        if strict and not result.ok:
+            raise LoadMismatchError(_mismatch_message(batch.location, result), result)
+        batch.run(progress)
+        for fix in planner.post:
+            fix()
+        return dataclasses.replace(result, bytes_read=batch.bytes_read)
+    finally:
+        batch.close()
 
 
 def _show(items: Sequence[Any], limit: int = 10) -> str:
