@@ -313,3 +313,19 @@ def test_bin_weights_of_a_base_model_load_into_a_head_model(tmp_path: Path) -> N
     with pytest.raises(sp.LoadMismatchError, match="not one of its 1 keys matches the 2 keys of the target"):
         torch.save({"x": torch.ones(2)}, tmp_path / "x.bin")
         sp.load_into(torch.nn.Linear(2, 2), tmp_path / "x.bin", strict=False)
+
+
+def test_dtype_on_a_real_model_swaps_data_and_keeps_parameters(tmp_path: Path) -> None:
+    """A built model loaded with dtype= ends in that dtype; its Parameter objects (what an
+    optimizer holds) and its ties stay; non-persistent buffers keep the dtype they were built in."""
+    cls, config = _families()["llama-tied"]
+    source = _trained(cls, config)
+    source.save_pretrained(tmp_path / "st")
+    model = cls(config).eval()
+    params = dict(model.named_parameters())
+    assert sp.load_into(model, tmp_path / "st", dtype=torch.bfloat16).ok
+    assert [n for n, p in model.named_parameters() if p is not params[n] or p.dtype != torch.bfloat16] == []
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    reference = cls.from_pretrained(tmp_path / "st", dtype=torch.bfloat16).eval()
+    assert torch.equal(_logits(model, "llama-tied", torch.bfloat16), _logits(reference, "llama-tied", torch.bfloat16))

@@ -7,6 +7,7 @@ data, so ``strict=True`` can refuse a mismatch before a single byte of the targe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import mmap as _mmap
 import os
@@ -519,15 +520,20 @@ class _Planner:
                         continue  # the device map keeps it off this process
                     new = torch.empty(tensor.shape, dtype=dtype, device=device)
                     self.batch.fill(record, new, stored)
-                    value = (
-                        torch.nn.Parameter(new, requires_grad=tensor.requires_grad)
-                        if isinstance(tensor, torch.nn.Parameter)
-                        else new
-                    )
+                    if isinstance(tensor, torch.nn.Parameter) and tensor.device.type != "meta":
+                        # A real parameter keeps its identity (optimizers, hooks): new data only.
+                        self.post.append(functools.partial(setattr, tensor, "data", new))
+                        value = tensor
+                    elif isinstance(tensor, torch.nn.Parameter):
+                        value = torch.nn.Parameter(new, requires_grad=tensor.requires_grad)
+                    else:
+                        value = new
                     materialized[id(tensor)] = value
                 for k in [key, *(t for t, twin in tied.items() if twin == key)]:
                     if fit is not None:
                         fit.materialized.add(k)
+                    if targets[k] is value:
+                        continue  # the same object, given its new data above
 
                     def put(m: torch.nn.Module = module, k: str = k, v: torch.Tensor = value) -> None:
                         if not _assign(m, k, v):
@@ -695,19 +701,35 @@ def load_into(
     Optimizers are matched by parameter name; other objects get ``load_state_dict``;
     values in mutable containers are replaced.
 
+    A module is loaded as ``from_pretrained`` loads one: keys that differ by a base-model
+    prefix (``model.``, ``transformer.``, the module's ``base_model_prefix``) are renamed,
+    either way, and the rename reported (``LoadResult.prefix_mapping``); a key the model
+    declares tied and the checkpoint lacks gets its twin; non-persistent buffers left on
+    ``meta`` (a model built under ``torch.device("meta")``) are rebuilt through the model's
+    own ``_init_weights``. Whatever would still be on ``meta`` afterwards is listed in
+    ``LoadResult.meta_keys`` (and ``ok`` is False; ``strict=True`` raises).
+
     Args:
         target: the objects to fill.
         path: checkpoint directory or ``.safetensors`` file (local HF ``.bin`` weights too), or an fsspec URL of either
             (``s3://bucket/run/step-100``): only the byte ranges needed are read, concurrently.
         strict: raise :class:`LoadMismatchError` (before changing anything) when keys are
-            missing, unexpected or mis-shaped.
+            missing, unexpected or mis-shaped, or a tensor would be left on ``meta``. A load
+            where no key at all matches raises even with ``strict=False``.
         progress: show a progress bar (default: when stderr is a terminal).
         verify: check crc32c (default on).
         allow_pickle: unpickle values saved with ``allow_pickle=True``.
         process_group: load collectively: every rank fills its own shards (DTensors read
             only the byte ranges they hold); an error on any rank is raised on all.
-        device, dtype: where and in which floating dtype ``meta`` parameters are
-            materialized (one tensor at a time, read straight into its final memory).
+        device: where ``meta`` tensors are materialized (one at a time, read straight into
+            their final memory); in a module with anything on ``meta``, its real buffers
+            move there too. Real parameters stay where they are.
+        dtype: the floating-point dtype of every loaded parameter and persistent buffer,
+            as ``from_pretrained(dtype=...)``: integer and bool tensors keep theirs,
+            non-persistent buffers keep the dtype their module built them in, and keys of a
+            ``transformers`` model's ``_keep_in_fp32_modules`` (float16) /
+            ``_keep_in_fp32_modules_strict`` (float16, bfloat16) stay float32. A real
+            parameter of another dtype keeps its ``Parameter`` object (new ``.data``).
         device_map: module-name prefix -> device for ``meta`` parameters (the longest
             prefix wins; ``"meta"`` leaves them unmaterialized), as Accelerate's.
         storage_options: options of the URL's fsspec filesystem (see :func:`shardpoint.save`).
@@ -717,8 +739,12 @@ def load_into(
             overlaps the previous copy). Default: ``SHARDPOINT_STAGING_BUFFER_BYTES``.
 
     Returns:
-        A :class:`LoadResult` listing missing, unexpected and mismatched keys and the
-        bytes read.
+        A :class:`LoadResult` listing missing, unexpected and mismatched keys, tensors left
+        on ``meta``, any prefix rename, and the bytes read.
+
+    Raises:
+        LoadMismatchError: ``strict=True`` and the report is not ok, or no key matches.
+        CheckpointNotFoundError, CorruptCheckpointError, ChecksumMismatchError.
 
     Example:
         >>> import torch, shardpoint as sp, tempfile, os
