@@ -179,7 +179,7 @@ def test_head_checkpoint_loads_into_base_model_with_prefix_reported(tmp_path: Pa
 
 
 def test_prefix_of_a_plain_module_is_found_from_the_keys(tmp_path: Path) -> None:
-    """No base_model_prefix: the leading component most keys share is the candidate."""
+    """No base_model_prefix: a leading component of the keys is the candidate."""
     torch.manual_seed(0)
     inner = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
     outer = torch.nn.ModuleDict({"backbone": torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)),

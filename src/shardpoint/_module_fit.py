@@ -4,7 +4,7 @@ Three things ``from_pretrained`` does that ``load_into`` does the same way:
 
 * **Key prefixes.** A base model's checkpoint (``norm.weight``) loads into a model with a
   head (``model.norm.weight``) and the other way round: :func:`match_prefix` finds the
-  prefix (the module's ``base_model_prefix``, or the leading component most keys share)
+  prefix (the module's ``base_model_prefix``, or a leading component many keys share)
   that makes more keys match than the names as they are.
 * **fp32-kept modules.** With ``dtype=torch.float16`` the keys matching a ``transformers``
   model's ``_keep_in_fp32_modules`` stay float32 (and, for float16 or bfloat16, those of
@@ -34,8 +34,8 @@ def match_prefix(
     """The ``(saved prefix, target prefix)`` rename that matches the most keys, if it
     matches more than the names as they are; else None.
 
-    Candidates are ``base_prefix`` and, on each side, the leading component that more
-    than half of that side's keys share. A saved key that matches as it is keeps its name
+    Candidates are ``base_prefix`` and, on each side, the three leading components most
+    keys have; the rename must match strictly more keys than no rename. A saved key that matches as it is keeps its name
     (see :func:`rename_keys`).
 
     Example:
@@ -53,10 +53,7 @@ def match_prefix(
         candidates.add(base_prefix.rstrip(".") + ".")
     for keys in (targets, saved):
         heads = Counter(k.split(".", 1)[0] for k in keys if "." in k)
-        if heads:
-            head, count = heads.most_common(1)[0]
-            if 2 * count > len(keys):
-                candidates.add(head + ".")
+        candidates.update(head + "." for head, _count in heads.most_common(3))
     best = sum(1 for k in saved if k in targets)
     choice: tuple[str, str] | None = None
     for prefix in sorted(candidates):
