@@ -15,9 +15,10 @@ files all go through :func:`member_path`.
 from __future__ import annotations
 
 import os
+import stat
 
 from .._format.names import check_file_name
-from ..errors import UnsafePathError
+from ..errors import CorruptCheckpointError, UnsafePathError
 
 _CACHE_REPO_PREFIXES = ("models--", "datasets--", "spaces--")
 
@@ -74,3 +75,40 @@ def member_path(directory: str, name: str, *, where: str) -> str:
         "refusing to read it. Only links inside the directory, or into the same Hugging Face "
         "cache repository's blobs/, are followed; copy the file into the directory instead"
     )
+
+
+def open_regular(path: str, *, where: str) -> int:
+    """Open ``path`` read-only, refusing anything but a regular file once links are followed.
+
+    FIFOs, sockets, devices (``/dev/zero``) and directories are refused with
+    :class:`~shardpoint.errors.CorruptCheckpointError`; the open never blocks (a FIFO with no
+    writer would wait forever without ``O_NONBLOCK``).
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptCheckpointError(
+            f"{where} is not a regular file (a FIFO, device, socket or directory); "
+            "the checkpoint is damaged or forged"
+        )
+    return fd
+
+
+def read_small_file(path: str, *, where: str, limit: int) -> bytes:
+    """The bytes of a small control file (JSON, ``latest``), at most ``limit`` of them.
+
+    Checked with :func:`open_regular` first; a file larger than ``limit`` is refused before
+    anything is read, so a huge or sparse file costs no memory.
+    """
+    fd = open_regular(path, where=where)
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise CorruptCheckpointError(
+                f"{where} is {size} bytes, over the {limit}-byte limit for this kind of file; "
+                "refusing to read it (the file is damaged or forged)"
+            )
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise CorruptCheckpointError(f"{where} grew past the {limit}-byte limit while being read")
+    return data
