@@ -239,6 +239,41 @@ def test_meta_buffer_that_cannot_be_rebuilt_is_reported_and_strict_raises(tmp_pa
     assert model.scale.is_meta and not model.linear.weight.is_meta
 
 
+class _Rotary(torch.nn.Module):
+    """A non-persistent buffer computed from constructor arguments the module keeps."""
+
+    def __init__(self, dim: int, base: float = 10000.0, device: str | None = None) -> None:
+        super().__init__()
+        self.dim, self.base = dim, base
+        self.proj = torch.nn.Linear(dim, dim)
+        inv = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+
+class _Wrapper(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rotary = _Rotary(8, base=500.0)
+        self.llama_rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(_llama_config())
+
+
+def test_meta_buffer_rebuilt_by_its_module_constructor(tmp_path: Path) -> None:
+    """Outside a transformers model (no _init_weights), the owner's constructor runs again
+    with its own attributes as arguments: the non-default base=500 is kept."""
+    torch.manual_seed(0)
+    source = _Wrapper()
+    sp.save(source.state_dict(), tmp_path / "ck")
+    with torch.device("meta"):
+        model = _Wrapper()
+    result = sp.load_into(model, tmp_path / "ck")
+    assert result.ok and result.meta_keys == []
+    assert torch.equal(model.rotary.inv_freq, source.rotary.inv_freq)
+    assert model.rotary.inv_freq[1].item() == pytest.approx(500.0 ** -0.25)
+    assert torch.equal(model.llama_rotary.inv_freq, source.llama_rotary.inv_freq)
+    assert torch.equal(model.llama_rotary.original_inv_freq, source.llama_rotary.original_inv_freq)
+    assert torch.equal(model.rotary.proj.weight, source.rotary.proj.weight)
+
+
 def test_empty_model_keeps_non_persistent_buffers_real(tmp_path: Path) -> None:
     torch.manual_seed(0)
     source = _Scaled(3.0)

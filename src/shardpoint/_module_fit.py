@@ -13,12 +13,14 @@ Three things ``from_pretrained`` does that ``load_into`` does the same way:
   gets them from nowhere: :func:`rebuild_buffers` recomputes them through the model's own
   initialization (``_init_weights`` of the nearest ancestor that has one, as
   ``from_pretrained`` does after its own meta-device load) and proves every element was
-  written.
+  written; a module with no such initializer, by running its constructor again where
+  every argument is one of its attributes (:func:`rebuild_by_constructor`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
 import sys
 from collections import Counter
@@ -199,6 +201,58 @@ def rebuild_buffers(
         and first[name].dtype == second[name].dtype
         and torch.equal(first[name], second[name])
     }
+
+
+_PLACEMENT_ARGS = frozenset({"device", "dtype"})
+
+
+def rebuild_by_constructor(owner: torch.nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
+    """Recompute the meta non-persistent buffers ``names`` of ``owner`` by running its
+    class's constructor again on the CPU (parameters straight to ``meta``), with each
+    constructor argument taken from the owner's attribute of the same name; the ones it
+    rebuilt, by name.
+
+    Only where every argument (but ``device`` / ``dtype``, left to their defaults) is such
+    an attribute: a default cannot be trusted, since the owner may have been built with
+    another value. The constructor runs twice, and a buffer counts only if both runs give
+    it the same values, shape and dtype as the meta one, non-persistent.
+    """
+    from ._stateful import empty_model
+
+    cls = type(owner)
+    try:
+        signature = inspect.signature(cls.__init__)
+    except (TypeError, ValueError):
+        return {}
+    kwargs: dict[str, Any] = {}
+    for name, param in list(signature.parameters.items())[1:]:
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) or name in _PLACEMENT_ARGS:
+            continue
+        if param.kind == param.POSITIONAL_ONLY or name not in vars(owner):
+            return {}
+        kwargs[name] = vars(owner)[name]
+    runs = []
+    try:
+        for _ in range(2):
+            with torch.device("cpu"):
+                runs.append(empty_model(cls, **kwargs))
+    except Exception:  # a constructor that cannot run again rebuilds nothing
+        return {}
+    out = {}
+    for name in names:
+        meta = owner._buffers[name]
+        values = [run._buffers.get(name) for run in runs]
+        first, second = values
+        if (
+            meta is not None and first is not None and second is not None
+            and all(name in run._non_persistent_buffers_set for run in runs)
+            and not first.is_meta
+            and first.shape == second.shape == meta.shape
+            and first.dtype == second.dtype == meta.dtype
+            and torch.equal(first, second)
+        ):
+            out[name] = first
+    return out
 
 
 def module_tensors(module: torch.nn.Module) -> Mapping[str, torch.Tensor]:

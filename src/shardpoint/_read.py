@@ -590,6 +590,9 @@ class _Planner:
                 self._assign_later(fit.module, full, buffer.to(device))
         for owner_path, (owner, buffer_names) in rebuild.items():
             values = _module_fit.rebuild_buffers(fit.module, owner_path, owner, buffer_names)
+            rest = [n for n in buffer_names if n not in values]
+            if rest:
+                values.update(_module_fit.rebuild_by_constructor(owner, rest))
             for name in buffer_names:
                 full = f"{owner_path}.{name}" if owner_path else name
                 if name in values:
