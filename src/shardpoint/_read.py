@@ -74,7 +74,14 @@ class LoadResult:
         return not (self.missing_keys or self.unexpected_keys or self.mismatched_keys or self.meta_keys)
 
     def summary(self) -> str:
-        """The report in a few lines (what ``strict=True`` raises with, minus the advice)."""
+        """The report in a few lines (what ``strict=True`` raises with, minus the advice).
+
+        Example:
+            >>> import shardpoint as sp
+            >>> print(sp.LoadResult(missing_keys=["w"], prefix_mapping={"": ("", "model.")}).summary())
+            keys renamed to match: checkpoint '<name>' -> target 'model.<name>'
+            missing from the checkpoint: 'w'
+        """
         return "\n".join(_report_lines(self))
 
 
@@ -576,7 +583,7 @@ class _Planner:
         """Non-persistent buffers of an empty model placed (rebuilt where on ``meta``), and
         every tensor that will still be on ``meta`` after the load listed."""
         for key, tensor in targets.items():
-            off = tensor.device.type == "meta" and key not in fit.materialized
+            off = isinstance(tensor, torch.Tensor) and tensor.device.type == "meta" and key not in fit.materialized
             if off and self.placement(key, tensor)[0].type != "meta":
                 self.meta_left.append(prefix + key)
         rebuild: dict[str, tuple[torch.nn.Module, list[str]]] = {}
