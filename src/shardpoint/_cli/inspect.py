@@ -41,9 +41,10 @@ from typing import Any
 
 from .._format.dtypes import NAME_TO_DTYPE, itemsize
 from .._format.manifest import FORMAT_VERSION
+from .._hub import resolve_hub
 from .._sizes import human_size
 from .._source import Checkpoint, open_checkpoint
-from .main import add_storage_options
+from .main import add_cache_dir, add_storage_options, hub_storage_options
 
 HELP = "show format, files, dtypes and tensors of a checkpoint"
 
@@ -55,10 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "path",
         help="checkpoint directory (shardpoint or Hugging Face) or .safetensors file, or an "
-        "fsspec URL of either (s3://bucket/run/step-100)",
+        "fsspec URL of either (s3://bucket/run/step-100), or hf://org/name[@revision]: a "
+        "repository in the local Hugging Face cache",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object (keys above)")
     add_storage_options(parser)
+    add_cache_dir(parser)
     parser.add_argument(
         "--filter",
         metavar="PATTERN",
@@ -84,7 +87,9 @@ def _count_arg(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    ckpt = open_checkpoint(args.path, args.storage_options)
+    options = hub_storage_options(args.path, args.storage_options, args.cache_dir)
+    path, resolved = resolve_hub(args.path, options)
+    ckpt = open_checkpoint(path, resolved)
     limit = args.limit if args.limit is not None else (0 if args.json else DEFAULT_LIMIT)
     doc = describe(ckpt, pattern=args.filter, limit=limit)
     if args.json:

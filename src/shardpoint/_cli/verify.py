@@ -24,7 +24,14 @@ import json
 from .._sizes import human_size
 from .._verify import VerifyReport, verify_checkpoint
 from ..errors import CheckpointError, CheckpointNotFoundError
-from .main import EXIT_DAMAGED, EXIT_OK, add_storage_options, error
+from .main import (
+    EXIT_DAMAGED,
+    EXIT_OK,
+    add_cache_dir,
+    add_storage_options,
+    error,
+    hub_storage_options,
+)
 
 HELP = "check that a checkpoint is whole: files, sizes, headers and crc32c of every tensor"
 
@@ -33,18 +40,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "path",
         help="checkpoint directory (shardpoint or Hugging Face) or .safetensors file, or an "
-        "fsspec URL of either (s3://bucket/run/step-100)",
+        "fsspec URL of either (s3://bucket/run/step-100), or hf://org/name[@revision]: a "
+        "repository in the local Hugging Face cache",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object (keys above)")
     parser.add_argument("--quick", action="store_true", help="check structure only; skip crc32c")
     add_storage_options(parser)
+    add_cache_dir(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        report = verify_checkpoint(
-            args.path, checksums=not args.quick, storage_options=args.storage_options
-        )
+        options = hub_storage_options(args.path, args.storage_options, args.cache_dir)
+        report = verify_checkpoint(args.path, checksums=not args.quick, storage_options=options)
     except CheckpointNotFoundError:
         raise  # exit 2: nothing to verify at that path
     except CheckpointError as exc:
