@@ -1,0 +1,108 @@
+"""Everything the ``shardpoint`` command prints goes through here, escaped.
+
+Tensor names, file names, manifest strings and error messages quoting them come from the
+checkpoint, i.e. from whoever wrote it. Printed raw, ``"\\x1b]0;pwned\\x07"`` retitles the
+terminal, ``"\\x1b[2J"`` clears it, ``"ok\\rFAKE"`` overwrites a line and ``"\\u202e"``
+reverses the text after it. So human output is written one line at a time through
+:func:`emit`, and every line is passed through :func:`printable`: each C0 control
+character (newline and tab included: a line we print never holds one), DEL, each C1
+control, each Unicode format character (bidi overrides and isolates, zero-width
+characters, ...), line and paragraph separators and lone surrogates is replaced by its
+Python escape (``\\x1b``, ``\\u202e``). Other characters (accents, CJK, emoji) are kept.
+A backslash is not escaped, so the text stays readable; ``--json`` output is the exact
+value (``json.dumps`` escapes every non-ASCII character).
+
+While a subcommand runs, ``main`` also puts a guard around ``sys.stdout`` that escapes the
+same characters in anything printed directly (except the newline ending a line), so a
+command that forgets :func:`emit` still cannot send an escape sequence to the terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import unicodedata
+from collections.abc import Iterable
+from typing import IO, Any
+
+_ESCAPED_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+"""Controls, format characters (bidi, zero-width), surrogates, line/paragraph separators."""
+
+_SUSPECT = re.compile(r"[^\x20-\x7e]")
+"""Every character that may need escaping (all but printable ASCII), judged one by one."""
+
+
+def _escape_char(match: re.Match[str]) -> str:
+    ch = match.group()
+    if unicodedata.category(ch) not in _ESCAPED_CATEGORIES:
+        return ch
+    code = ord(ch)
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    if code < 0x10000:
+        return f"\\u{code:04x}"
+    return f"\\U{code:08x}"
+
+
+def printable(text: object) -> str:
+    """``text`` with every character that could drive or spoof a terminal escaped.
+
+    >>> printable("ok\\rFAKE \\x1b[2J\\u202eevil")
+    'ok\\\\rFAKE \\\\x1b[2J\\\\u202eevil'
+    >>> printable("model.layers.0.mlp.up_proj.weight \u00e9\u6a21")
+    'model.layers.0.mlp.up_proj.weight \u00e9\u6a21'
+    """
+    text = str(text)
+    if text.isascii() and text.isprintable():
+        return text
+    return _SUSPECT.sub(_escape_char, text)
+
+
+def has_control(text: str, *, allow: str = "") -> bool:
+    """True when ``text`` holds a character :func:`printable` would escape (other than ``allow``).
+
+    >>> has_control("a\\nb", allow="\\n"), has_control("a\\x1bb")
+    (False, True)
+    """
+    return any(ch not in allow and printable(ch) != ch for ch in text)
+
+
+def emit(lines: Iterable[str], stream: IO[str] | None = None) -> None:
+    """Print human output, one escaped line per item (an item never spans two lines)."""
+    out = stream if stream is not None else sys.stdout
+    out.write("".join(printable(line) + "\n" for line in lines))
+
+
+def emit_json(doc: Any) -> None:
+    """Print ``doc`` as indented JSON (exact: ``json.dumps`` escapes what needs it)."""
+    print(json.dumps(doc, indent=2))
+
+
+def error(message: object) -> None:
+    """Print ``shardpoint: error: <message>`` as one escaped line on stderr."""
+    text = " ".join(str(message).split("\n"))
+    print(f"shardpoint: error: {printable(text)}", file=sys.stderr)
+
+
+def note(message: object) -> None:
+    """Print ``shardpoint: note: <message>`` as one escaped line on stderr."""
+    text = " ".join(str(message).split("\n"))
+    print(f"shardpoint: note: {printable(text)}", file=sys.stderr)
+
+
+class GuardedStream:
+    """A text stream that escapes what :func:`printable` escapes, keeping newlines.
+
+    Installed over ``sys.stdout`` while a subcommand runs (see the module docstring).
+    """
+
+    def __init__(self, inner: IO[str]) -> None:
+        self.inner = inner
+
+    def write(self, text: str) -> int:
+        self.inner.write("\n".join(printable(part) for part in text.split("\n")))
+        return len(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
