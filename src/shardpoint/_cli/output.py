@@ -33,11 +33,16 @@ _SUSPECT = re.compile(r"[^\x20-\x7e]")
 """Every character that may need escaping (all but printable ASCII), judged one by one."""
 
 
+_SHORT = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
 def _escape_char(match: re.Match[str]) -> str:
     ch = match.group()
     if unicodedata.category(ch) not in _ESCAPED_CATEGORIES:
         return ch
     code = ord(ch)
+    if ch in _SHORT:
+        return _SHORT[ch]
     if code < 0x100:
         return f"\\x{code:02x}"
     if code < 0x10000:
