@@ -36,9 +36,14 @@ _SUSPECT = re.compile(r"[^\x20-\x7e]")
 _SHORT = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
+def needs_escape(ch: str) -> bool:
+    """True for a character :func:`printable` escapes (see the module docstring)."""
+    return unicodedata.category(ch) in _ESCAPED_CATEGORIES
+
+
 def _escape_char(match: re.Match[str]) -> str:
     ch = match.group()
-    if unicodedata.category(ch) not in _ESCAPED_CATEGORIES:
+    if not needs_escape(ch):
         return ch
     code = ord(ch)
     if ch in _SHORT:
@@ -70,7 +75,7 @@ def has_control(text: str, *, allow: str = "") -> bool:
     >>> has_control("a\\nb", allow="\\n"), has_control("a\\x1bb")
     (False, True)
     """
-    return any(ch not in allow and printable(ch) != ch for ch in text)
+    return any(ch not in allow and needs_escape(ch) for ch in text)
 
 
 def emit(lines: Iterable[str], stream: IO[str] | None = None) -> None:
