@@ -320,7 +320,7 @@ def cli(data: bytes) -> str:
     try:
         for argv in (["inspect", str(work)], ["verify", str(work)], ["diff", str(work), str(root / kind)]):
             got: list[tuple[int, str, str]] = []
-            if _classify(lambda a=argv: got.append(_run_cli(a))) == "error":
+            if _classify(lambda a=argv, g=got: g.append(_run_cli(a))) == "error":
                 raise Finding("crash", f"{argv[0]} let a CheckpointError out of main()")
             code, out, err = got[0]
             if code not in (0, 1, 2) or "Traceback" in err:

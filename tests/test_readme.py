@@ -11,7 +11,6 @@ Blocks the suite cannot run are listed in ``NOT_RUN`` with the reason.
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 from pathlib import Path

@@ -195,8 +195,8 @@ def verify_checkpoint(
         single, _ = torch_weights_file(names)
         if single is not None:
             return _verify_pickled(location, location, None, [single], checksums=checksums, listing=names)
-    kind, index, files = _locate_foreign(location, names)
-    return _verify_foreign(location, location, kind, index, files, checksums=checksums)
+    kind, found_index, files = _locate_foreign(location, names)
+    return _verify_foreign(location, location, kind, found_index, files, checksums=checksums)
 
 
 # ------------------------------------------------------------------------ shardpoint

@@ -163,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version: argparse already printed
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     stdout = sys.stdout
-    sys.stdout = output.GuardedStream(stdout)  # type: ignore[assignment]
+    sys.stdout = output.GuardedStream(stdout)
     try:
         code: int = args._run(args)
         sys.stdout.flush()
