@@ -894,3 +894,14 @@ def test_printable_escapes_every_kind_of_control() -> None:
     assert printable("\ud800") == "\\ud800"  # a lone surrogate (JSON "\ud800")
     assert printable("\U000e0001") == "\\U000e0001"  # a tag character (format)
     assert printable("caf\u00e9 \u6a21\u578b \U0001f600 \u00a0") == "caf\u00e9 \u6a21\u578b \U0001f600 \u00a0"
+
+
+def test_progress_bar_descriptions_are_escaped(capsys: pytest.CaptureFixture[str]) -> None:
+    from shardpoint._progress import byte_progress
+
+    with byte_progress(10, "verifying evil\x1b[2J\u202e", True) as advance:
+        assert advance is not None
+        advance(10)
+    err = capsys.readouterr().err
+    assert "verifying evil\\x1b[2J\\u202e" in err
+    assert "\x1b[2J" not in err and "\u202e" not in err

@@ -208,8 +208,8 @@ def test_fuzz_cli_output(data: st.DataObject) -> None:
 
 def test_the_cli_target_flags_an_unescaped_control(monkeypatch: pytest.MonkeyPatch) -> None:
     """Were a command to print names raw, the target reports it."""
-    import shardpoint._cli.output as output
+    import shardpoint._printable as printable
 
-    monkeypatch.setattr(output, "_escape_char", lambda match: match.group())
+    monkeypatch.setattr(printable, "_escape_char", lambda match: match.group())
     with pytest.raises(targets.Finding, match=r"escape: inspect printed .*'\\x1b'"):
         targets.cli(seeds.cli_seeds()[0])

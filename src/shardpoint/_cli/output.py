@@ -20,63 +20,13 @@ command that forgets :func:`emit` still cannot send an escape sequence to the te
 from __future__ import annotations
 
 import json
-import re
 import sys
-import unicodedata
 from collections.abc import Iterable
 from typing import IO, Any
 
-_ESCAPED_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
-"""Controls, format characters (bidi, zero-width), surrogates, line/paragraph separators."""
+from .._printable import has_control, needs_escape, printable
 
-_SUSPECT = re.compile(r"[^\x20-\x7e]")
-"""Every character that may need escaping (all but printable ASCII), judged one by one."""
-
-
-_SHORT = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-
-def needs_escape(ch: str) -> bool:
-    """True for a character :func:`printable` escapes (see the module docstring)."""
-    return unicodedata.category(ch) in _ESCAPED_CATEGORIES
-
-
-def _escape_char(match: re.Match[str]) -> str:
-    ch = match.group()
-    if not needs_escape(ch):
-        return ch
-    code = ord(ch)
-    if ch in _SHORT:
-        return _SHORT[ch]
-    if code < 0x100:
-        return f"\\x{code:02x}"
-    if code < 0x10000:
-        return f"\\u{code:04x}"
-    return f"\\U{code:08x}"
-
-
-def printable(text: object) -> str:
-    """``text`` with every character that could drive or spoof a terminal escaped.
-
-    >>> printable("ok\\rFAKE \\x1b[2J\\u202eevil")
-    'ok\\\\rFAKE \\\\x1b[2J\\\\u202eevil'
-    >>> printable("model.layers.0.mlp.up_proj.weight \u00e9\u6a21")
-    'model.layers.0.mlp.up_proj.weight \u00e9\u6a21'
-    """
-    text = str(text)
-    if text.isascii() and text.isprintable():
-        return text
-    return _SUSPECT.sub(_escape_char, text)
-
-
-def has_control(text: str, *, allow: str = "") -> bool:
-    """True when ``text`` holds a character :func:`printable` would escape (other than ``allow``).
-
-    >>> has_control("a\\nb", allow="\\n"), has_control("a\\x1bb")
-    (False, True)
-    """
-    return any(ch not in allow and needs_escape(ch) for ch in text)
-
+__all__ = ["GuardedStream", "emit", "emit_json", "error", "has_control", "needs_escape", "note", "printable"]
 
 def emit(lines: Iterable[str], stream: IO[str] | None = None) -> None:
     """Print human output, one escaped line per item (an item never spans two lines)."""
