@@ -761,10 +761,13 @@ def test_verify_bin_never_unpickles_beyond_weights_only(
 ) -> None:
     path = tmp_path / "evil.pt"
     torch.save({"w": torch.ones(2), "obj": _Custom()}, path)
-    code, out, _ = run(capsys, "verify", path)
-    assert code == 1
-    assert "cannot be loaded with weights_only=True" in out
+    code, out, err = run(capsys, "verify", path)
+    assert (code, out) == (2, "")
+    assert err.startswith(f"shardpoint: error: {path} cannot be loaded with weights_only=True (")
+    assert "it is refused" in err
     assert _Custom.unpickled == 0
+    code, out, _ = run(capsys, "verify", path, "--json")
+    assert (code, json.loads(out)["error"]) == (2, "UnsafePickleError")
 
 
 class _Custom:

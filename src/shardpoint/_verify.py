@@ -38,7 +38,12 @@ from ._progress import byte_progress
 from ._source import Checkpoint, _read_json_file, is_tmp, open_checkpoint
 from ._storage.paths import member_path
 from ._storage.remote import PENDING_NAME, RemoteStore, resolve
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    UnsafePickleError,
+    UnsupportedFormatError,
+)
 
 __all__ = ["VerifyReport", "verify_checkpoint"]
 
@@ -133,6 +138,10 @@ def verify_checkpoint(
 
     Raises:
         CheckpointNotFoundError: ``path`` does not exist or holds no checkpoint at all.
+        UnsafePickleError: a ``.bin`` / ``.pt`` file needs more than ``weights_only`` to be
+            read (verify never unpickles it; ``sp.load`` would refuse it too).
+        UnsupportedFormatError: a ``.bin`` / ``.pt`` file is not a zip-format ``torch.save``
+            file (a legacy pickle, which ``sp.load`` refuses too).
         OSError: the directory itself cannot be listed.
 
     Example:
@@ -546,6 +555,8 @@ def _verify_pickled(
                 if not has_crc:
                     without_crc.append(where)
             obj, _ = torch_load(path, trust_pickle=False, zip_only=True)
+        except (UnsafePickleError, UnsupportedFormatError):
+            raise  # not damage: verify cannot judge the file without unpickling it
         except CheckpointError as exc:
             found.problem(fname, f"{exc}{held}")
             continue

@@ -8,7 +8,7 @@ reverses the text after it. So human output is written one line at a time throug
 character (newline and tab included: a line we print never holds one), DEL, each C1
 control, each Unicode format character (bidi overrides and isolates, zero-width
 characters, ...), line and paragraph separators and lone surrogates is replaced by its
-Python escape (``\\x1b``, ``\\u202e``). Other characters (accents, CJK, emoji) are kept.
+Python escape (``\\x1b``, ``\\u202e``, ``\\n``). Other characters (accents, CJK, emoji) are kept.
 A backslash is not escaped, so the text stays readable; ``--json`` output is the exact
 value (``json.dumps`` escapes every non-ASCII character).
 

@@ -18,8 +18,8 @@ training_args.bin, optimizer.pt, ...) are listed as not checked. A file that loo
 data of the checkpoint but that it does not reference (a model-00003-of-00003.safetensors
 missing from the index) is a warning.
 
-Exit status: 0 whole, 1 damaged (every problem is listed), 2 usage error or no checkpoint
-at the path. With --json a failure prints {"error", "message", "path"} instead.
+Exit status: 0 whole, 1 damaged (every problem is listed), 2 usage error, no checkpoint
+at the path, or a .bin/.pt file that cannot be read without a full unpickle (refused). With --json a failure prints {"error", "message", "path"} instead.
 
 The --json object has the keys: path, format ("shardpoint", "hf-index", "hf-file",
 "hf-bin", "torch-save"), ok, problems [str], warnings [str], notes [str], unchecked [file
@@ -34,7 +34,12 @@ import argparse
 from .._format.companions import role
 from .._sizes import human_size
 from .._verify import VerifyReport, verify_checkpoint
-from ..errors import CheckpointError, CheckpointNotFoundError
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    UnsafePickleError,
+    UnsupportedFormatError,
+)
 from .main import EXIT_DAMAGED, EXIT_OK, add_storage_options, fail
 from .output import emit, emit_json
 
@@ -57,8 +62,8 @@ def run(args: argparse.Namespace) -> int:
         report = verify_checkpoint(
             args.path, checksums=not args.quick, storage_options=args.storage_options
         )
-    except CheckpointNotFoundError:
-        raise  # exit 2: nothing to verify at that path
+    except (CheckpointNotFoundError, UnsafePickleError, UnsupportedFormatError):
+        raise  # exit 2: nothing to verify at that path, or a pickle it will not unpickle
     except CheckpointError as exc:
         return fail(args, exc, EXIT_DAMAGED)
     if args.json:
