@@ -19,6 +19,7 @@ import torch
 
 from ._flatten import WRAPPER_TYPES
 from ._format.dtypes import DTYPE_TO_NAME
+from ._hub import local_path
 from ._stream_source import BATCH_BYTES, Ref, TensorSource, batches, open_source
 from .errors import CheckpointError
 
@@ -191,6 +192,7 @@ def diff(
     atol: float = 0.0,
     rtol: float = 0.0,
     trust_pickle: bool = False,
+    cache_dir: str | os.PathLike[str] | None = None,
 ) -> DiffReport:
     """Compare two checkpoints tensor by tensor, streaming (about one batch in memory).
 
@@ -203,6 +205,8 @@ def diff(
         a, b: the checkpoints (B is the reference for ``rtol``).
         atol, rtol: tolerance, element-wise ``|a - b| <= atol + rtol * |b|``.
         trust_pickle: allow a full unpickle of either side (see ``convert``).
+        cache_dir: the Hugging Face cache ``hf://org/name[@revision]`` sides are looked up
+            in (default: ``huggingface_hub``'s); such a side is never downloaded.
 
     Returns:
         A :class:`DiffReport`; ``report.equal`` is True when the keys, shapes and dtypes
@@ -222,9 +226,10 @@ def diff(
     """
     if atol < 0 or rtol < 0 or math.isnan(atol) or math.isnan(rtol):
         raise CheckpointError(f"atol and rtol must be >= 0 (got atol={atol}, rtol={rtol})")
-    src_a = open_source(a, trust_pickle=trust_pickle)
+    local_a, local_b = local_path(a, cache_dir), local_path(b, cache_dir)
+    src_a = open_source(local_a, trust_pickle=trust_pickle)
     try:
-        src_b = open_source(b, trust_pickle=trust_pickle)
+        src_b = open_source(local_b, trust_pickle=trust_pickle)
         try:
             return _diff_sources(src_a, src_b, os.fspath(a), os.fspath(b), atol, rtol)
         finally:

@@ -19,6 +19,7 @@ import torch
 from ._distributed.group import Group, local_chunk
 from ._flatten import WRAPPER_TYPES, tree_tensor_names, unflatten_state
 from ._format.manifest import ComponentRecord, TensorRecord
+from ._hub import resolve_hub
 from ._io.transfer import ReadTask, reader_threads, run_reads
 from ._knobs import knobs
 from ._planning.chunks import byte_runs, intersect
@@ -237,7 +238,9 @@ def load(
 
     Args:
         path: checkpoint directory or ``.safetensors`` file (local HF ``.bin`` weights too), or an fsspec URL of either
-            (``s3://bucket/run/step-100``): only the byte ranges needed are read, concurrently.
+            (``s3://bucket/run/step-100``): only the byte ranges needed are read, concurrently;
+            or ``hf://org/name[@revision][/subfolder]``: a repository in the local Hugging Face
+            cache, never downloaded (``storage_options={"cache_dir": ...}`` names another cache).
         keys: tensor names to read (flat checkpoints) or components (nested ones).
         device: where the tensors go (read through a bounded staging buffer if not CPU).
         dtype: cast floating-point tensors to this dtype while reading.
@@ -263,6 +266,7 @@ def load(
         >>> sp.load(d)["w"].tolist()
         [0.0, 1.0, 2.0, 3.0]
     """
+    path, storage_options = resolve_hub(path, storage_options)
     path, pickled = route(path)
     if pickled is not None:
         if mmap:
@@ -564,7 +568,9 @@ def load_into(
     Args:
         target: the objects to fill.
         path: checkpoint directory or ``.safetensors`` file (local HF ``.bin`` weights too), or an fsspec URL of either
-            (``s3://bucket/run/step-100``): only the byte ranges needed are read, concurrently.
+            (``s3://bucket/run/step-100``): only the byte ranges needed are read, concurrently;
+            or ``hf://org/name[@revision][/subfolder]``: a repository in the local Hugging Face
+            cache, never downloaded (``storage_options={"cache_dir": ...}`` names another cache).
         strict: raise :class:`LoadMismatchError` (before changing anything) when keys are
             missing, unexpected or mis-shaped.
         progress: show a progress bar (default: when stderr is a terminal).
@@ -620,6 +626,7 @@ def _load_into(
     storage_options: Mapping[str, Any] | None = None,
     threads: int | None = None,
 ) -> LoadResult:
+    path, storage_options = resolve_hub(path, storage_options)
     path, pickled = route(path)
     if pickled is not None:
         return load_pickled_into(

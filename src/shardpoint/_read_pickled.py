@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import CheckpointError, InvalidStateError, LoadMismatchError
+from .errors import CheckpointError, CheckpointNotFoundError, InvalidStateError, LoadMismatchError
 
 if TYPE_CHECKING:
     from ._stream_source import SourceSpec
@@ -40,7 +40,7 @@ def route(path: str | os.PathLike[str]) -> tuple[str | os.PathLike[str], SourceS
         return path, None
     try:
         real, kind, _notes = resolve_source(location)
-    except CheckpointError:
+    except CheckpointNotFoundError:
         return path, None  # not ours to explain: the safetensors reader says what is wrong
     if kind in ("torch-save", "hf-bin"):
         return path, SourceSpec(real, kind, trust_pickle=False, zip_only=True)

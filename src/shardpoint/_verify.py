@@ -32,11 +32,12 @@ from ._format.dtypes import NAME_TO_DTYPE, itemsize
 from ._format.index import index_name, parse_index
 from ._format.manifest import MANIFEST_NAME, ChunkRef, Manifest
 from ._format.safetensors import SafetensorsHeader
+from ._hub import resolve_hub
 from ._io.transfer import reader_threads
 from ._knobs import knobs
 from ._progress import byte_progress
 from ._source import Checkpoint, _read_json_file, is_tmp, open_checkpoint
-from ._storage.paths import member_path
+from ._storage.paths import member_path, open_regular
 from ._storage.remote import PENDING_NAME, RemoteStore, resolve
 from .errors import (
     CheckpointError,
@@ -127,7 +128,9 @@ def verify_checkpoint(
     Args:
         path: checkpoint directory (shardpoint or HF) or a single ``.safetensors`` file,
             or an fsspec URL of either (``s3://bucket/run/step-100``; checksumming then
-            streams every object through ranged reads).
+            streams every object through ranged reads), or ``hf://org/name[@revision]``
+            (a repository in the local Hugging Face cache; ``storage_options`` may name its
+            ``cache_dir``).
         storage_options: options of the URL's fsspec filesystem (see ``shardpoint.save``).
         checksums: also read every stored tensor and compare its crc32c (the slow part;
             ``False`` checks structure only: manifest, file sizes, headers, entries).
@@ -152,6 +155,7 @@ def verify_checkpoint(
         >>> report.ok, report.files_checked, report.bytes_checked
         (True, 1, 16)
     """
+    path, storage_options = resolve_hub(path, storage_options)
     path, store = resolve(path, storage_options)
     if store is not None:
         return _verify_remote(store, storage_options, checksums=checksums, progress=progress)
@@ -248,7 +252,7 @@ def _read_json(ckpt: Checkpoint, name: str, where: str) -> bytes:
     """An index of ``ckpt``, local or remote, size-capped."""
     if ckpt.store is not None:
         return ckpt.store.get(name, limit=knobs().max_json_bytes)
-    return _read_json_file(where, where=where)
+    return _read_json_file(member_path(ckpt.directory, name, where=ckpt.location), where=where)
 
 
 def _verify_shardpoint(
@@ -630,7 +634,7 @@ def _zip_crc(path: str, where: str) -> tuple[int, bool, list[str]]:
     """Check every record of a zip-format ``torch.save`` file against its CRC-32, reading
     in bounded pieces: (bytes read, whether CRCs are recorded, problems). A legacy
     (non-zip) file has none: ``torch_load`` says what is wrong with it."""
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path, where=where), "rb") as f:  # a FIFO would hang
         if f.read(4) != b"PK\x03\x04":
             return 0, True, []
         f.seek(0)

@@ -24,14 +24,19 @@ import os
 
 from .._convert import run_convert
 from .._sizes import human_size
-from .main import EXIT_OK
+from .main import EXIT_OK, add_cache_dir
 from .output import emit, note
 
 HELP = "convert torch.save / HF .bin / DCP / safetensors checkpoints to sharded safetensors"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", help="file or directory to convert")
+    parser.add_argument(
+        "src",
+        help="file or directory to convert, or hf://org/name[@revision][/subfolder]: a "
+        "repository in the local Hugging Face cache",
+    )
+    add_cache_dir(parser)
     parser.add_argument("dst", help="checkpoint directory to create")
     parser.add_argument(
         "--max-shard-size",
@@ -80,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         progress=args.progress,
         workers=args.workers,
+        cache_dir=args.cache_dir,
     )
     for message in source.notes:
         note(message)

@@ -27,15 +27,19 @@ from typing import Any
 
 from .._diff import DiffReport, TensorDiff, diff
 from .._sizes import human_size
-from .main import EXIT_DAMAGED, EXIT_OK
+from .main import EXIT_DAMAGED, EXIT_OK, add_cache_dir
 from .output import emit, printable
 
 HELP = "compare two checkpoints (any format): keys, shapes, dtypes, max abs / rel difference"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("a", help="first checkpoint (file or directory)")
+    parser.add_argument(
+        "a", help="first checkpoint (file or directory, or hf://org/name[@revision] in the "
+        "local Hugging Face cache)"
+    )
     parser.add_argument("b", help="second checkpoint, the reference for --rtol")
+    add_cache_dir(parser)
     parser.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0)")
     parser.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (keys above)")
@@ -50,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, trust_pickle=args.trust_pickle)
+    report = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, trust_pickle=args.trust_pickle,
+                  cache_dir=args.cache_dir)
     if args.json:
         print(json.dumps(to_json(report), indent=2))
     else:

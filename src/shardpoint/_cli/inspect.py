@@ -50,6 +50,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
@@ -57,9 +58,10 @@ from .._format.companions import PICKLE_WEIGHTS, torch_weights_file
 from .._format.dtypes import NAME_TO_DTYPE, dtype_name, itemsize
 from .._format.index import index_name
 from .._format.manifest import FORMAT_VERSION, MANIFEST_NAME
+from .._hub import resolve_hub
 from .._sizes import human_size
 from .._source import Checkpoint, is_tmp, open_checkpoint
-from .main import add_storage_options
+from .main import add_cache_dir, add_storage_options, hub_storage_options
 from .output import emit, emit_json, printable
 
 HELP = "show format, files, dtypes and tensors of a checkpoint"
@@ -72,10 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "path",
         help="checkpoint directory (shardpoint or Hugging Face) or .safetensors file, or an "
-        "fsspec URL of either (s3://bucket/run/step-100)",
+        "fsspec URL of either (s3://bucket/run/step-100), or hf://org/name[@revision]: a "
+        "repository in the local Hugging Face cache",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object (keys above)")
     add_storage_options(parser)
+    add_cache_dir(parser)
     parser.add_argument(
         "--filter",
         metavar="PATTERN",
@@ -102,8 +106,10 @@ def _count_arg(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    options = hub_storage_options(args.path, args.storage_options, args.cache_dir)
+    path, resolved = resolve_hub(args.path, options)
     limit = args.limit if args.limit is not None else (0 if args.json else DEFAULT_LIMIT)
-    doc = describe_path(args.path, args.storage_options, pattern=args.filter, limit=limit)
+    doc = describe_path(path, resolved, pattern=args.filter, limit=limit)
     if args.json:
         emit_json(doc)
     else:
@@ -112,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def describe_path(
-    path: str, storage_options: dict[str, Any] | None, *, pattern: str | None, limit: int
+    path: str, storage_options: Mapping[str, Any] | None, *, pattern: str | None, limit: int
 ) -> dict[str, Any]:
     """``describe`` of whatever ``sp.load`` would read at ``path`` (``.bin`` weights too)."""
     location = os.fspath(path)

@@ -116,6 +116,25 @@ def add_storage_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_cache_dir(parser: argparse.ArgumentParser) -> None:
+    """``--cache-dir DIR``: the Hugging Face cache that ``hf://`` paths are looked up in."""
+    parser.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="Hugging Face cache holding hf://org/name[@revision] paths (default: HF_HUB_CACHE, "
+        "else $HF_HOME/hub); they are read from the cache only, never downloaded",
+    )
+
+
+def hub_storage_options(
+    path: str, storage_options: dict[str, object] | None, cache_dir: str | None
+) -> dict[str, object] | None:
+    """``storage_options`` with ``cache_dir`` added for an ``hf://`` path (else unchanged)."""
+    if cache_dir is None or not path.startswith("hf://"):
+        return storage_options
+    return {**(storage_options or {}), "cache_dir": cache_dir}
+
+
 def _command_module(name: str) -> ModuleType:
     return importlib.import_module(SUBCOMMANDS[name])
 

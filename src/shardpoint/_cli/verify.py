@@ -40,7 +40,14 @@ from ..errors import (
     UnsafePickleError,
     UnsupportedFormatError,
 )
-from .main import EXIT_DAMAGED, EXIT_OK, add_storage_options, fail
+from .main import (
+    EXIT_DAMAGED,
+    EXIT_OK,
+    add_cache_dir,
+    add_storage_options,
+    fail,
+    hub_storage_options,
+)
 from .output import emit, emit_json
 
 HELP = "check that a checkpoint is whole: files, sizes, headers and crc32c of every tensor"
@@ -50,18 +57,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "path",
         help="checkpoint directory (shardpoint or Hugging Face) or .safetensors file, or an "
-        "fsspec URL of either (s3://bucket/run/step-100)",
+        "fsspec URL of either (s3://bucket/run/step-100), or hf://org/name[@revision]: a "
+        "repository in the local Hugging Face cache",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object (keys above)")
     parser.add_argument("--quick", action="store_true", help="check structure only; skip crc32c")
     add_storage_options(parser)
+    add_cache_dir(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        report = verify_checkpoint(
-            args.path, checksums=not args.quick, storage_options=args.storage_options
-        )
+        options = hub_storage_options(args.path, args.storage_options, args.cache_dir)
+        report = verify_checkpoint(args.path, checksums=not args.quick, storage_options=options)
     except (CheckpointNotFoundError, UnsafePickleError, UnsupportedFormatError):
         raise  # exit 2: nothing to verify at that path, or a pickle it will not unpickle
     except CheckpointError as exc:
