@@ -4,13 +4,16 @@ Every ```python block of the README runs in order; the names a snippet takes for
 (a ``model`` with a ``config``, ``MyModel``, an ``optimizer``...) are defined here, small: a
 two-layer Llama from a tiny config, never downloaded weights. The ``shardpoint ...`` lines
 of the ```bash blocks run through the command's ``main`` against the folder the first
-snippet saved. The object-storage block runs against the test S3 server (SeaweedFS on
-loopback): its placeholder credentials and ``s3://bucket/`` are replaced by the server's.
-Blocks the suite cannot run are listed in ``NOT_RUN`` with the reason.
+snippet saved. The Hugging Face cache block runs against a cache this test lays out as
+``huggingface_hub`` does (``HF_HUB_CACHE``; the snippet's ``/data/hf/hub`` is replaced by
+it). The object-storage block runs against the test S3 server (SeaweedFS on loopback): its
+placeholder credentials and ``s3://bucket/`` are replaced by the server's. Blocks the
+suite cannot run are listed in ``NOT_RUN`` with the reason.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from pathlib import Path
@@ -33,6 +36,22 @@ NOT_RUN = {
 
 def blocks(language: str) -> list[str]:
     return re.findall(rf"^```{language}\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+
+
+def python_block(marker: str) -> str:
+    """The one python block of the README holding ``marker``."""
+    found = [b for b in blocks("python") if marker in b]
+    assert len(found) == 1, (marker, len(found))
+    return found[0]
+
+
+PYTHON_BLOCKS = {
+    "five things": 'sp.save(model.state_dict(), "out/my-model"',
+    "distributed": "get_optimizer_state_dict",
+    "hf cache": "hf://org/name",
+    "object storage": "s3://bucket/",
+}
+"""Every python block of the README, by a line it holds; each is run by a test below."""
 
 
 def _tiny_llama() -> Any:
@@ -74,13 +93,16 @@ def shell_commands(block: str) -> list[list[str]]:
 
 
 def test_the_readme_has_the_blocks_this_test_runs() -> None:
+    """A new block in the README needs a test here: this fails until it has one."""
     python = blocks("python")
-    assert len(python) == 3
-    assert "sp.save(model.state_dict(), \"out/my-model\"" in python[0]
-    assert "s3://" in python[2]
+    assert len(python) == len(PYTHON_BLOCKS)
+    assert {m: python_block(m) for m in PYTHON_BLOCKS.values()}
     bash = blocks("bash")
-    commands = [c[1] for b in bash for c in shell_commands(b)]
-    assert commands == ["inspect", "inspect", "verify", "convert", "diff"]
+    commands = [(c[1], c[2].startswith("hf://")) for b in bash for c in shell_commands(b)]
+    assert commands == [
+        ("inspect", False), ("inspect", False), ("verify", False), ("convert", False),
+        ("diff", False), ("inspect", True),
+    ]
     first_words = {line.split("#")[0].strip() for b in bash for line in b.splitlines()}
     others = {w for w in first_words if w and not w.startswith("shardpoint ")}
     assert others == {"make demo", "make test", "make bench", "make lint"}, others
@@ -90,12 +112,12 @@ def test_the_readme_has_the_blocks_this_test_runs() -> None:
 def test_readme_python_and_cli_examples_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    python = blocks("python")
     first = tmp_path / "first"
     first.mkdir()
     monkeypatch.chdir(first)
     names = _names()
-    exec(compile(python[0], "README.md:python[0]", "exec"), names)
+    block = python_block(PYTHON_BLOCKS["five things"])
+    exec(compile(block, "README.md: the five things", "exec"), names)
     # What the snippet promised: transformers reads the folder; the manager kept its steps.
     from transformers import LlamaForCausalLM
 
@@ -109,7 +131,8 @@ def test_readme_python_and_cli_examples_run(
     torch.save(names["model"].state_dict(), "model.pt")
     sp.save(names["model"].state_dict(), "ckpt/step-100")
     capsys.readouterr()
-    commands = [c for b in blocks("bash") for c in shell_commands(b)]
+    commands = [c for b in blocks("bash") for c in shell_commands(b) if "hf://" not in c[2]]
+    assert len(commands) == 5
     for argv in commands:
         code = main(argv[1:])
         out, err = capsys.readouterr()
@@ -133,19 +156,72 @@ def test_readme_python_and_cli_examples_run(
     scope = {"sp": sp, "torch": torch, "model": model, "opt": opt,  # imported by the first block
              "get_optimizer_state_dict": get_optimizer_state_dict,
              "set_optimizer_state_dict": set_optimizer_state_dict}
-    exec(compile(python[1], "README.md:python[1]", "exec"), scope)
+    block = python_block(PYTHON_BLOCKS["distributed"])
+    exec(compile(block, "README.md: distributed", "exec"), scope)
     assert sorted(sp.load("ckpt/step-100")) == ["model", "optim"]
     assert scope["save_pretrained"] is sp.integrations.transformers.save_pretrained
 
 
 def test_readme_object_storage_example_runs(opts: dict[str, Any], url: str) -> None:
-    block = blocks("python")[2]
+    block = python_block(PYTHON_BLOCKS["object storage"])
     placeholder = re.search(r"^opts = \{.*\}$", block, flags=re.M)
     assert placeholder is not None, block
     code = block.replace(placeholder.group(), "opts = server_opts").replace("s3://bucket/", f"{url}/")
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     model.lm_head = torch.nn.Linear(4, 2)
     scope = {"sp": sp, "model": model, "server_opts": opts}
-    exec(compile(code, "README.md:python[2]", "exec"), scope)
+    exec(compile(code, "README.md: object storage", "exec"), scope)
     assert torch.equal(scope["sd"]["lm_head.weight"], model.lm_head.weight)
     assert isinstance(scope["mgr"], sp.CheckpointManager)
+
+
+def _cache_repo(cache: Path, repo_id: str, source: Path, revisions: list[str]) -> None:
+    """Lay ``source`` out in ``cache`` as ``huggingface_hub`` does (blobs, a snapshot of
+    links, refs naming its commit)."""
+    import hashlib
+
+    from huggingface_hub.file_download import repo_folder_name
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / repo_folder_name(repo_id=repo_id, repo_type="model")
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    (repo / "refs").mkdir()
+    for revision in revisions:
+        (repo / "refs" / revision).write_text(commit)
+    for path in sorted(source.iterdir()):
+        data = path.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / path.name).symlink_to(os.path.relpath(blob, snapshot))
+
+
+def test_readme_hugging_face_cache_example_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = _tiny_llama()
+    model.save_pretrained(tmp_path / "source")
+    cache = tmp_path / "hub"
+    _cache_repo(cache, "org/name", tmp_path / "source", ["main", "v1.0"])
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))  # read once at import from the env
+    monkeypatch.chdir(tmp_path)
+    block = python_block(PYTHON_BLOCKS["hf cache"])
+    assert '"/data/hf/hub"' in block
+    target = _tiny_llama()
+    with torch.no_grad():
+        for p in target.parameters():
+            p.zero_()
+    scope = {"sp": sp, "model": target}
+    exec(compile(block.replace('"/data/hf/hub"', repr(str(cache))), "README.md: hf cache", "exec"), scope)
+    assert torch.equal(scope["sd"]["lm_head.weight"], model.lm_head.weight)
+    assert torch.equal(target.lm_head.weight, model.lm_head.weight)
+    assert sp.load("out/name-bf16")["lm_head.weight"].dtype == torch.bfloat16
+    capsys.readouterr()
+    commands = [c for b in blocks("bash") for c in shell_commands(b) if "hf://" in c[2]]
+    assert len(commands) == 1
+    for argv in commands:
+        assert main(argv[1:]) == 0, capsys.readouterr()
+        assert "model.safetensors" in capsys.readouterr().out
