@@ -726,7 +726,13 @@ def test_verify_and_inspect_bin_shards(tmp_path: Path, capsys: pytest.CaptureFix
     assert code == 1
     problem = next(line for line in out.splitlines() if line.startswith("problem:"))
     assert problem.startswith(f"problem: {shard}: record ") and "does not match its CRC-32" in problem
-    assert run(capsys, "verify", path, "--quick")[0] == 0
+    code, out, _ = run(capsys, "verify", path, "--quick")
+    assert code == 0
+    assert out.splitlines()[1] == (
+        "note: torch.save files: tensors read with torch.load(weights_only=True) (structure "
+        "only, never a full unpickle)"
+    )
+    assert out.splitlines()[-1] == "OK: structure is whole (2 files, 4 stored tensors); CRC-32 skipped (--quick)"
     (path / "pytorch_model-00002-of-00002.bin").unlink()
     code, out, _ = run(capsys, "verify", path, "--quick")
     assert code == 1

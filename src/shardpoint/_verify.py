@@ -504,10 +504,12 @@ def _verify_foreign(
 
 # ------------------------------------------------------------------------ .bin / .pt
 
-PICKLED_NOTE = (
-    "torch.save files: each one's zip records checked against their CRC-32, tensors read "
-    "with torch.load(weights_only=True) (structure only, never a full unpickle)"
-)
+def _pickled_note(checksums: bool) -> str:
+    crc = "each one's zip records checked against their CRC-32, " if checksums else ""
+    return (
+        f"torch.save files: {crc}tensors read with torch.load(weights_only=True) (structure "
+        "only, never a full unpickle)"
+    )
 
 
 def _verify_pickled(
@@ -626,7 +628,7 @@ def _verify_pickled(
         bytes_checked=bytes_checked,
         checksums=checksums and not without_crc,
         unchecked=unchecked,
-        notes=[PICKLED_NOTE],
+        notes=[_pickled_note(checksums)],
     )
 
 
