@@ -914,3 +914,25 @@ def test_progress_bar_descriptions_are_escaped(capsys: pytest.CaptureFixture[str
     err = capsys.readouterr().err
     assert "verifying evil\\x1b[2J\\u202e" in err
     assert "\x1b[2J" not in err and "\u202e" not in err
+
+
+def test_pt_beside_safetensors_is_read_from_the_safetensors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from safetensors.torch import save_file
+
+    save_file(_state(), str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "model.pt").write_bytes(b"\x80 not read: a pickle that would fail")
+    note = (
+        f"{tmp_path / 'model.safetensors'} instead of {tmp_path / 'model.pt'}: load reads the "
+        ".safetensors file of the same stem beside it (same tensors, no unpickling)"
+    )
+    code, out, _ = run(capsys, "verify", tmp_path / "model.pt")
+    assert code == 0
+    assert out.splitlines()[1] == f"note: verified {note}"
+    assert out.splitlines()[-1].startswith("OK: structure is whole (1 file, 4 stored tensors)")
+    code, out, _ = run(capsys, "inspect", tmp_path / "model.pt")
+    assert code == 0
+    assert out.splitlines()[0] == f"note: showing {note}"
+    doc = json.loads(run(capsys, "inspect", tmp_path / "model.pt", "--json")[1])
+    assert (doc["format"], doc["tensor_count"], doc["notes"]) == ("hf-file", 4, [f"showing {note}"])

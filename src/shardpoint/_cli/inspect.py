@@ -22,6 +22,8 @@ The --json object has these keys:
   files            [{"name": str, "size": int}] data files, in order
   unchecked        [str] other files of the directory, not read (config.json, tokenizer
                    files, training_args.bin, ...; also stray files that look like data)
+  notes            [str] how the checkpoint was read, where it matters (model.pt named,
+                   model.safetensors beside it shown instead, as sp.load reads it)
   total_size       bytes of all data files
   tensor_count     stored tensors (tied aliases not counted)
   alias_count      tied names stored once under another name
@@ -122,6 +124,14 @@ def describe_path(
 ) -> dict[str, Any]:
     """``describe`` of whatever ``sp.load`` would read at ``path`` (``.bin`` weights too)."""
     location = os.fspath(path)
+    notes = []
+    sibling = os.path.splitext(location)[0] + ".safetensors"
+    if location.endswith(PICKLE_WEIGHTS) and "://" not in location and os.path.isfile(sibling):
+        notes.append(
+            f"showing {sibling} instead of {location}: load reads the .safetensors file of the "
+            "same stem beside it (same tensors, no unpickling)"
+        )
+        path = location = sibling
     pickled = None if "://" in location else _pickled_weights(location)
     if pickled is not None:
         doc = describe_pickled(location, *pickled, pattern=pattern, limit=limit)
@@ -129,6 +139,7 @@ def describe_path(
         doc = describe(open_checkpoint(path, storage_options), pattern=pattern, limit=limit)
     index = doc.pop("_index", None)
     doc["unchecked"] = _unchecked(location, doc, index) if os.path.isdir(location) else []
+    doc["notes"] = notes
     return doc
 
 
@@ -413,6 +424,7 @@ def render(doc: dict[str, Any], *, pattern: str | None = None) -> list[str]:
         head.append(["components" if i == 0 else "", line])
     if doc["metadata"]:
         head.append(["metadata", json.dumps(doc["metadata"])])
+    out += [f"note: {n}" for n in doc.get("notes", [])]
     out += _table(head, indent="")
 
     out.append("")
