@@ -116,13 +116,15 @@ def test_readme_python_and_cli_examples_run(
     first.mkdir()
     monkeypatch.chdir(first)
     names = _names()
+    original = names["model"]  # the snippet rebinds `model` (built on meta, loaded in bf16)
     block = python_block(PYTHON_BLOCKS["five things"])
     exec(compile(block, "README.md: the five things", "exec"), names)
     # What the snippet promised: transformers reads the folder; the manager kept its steps.
     from transformers import LlamaForCausalLM
 
     reloaded = LlamaForCausalLM.from_pretrained("out/my-model")
-    assert torch.equal(reloaded.lm_head.weight, names["model"].lm_head.weight)
+    assert torch.equal(reloaded.lm_head.weight, original.lm_head.weight)
+    assert names["model"].lm_head.weight.dtype == torch.bfloat16
     assert names["sd"]["lm_head.weight"].dtype == torch.bfloat16
     assert names["mgr"].steps() == [500, 1000]
     assert names["start"] == 1
