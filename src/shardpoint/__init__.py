@@ -1,8 +1,10 @@
 """shardpoint: fast, atomic, sharded safetensors checkpoints for PyTorch.
 
->>> import shardpoint as sp
->>> sp.save(model.state_dict(), "ckpt/step-100", max_shard_size="5GB")  # doctest: +SKIP
->>> sp.load_into(model, "ckpt/step-100")  # doctest: +SKIP
+>>> import torch, shardpoint as sp
+>>> model = torch.nn.Linear(4, 4)
+>>> info = sp.save(model.state_dict(), "ckpt/step-100", max_shard_size="5GB")
+>>> sp.load_into(model, "ckpt/step-100").ok
+True
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ._flatten import flatten_state
+from ._format.companions import torch_weights_file
 from ._format.dtypes import dtype_from_name, dtype_name
 from ._format.index import parse_index
 from ._format.manifest import MANIFEST_NAME
@@ -687,6 +688,9 @@ def resolve_source(path: str | os.PathLike[str]) -> tuple[str, str, list[str]]:
         return location, "hf-bin", []
     if len(torch_files) == 1:
         return member_path(location, torch_files[0], where=location), "torch-save", []
+    weights, _ = torch_weights_file(names)  # pytorch_model.bin beside training_args.bin, ...
+    if weights is not None:
+        return member_path(location, weights, where=location), "torch-save", []
     raise CheckpointNotFoundError(
         f"{location} is not a checkpoint convert can read: no shardpoint.json or .safetensors "
         "files, no DCP .metadata, no pytorch_model.bin.index.json and not exactly one "

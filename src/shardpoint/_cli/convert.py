@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from .._convert import run_convert
 from .._sizes import human_size
 from .main import EXIT_OK, add_cache_dir
+from .output import emit, note
 
 HELP = "convert torch.save / HF .bin / DCP / safetensors checkpoints to sharded safetensors"
 
@@ -87,13 +87,13 @@ def run(args: argparse.Namespace) -> int:
         workers=args.workers,
         cache_dir=args.cache_dir,
     )
-    for note in source.notes:
-        print(f"shardpoint: note: {note}", file=sys.stderr)
+    for message in source.notes:
+        note(message)
     tensors = sum(len(c.stored) for c in source.components)
     files = len(info.files)
-    print(
+    emit([
         f"converted {source.spec.path} ({source.describe()}) -> {os.fspath(args.dst)}: "
         f"{tensors} tensor{'s' if tensors != 1 else ''}, {human_size(info.tensor_bytes)} in "
         f"{files} file{'s' if files != 1 else ''} ({info.seconds:.1f} s)"
-    )
+    ])
     return EXIT_OK

@@ -34,6 +34,7 @@ from typing import Any
 from .._diff import DiffReport, TensorDiff, diff
 from .._sizes import human_size
 from .main import EXIT_DAMAGED, EXIT_OK, add_cache_dir
+from .output import emit, printable
 
 HELP = "compare two checkpoints (any format): keys, shapes, dtypes, max abs / rel difference"
 
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(to_json(report), indent=2))
     else:
-        print(render(report, show_all=args.all))
+        emit(render(report, show_all=args.all).split("\n"))
     return EXIT_OK if report.equal else EXIT_DAMAGED
 
 
@@ -148,7 +149,8 @@ def render(report: DiffReport, *, show_all: bool = False) -> str:
     rows += [[k, "only in A", "", "", "", ""] for k in report.only_in_a]
     rows += [[k, "only in B", "", "", "", ""] for k in report.only_in_b]
     rows += [[v.key, "value", "", "", f"{v.a!r} -> {v.b!r}", ""] for v in report.values]
-    lines = [f"A: {report.a}", f"B: {report.b}"]
+    rows = [[printable(cell) for cell in row] for row in rows]  # names may hold controls
+    lines = [f"A: {printable(report.a)}", f"B: {printable(report.b)}"]
     if rows:
         header = ["KEY", "STATUS", "DTYPE", "SHAPE", "MAX ABS", "MAX REL"]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]

@@ -123,10 +123,15 @@ def save_pretrained(
             meta device.
 
     Example:
-        >>> from transformers import LlamaConfig, LlamaForCausalLM  # doctest: +SKIP
-        >>> model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2))  # doctest: +SKIP
-        >>> save_pretrained(model, "out/llama", max_shard_size="2GB")  # doctest: +SKIP
-        >>> LlamaForCausalLM.from_pretrained("out/llama")  # doctest: +SKIP
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        ...                      num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
+        >>> model = LlamaForCausalLM(config)
+        >>> info = save_pretrained(model, "out/llama", max_shard_size="2GB")
+        >>> sorted(info.files)
+        ['model.safetensors']
+        >>> type(LlamaForCausalLM.from_pretrained("out/llama")).__name__
+        'LlamaForCausalLM'
     """
     unknown = sorted(set(save_kwargs) - set(_SAVE_KWARGS))
     if unknown:
@@ -165,7 +170,12 @@ def from_pretrained(cls_or_auto: Any, path: str | os.PathLike[str], **kwargs: An
     directory, so ``LlamaForCausalLM``, ``AutoModelForCausalLM`` & co. load it as-is.
 
     Example:
-        >>> from transformers import AutoModelForCausalLM  # doctest: +SKIP
-        >>> model = from_pretrained(AutoModelForCausalLM, "out/llama")  # doctest: +SKIP
+        >>> from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+        >>> config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        ...                      num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
+        >>> _ = save_pretrained(LlamaForCausalLM(config), "out/tiny-llama")
+        >>> model = from_pretrained(AutoModelForCausalLM, "out/tiny-llama")
+        >>> model.config.num_hidden_layers
+        2
     """
     return cls_or_auto.from_pretrained(os.fspath(path), **kwargs)
