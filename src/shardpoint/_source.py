@@ -553,6 +553,7 @@ def _fill_local(ckpt: Checkpoint) -> Checkpoint:
 
     def control(name: str) -> bytes:
         where = os.path.join(location, name)
+        member_path(location, name, where=location)  # the one path rule (links stay inside)
         try:
             return _read_json_at(ckpt.dir_fd, name, where=where)  # type: ignore[arg-type]
         except FileNotFoundError:
