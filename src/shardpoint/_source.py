@@ -189,7 +189,7 @@ class Checkpoint:
             try:
                 self.fd(name)
             except MissingShardError as exc:
-                if self.dir_fd is not None and _changing(self):
+                if self.dir_fd is not None and _changing(self, name):
                     raise _Replaced from None
                 with self._lock:
                     self._open_errors[name] = exc
@@ -390,16 +390,30 @@ def _replaced(location: str, dir_fd: int) -> bool:
     return (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
 
 
-def _changing(ckpt: Checkpoint) -> bool:
+def _changing(ckpt: Checkpoint, missing: str | None = None) -> bool:
     """Whether the directory held by ``ckpt`` is being replaced, removed or deleted file by
     file (``rm -r``, a manager retiring the step) right now.
 
-    A committed checkpoint directory never changes: so a listing that differs from the one
-    taken at the open, within a few short waits, means a deletion in progress (a file that
-    is missing for good leaves the listing as it was).
+    A committed checkpoint directory never changes: a ``missing`` file that was listed
+    when the directory was opened (and is not a dangling link), or a listing that differs
+    from that one within a few short waits, means a deletion in progress. A directory not
+    modified for 2 s is not being deleted: its missing file is reported at once.
     """
     assert ckpt.dir_fd is not None
     before = set(ckpt.names or ())
+    if _replaced(ckpt.location, ckpt.dir_fd):
+        return True
+    if missing is not None and missing in before:
+        try:  # a dangling symlink is listed and cannot be opened: missing for good
+            if stat.S_ISLNK(os.lstat(missing, dir_fd=ckpt.dir_fd).st_mode):
+                return False
+        except OSError:
+            pass
+        return True  # listed when the directory was opened, gone now: being deleted
+    # A directory nobody touched for a while is not being deleted (an unlink updates its
+    # mtime): the file is missing for good, reported at once.
+    if time.time() - os.fstat(ckpt.dir_fd).st_mtime > 2.0:
+        return False
     for delay in (0.0, 0.01, 0.03, 0.1):
         time.sleep(delay)
         if _replaced(ckpt.location, ckpt.dir_fd):
