@@ -431,6 +431,44 @@ def moved_aside(final: str | os.PathLike[str]) -> list[str]:
         return []
 
 
+def hidden_sibling_message(location: str) -> str:
+    """Why a load refuses the hidden sibling ``location`` and what to do, by its kind."""
+    base = os.path.basename(os.path.normpath(location))
+    stem, _, suffix = base[1:].rpartition(TMP_MARKER)
+    target = os.path.join(os.path.dirname(os.path.normpath(location)), stem)
+    if _OLD_TMP.fullmatch(suffix):
+        return (
+            f"{location} is a whole previous version of {target}, moved aside by an overwrite "
+            "that never committed (a filesystem without renameat2); it is not loaded from here. "
+            f"Do not delete it: if {target} is missing, rename it back (mv {location} {target}); "
+            f"the next save of {target}, or a CheckpointManager on its folder, does that for you"
+        )
+    if _SAVE_TMP.fullmatch(suffix) and os.path.isdir(location) and not _is_own_temp(location):
+        return (
+            f"{location} is a directory that a save to {target} replaced, left while its files "
+            "were being moved back (the save never committed this cleanup); it is not loaded "
+            f"from here. Do not delete it: it may hold your files; the next save of {target} "
+            "moves them back, or move them yourself"
+        )
+    return (
+        f"{location} is the temporary directory of a save that never committed; "
+        "it is not a checkpoint. Load the committed one beside it, or delete it"
+    )
+
+
+def missing_path_message(location: str) -> str:
+    """What to tell a load of a missing ``location``: where a moved-aside version lies."""
+    aside = moved_aside(location)
+    if not aside:
+        return f"{location} does not exist; nothing to load"
+    return (
+        f"{location} does not exist, but {aside[-1]} beside it holds its whole previous "
+        "version, moved aside by an overwrite that was interrupted (a filesystem without "
+        f"renameat2). Rename it back (mv {aside[-1]} {location}), or save to {location} "
+        "again or open a CheckpointManager on its folder, which puts it back; do not delete it"
+    )
+
+
 def is_tmp_name(name: str) -> bool:
     return name.startswith(".") and TMP_MARKER in name
 
