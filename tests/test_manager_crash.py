@@ -35,6 +35,7 @@ import shardpoint as sp
 from _helper_process import HelperProcess
 from shardpoint import _async as sp_async
 from shardpoint._io import transfer as sp_transfer
+from shardpoint._storage.local import SAVE_MARKER
 
 # ------------------------------------------------------------------------- the training state
 
@@ -472,10 +473,11 @@ def test_stale_temp_dirs_are_ignored_by_restore_and_removed_by_the_next_save(
     _save_steps(mgr, [1, 2, 3])
     # A crashed save of step 5 that had written everything, manifest included, but was
     # never renamed into place; a half-deleted step; a crashed update of `latest`.
-    stale_save = tmp_path / ".step-000005.tmp-0123456789abcdef"
+    stale_save = tmp_path / ".step-000005.tmp-0123456789abcdef0123456789abcdef"
     model, opt, state = build(SMALL)
     fill(model, opt, state, 5)
     sp.save(state, stale_save, **FAST)
+    (stale_save / SAVE_MARKER).write_text(stale_save.name)  # as a save marks its temp dir
     assert (stale_save / "shardpoint.json").is_file()
     half_deleted = tmp_path / ".step-000002.tmp-del-feedface"
     half_deleted.mkdir()
