@@ -96,10 +96,12 @@ def write_small_file(path: str, data: bytes, *, durable: bool) -> None:
 
 
 SAVE_MARKER = ".shardpoint-save"
-"""Written first into a save's temporary directory, holding that directory's name: a dead
-directory whose marker names it is a save's own (removable); one without is a directory a
-commit replaced (it may hold the user's files: finished, never removed blindly). The
-committed checkpoint's copy is removed right after the commit."""
+"""Written first into a save's temporary directory: JSON naming that directory (``dir``). A
+dead directory whose marker names it is a save's own (removable); one without is a
+directory a commit replaced (it may hold the user's files: finished, never removed
+blindly). Before an overwrite's swap it also records the names the new checkpoint
+replaces (``replaced``) and the user's files carried over (``carried``: name -> version),
+so the move-out can be finished after a crash; it is removed once the move-out is done."""
 
 _NAME_MAX = 255
 _HEX = 32
@@ -170,8 +172,7 @@ def _make_locked_temp(final: Path, *, durable: bool = False) -> tuple[str, int |
             locked and os.path.exists(directory) and os.path.samestat(os.fstat(fd), os.stat(directory))
         ):
             try:
-                marker = os.path.join(directory, SAVE_MARKER)
-                write_small_file(marker, os.path.basename(directory).encode(), durable=durable)
+                _write_marker(directory, {"dir": os.path.basename(directory)}, durable=durable)
             except BaseException:
                 os.close(fd)
                 shutil.rmtree(directory, ignore_errors=True)
@@ -184,13 +185,43 @@ def _make_locked_temp(final: Path, *, durable: bool = False) -> tuple[str, int |
     raise OSError(errno.EAGAIN, "could not create and lock a temporary directory", str(final.parent))
 
 
+def _write_marker(directory: str, info: dict[str, object], *, durable: bool) -> None:
+    write_small_file(os.path.join(directory, SAVE_MARKER), json.dumps(info).encode(), durable=durable)
+
+
+def _marker(directory: str) -> dict[str, object] | None:
+    """The :data:`SAVE_MARKER` of ``directory``, None if absent or not one."""
+    where = os.path.join(directory, SAVE_MARKER)
+    try:
+        info = json.loads(read_small_file(where, where=where, limit=knobs().max_json_bytes))
+    except (OSError, CheckpointError, ValueError, RecursionError):
+        return None
+    return info if isinstance(info, dict) and isinstance(info.get("dir"), str) else None
+
+
 def _is_own_temp(directory: str) -> bool:
     """Whether ``directory`` holds the marker naming it: a save's own temporary directory."""
-    try:
-        data = read_small_file(os.path.join(directory, SAVE_MARKER), where=directory, limit=512)
-    except (OSError, CheckpointError):
-        return False
-    return data == os.fsencode(os.path.basename(directory))
+    info = _marker(directory)
+    return info is not None and info["dir"] == os.path.basename(directory)
+
+
+def _recorded_move_out(final: str, old_name: str) -> tuple[set[str], dict[str, tuple[int, ...]]] | None:
+    """What the save that replaced ``old_name`` by ``final`` recorded in ``final``'s marker
+    (the names it replaced, the files it carried over); None if it is not that save's."""
+    info = _marker(final)
+    if info is None:
+        return None
+    prefix = _temp_prefix(Path(final))
+    if old_name.removeprefix(prefix).removeprefix(_OLD) != str(info["dir"]).removeprefix(prefix):
+        return None
+    replaced = info.get("replaced")
+    carried = info.get("carried")
+    if not isinstance(replaced, list) or not isinstance(carried, dict):
+        return None
+    return (
+        {n for n in replaced if isinstance(n, str)},
+        {n: tuple(v) for n, v in carried.items() if isinstance(v, list)},
+    )
 
 
 # ------------------------------------------------------------------ what a checkpoint owns
@@ -340,6 +371,10 @@ def _finish_replaced(old: str, final: str, *, replaced: set[str] | None = None,
         return
     if replaced is None:
         replaced = owned_names(old, names, _components(_manifest_doc(final)))
+        recorded = _recorded_move_out(final, os.path.basename(old))
+        if recorded is not None:
+            replaced |= recorded[0]
+            carried = recorded[1]
     kept = _move_out(old, final, replaced, carried or {})
     if kept:
         warnings.warn(
@@ -349,6 +384,8 @@ def _finish_replaced(old: str, final: str, *, replaced: set[str] | None = None,
             stacklevel=3,
         )
         return
+    with contextlib.suppress(OSError):
+        os.unlink(os.path.join(final, SAVE_MARKER))  # the move-out it recorded is done
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -608,8 +645,6 @@ class LocalTransaction:
                     if durable:
                         fsync_dir(self.final.parent)
                 finally:
-                    with contextlib.suppress(OSError):
-                        os.unlink(self.final / SAVE_MARKER)
                     _finish_replaced(old, str(self.final), replaced=replaced, carried=carried)
                     if durable:
                         with contextlib.suppress(OSError):
@@ -630,6 +665,9 @@ class LocalTransaction:
             names = os.listdir(old)
             replaced = owned_names(old, names, components) | new_names
             carried = _carry_over(old, self.directory, replaced, durable=durable)
+            record: dict[str, object] = {"dir": os.path.basename(self.directory), "replaced": sorted(replaced),
+                      "carried": {n: list(v) for n, v in carried.items()}}
+            _write_marker(self.directory, record, durable=durable)
             if durable:
                 fsync_dir(self.directory)
         except BaseException:
@@ -644,7 +682,8 @@ class LocalTransaction:
         # No atomic exchange here: move the old one aside first. A crash in between leaves
         # the path missing and the old directory whole at `.tmp-old-`: the next save of
         # this name (or a CheckpointManager) puts it back.
-        aside = str(self.final.parent / f"{_temp_prefix(self.final)}{_OLD}{uuid.uuid4().hex}")
+        prefix = _temp_prefix(self.final)
+        aside = str(self.final.parent / f"{prefix}{_OLD}{os.path.basename(self.directory)[len(prefix):]}")
         os.rename(self.final, aside)
         try:
             os.rename(self.directory, self.final)
