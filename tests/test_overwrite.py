@@ -426,7 +426,7 @@ def _wait_for(path: Path, timeout: float = 60.0) -> None:
 def test_sigkill_while_saving_into_a_transformers_folder_never_mixes_or_loses_files(tmp_path: Path) -> None:
     """A child re-saves a tiny Llama into a folder ``transformers`` wrote (sharded, with a
     tokenizer and a README), alternating versions 1 (5 shards) and 2 (one file), and is
-    killed at random moments, 8 times. After each kill the folder's weights, as
+    killed at random moments, 6 times. After each kill the folder's weights, as
     ``transformers`` finds them and as ``sp.load`` reads them, are exactly version 1 or 2,
     the weight files are exactly those of that version, and the other files are untouched."""
     path = tmp_path / "llama"
@@ -438,7 +438,7 @@ def test_sigkill_while_saving_into_a_transformers_folder_never_mixes_or_loses_fi
     rng = random.Random(19)
     seen = set()
     try:
-        for round_ in range(8):
+        for round_ in range(6):
             started = tmp_path / f"started-{round_}"
             pid = helper.call({"op": "hf_resave", "path": str(path), "started": str(started)})["pid"]
             _wait_for(started)
@@ -553,10 +553,14 @@ def test_restores_racing_retention_and_two_managers_on_one_root(tmp_path: Path) 
 # --------------------------------------------------------------------- the helper
 
 
+_MODELS: dict[int, Any] = {}
+"""The helper's two tiny models, built once before the first fork."""
+
+
 def _job_hf_resave(cmd: dict[str, Any]) -> None:
     from shardpoint.integrations.transformers import save_pretrained
 
-    models = {v: tiny_llama(v) for v in (1, 2)}
+    models = _MODELS
     Path(cmd["started"]).write_text("go")
     v = 2
     while True:
@@ -616,8 +620,6 @@ def _job_reader(cmd: dict[str, Any]) -> None:
 
 
 def _helper_main() -> None:
-    import transformers  # noqa: F401 - imported once, before the forks
-
     warnings.simplefilter("ignore")
     jobs = {"hf_resave": _job_hf_resave, "manager_save": _job_manager_save, "writer": _job_writer,
             "reader": _job_reader}
@@ -639,6 +641,11 @@ def _helper_main() -> None:
             _, status = os.waitpid(cmd["pid"], 0)
             reply = {"status": os.waitstatus_to_exitcode(status)}
         else:
+            if op == "hf_resave" and not _MODELS:  # once, before the forks: models, imports
+                from shardpoint.integrations.transformers import save_pretrained
+
+                _MODELS.update({v: tiny_llama(v) for v in (1, 2)})
+                save_pretrained(_MODELS[1], Path(cmd["path"]).parent / "warm-up", progress=False)
             pid = os.fork()
             if pid == 0:
                 code = 0

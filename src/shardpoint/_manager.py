@@ -224,10 +224,13 @@ class CheckpointManager:
         CorruptCheckpointError when what it reads is not a manifest."""
         path = f"{self.step_path(step)}/{MANIFEST_NAME}"
         limit = knobs().max_json_bytes
-        if self._remote is not None:
-            raw = self._remote.child(step_dir_name(step)).get(MANIFEST_NAME, limit=limit)
-        else:
-            raw = read_small_file(path, where=path, limit=limit)
+        try:
+            if self._remote is not None:
+                raw = self._remote.child(step_dir_name(step)).get(MANIFEST_NAME, limit=limit)
+            else:
+                raw = read_small_file(path, where=path, limit=limit)
+        except CorruptCheckpointError as exc:  # not a regular file, over the size limit
+            raise CorruptCheckpointError(f"{path}: cannot read the step's metrics ({exc})") from None
         try:
             doc = json.loads(raw)
             stored = dict(doc.get("metadata", {}).get("metrics", {}))
