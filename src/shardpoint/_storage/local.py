@@ -228,11 +228,12 @@ def _recorded_move_out(final: str, old_name: str) -> tuple[set[str], dict[str, t
 
 
 def _manifest_doc(directory: str) -> dict[str, object] | None:
-    """The manifest of ``directory`` as plain JSON, None if absent or unreadable."""
+    """The manifest of ``directory`` as plain JSON, None if absent or damaged (not a
+    regular file, too large, not JSON). A disk error reading it is raised."""
     where = os.path.join(directory, MANIFEST_NAME)
     try:
         doc = json.loads(read_small_file(where, where=where, limit=knobs().max_json_bytes))
-    except (OSError, CheckpointError, ValueError, RecursionError):
+    except (FileNotFoundError, CheckpointError, ValueError, RecursionError):
         return None
     return doc if isinstance(doc, dict) else None
 
@@ -370,7 +371,10 @@ def _finish_replaced(old: str, final: str, *, replaced: set[str] | None = None,
     except OSError:
         return
     if replaced is None:
-        replaced = owned_names(old, names, _components(_manifest_doc(final)))
+        try:
+            replaced = owned_names(old, names, _components(_manifest_doc(final)))
+        except OSError:
+            return  # cannot tell what is the user's: leave it for the next save
         recorded = _recorded_move_out(final, os.path.basename(old))
         if recorded is not None:
             replaced |= recorded[0]
@@ -384,9 +388,10 @@ def _finish_replaced(old: str, final: str, *, replaced: set[str] | None = None,
             stacklevel=3,
         )
         return
-    with contextlib.suppress(OSError):
-        os.unlink(os.path.join(final, SAVE_MARKER))  # the move-out it recorded is done
     shutil.rmtree(old, ignore_errors=True)
+    if not os.path.lexists(old):  # the record is needed until the old directory is gone
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(final, SAVE_MARKER))
 
 
 def recover(final: str | os.PathLike[str]) -> None:
@@ -605,8 +610,6 @@ class LocalTransaction:
 
     def _commit(self, *, durable: bool) -> None:
         self._check_target()
-        new_names = set(os.listdir(self.directory)) - {SAVE_MARKER}
-        components = _components(_manifest_doc(self.directory))
         replaced: set[str] = set()
         carried: dict[str, tuple[int, ...]] = {}
         old_fd: int | None = None
@@ -615,7 +618,7 @@ class LocalTransaction:
         replace = self.overwrite and os.path.lexists(self.final)
         try:
             if replace:
-                replaced, carried, old_fd = self._carry(new_names, components, durable=durable)
+                replaced, carried, old_fd = self._carry(durable=durable)
             elif durable:
                 fsync_dir(self.directory)
             if not replace:
@@ -629,7 +632,7 @@ class LocalTransaction:
                         ) from None
                     self._check_target()  # another save committed meanwhile: replace it, as asked
                     replace = True
-                    replaced, carried, old_fd = self._carry(new_names, components, durable=durable)
+                    replaced, carried, old_fd = self._carry(durable=durable)
                 else:
                     if not renamed:
                         os.rename(self.directory, self.final)
@@ -654,10 +657,11 @@ class LocalTransaction:
                 os.close(old_fd)
         self._unlock()
 
-    def _carry(self, new_names: set[str], components: set[str], *, durable: bool
-               ) -> tuple[set[str], dict[str, tuple[int, ...]], int | None]:
+    def _carry(self, *, durable: bool) -> tuple[set[str], dict[str, tuple[int, ...]], int | None]:
         """Before an overwrite's swap: lock the old directory (so no other save takes it
         for a dead one's once it sits at a hidden name) and carry the user's files over."""
+        new_names = set(os.listdir(self.directory)) - {SAVE_MARKER}
+        components = _components(_manifest_doc(self.directory))
         old = str(self.final)
         fd = os.open(old, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         try:
