@@ -327,16 +327,20 @@ def _move_into(src: str, dst: str) -> bool:
     return True
 
 
-def _move_out(old: str, final: str, replaced: set[str], carried: dict[str, tuple[int, ...]]) -> list[str]:
+def _move_out(
+    old: str, final: str, replaced: set[str], carried: dict[str, tuple[int, ...]]
+) -> tuple[list[str], int]:
     """After the swap: bring into ``final`` what of ``old`` is the user's and not there yet.
 
     ``replaced`` entries (the old checkpoint's, and names the new one wrote itself) stay, to
     be removed with ``old``; a carried file still the same version as its link is a
     duplicate; one changed since (replaced or rewritten during the save) replaces its
     carried copy; any other entry is renamed into ``final``. Returns the names that could
-    not be placed (a name taken in ``final`` by something else): they stay in ``old``.
+    not be placed (a name taken in ``final`` by something else): they stay in ``old``;
+    and how many entries were moved.
     """
     kept = []
+    moved = 0
     for entry in list(os.scandir(old)):
         name = entry.name
         if name in replaced:
@@ -349,37 +353,40 @@ def _move_out(old: str, final: str, replaced: set[str], carried: dict[str, tuple
                     continue
                 if not stat.S_ISDIR(st.st_mode) and not os.path.isdir(dst):
                     os.replace(entry.path, dst)  # the user's newer version wins
+                    moved += 1
                     continue
             elif os.path.lexists(dst) and os.path.samestat(st, os.stat(dst, follow_symlinks=False)):
                 continue
-            if not _move_into(entry.path, dst):
+            if _move_into(entry.path, dst):
+                moved += 1
+            else:
                 kept.append(name)
         except FileNotFoundError:
             continue
         except OSError:
             kept.append(name)
-    return kept
+    return kept, moved
 
 
 def _finish_replaced(old: str, final: str, *, replaced: set[str] | None = None,
-                     carried: dict[str, tuple[int, ...]] | None = None) -> None:
+                     carried: dict[str, tuple[int, ...]] | None = None) -> bool:
     """Move the user's entries out of the replaced directory ``old`` into ``final``, then
     remove ``old`` if nothing but what the old checkpoint owned is left; otherwise keep it
-    and warn, naming it and what it holds."""
+    and warn, naming it and what it holds. Returns whether anything was moved."""
     try:
         names = os.listdir(old)
     except OSError:
-        return
+        return False
     if replaced is None:
         try:
             replaced = owned_names(old, names, _components(_manifest_doc(final)))
         except OSError:
-            return  # cannot tell what is the user's: leave it for the next save
+            return False  # cannot tell what is the user's: leave it for the next save
         recorded = _recorded_move_out(final, os.path.basename(old))
         if recorded is not None:
             replaced |= recorded[0]
             carried = recorded[1]
-    kept = _move_out(old, final, replaced, carried or {})
+    kept, moved = _move_out(old, final, replaced, carried or {})
     if kept:
         warnings.warn(
             f"{final} was replaced, but {old} still holds {sorted(kept)[:5]} "
@@ -387,11 +394,12 @@ def _finish_replaced(old: str, final: str, *, replaced: set[str] | None = None,
             "it is kept: move what you need out of it, then delete it",
             stacklevel=3,
         )
-        return
+        return moved > 0
     shutil.rmtree(old, ignore_errors=True)
     if not os.path.lexists(old):  # the record is needed until the old directory is gone
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(final, SAVE_MARKER))
+    return moved > 0
 
 
 def recover(final: str | os.PathLike[str]) -> None:
@@ -648,10 +656,9 @@ class LocalTransaction:
                     if durable:
                         fsync_dir(self.final.parent)
                 finally:
-                    _finish_replaced(old, str(self.final), replaced=replaced, carried=carried)
-                    if durable:
-                        with contextlib.suppress(OSError):
-                            fsync_dir(self.final)
+                    moved = _finish_replaced(old, str(self.final), replaced=replaced, carried=carried)
+                if durable and moved:
+                    fsync_dir(self.final)
         finally:
             if old_fd is not None:
                 os.close(old_fd)
