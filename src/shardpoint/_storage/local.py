@@ -377,15 +377,20 @@ def _finish_replaced(old: str, final: str, *, replaced: set[str] | None = None,
         names = os.listdir(old)
     except OSError:
         return False
-    if replaced is None:
-        try:
-            replaced = owned_names(old, names, _components(_manifest_doc(final)))
-        except OSError:
+    # What ``old`` owns is read again from ``old`` itself: a concurrent overwrite may have
+    # swapped in another save's checkpoint since the carry-over looked at the path.
+    try:
+        owned = owned_names(old, names, _components(_manifest_doc(final)))
+    except OSError:
+        if replaced is None:
             return False  # cannot tell what is the user's: leave it for the next save
+        owned = set()
+    if replaced is None:
+        replaced = set()
         recorded = _recorded_move_out(final, os.path.basename(old))
         if recorded is not None:
-            replaced |= recorded[0]
-            carried = recorded[1]
+            replaced, carried = recorded
+    replaced = replaced | owned
     kept, moved = _move_out(old, final, replaced, carried or {})
     if kept:
         warnings.warn(
