@@ -35,7 +35,7 @@ import shardpoint as sp
 from _helper_process import HelperProcess
 from shardpoint import _async as sp_async
 from shardpoint._io import transfer as sp_transfer
-from shardpoint._storage.local import SAVE_MARKER
+from shardpoint._storage.local import marker_name
 
 # ------------------------------------------------------------------------- the training state
 
@@ -477,7 +477,7 @@ def test_stale_temp_dirs_are_ignored_by_restore_and_removed_by_the_next_save(
     model, opt, state = build(SMALL)
     fill(model, opt, state, 5)
     sp.save(state, stale_save, **FAST)
-    (stale_save / SAVE_MARKER).write_text(stale_save.name)  # as a save marks its temp dir
+    (stale_save / marker_name(str(stale_save))).write_bytes(b"")  # as a save marks its temp dir
     assert (stale_save / "shardpoint.json").is_file()
     half_deleted = tmp_path / ".step-000002.tmp-del-feedface"
     half_deleted.mkdir()

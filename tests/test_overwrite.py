@@ -359,7 +359,7 @@ def test_a_long_legal_name_saves_overwrites_and_its_dead_temps_are_removed(tmp_p
     assert len(stem.encode()) < 230 and stem != name
     dead = tmp_path / f".{stem}.tmp-{'b' * 32}"
     dead.mkdir()
-    (dead / sp_local.SAVE_MARKER).write_text(dead.name)
+    (dead / sp_local.marker_name(str(dead))).write_bytes(b"")
     (dead / "model.safetensors").write_bytes(b"partial")
     sp.save({"w": torch.full((4,), 3.0)}, path, overwrite=True)
     assert sorted(os.listdir(tmp_path)) == [name]

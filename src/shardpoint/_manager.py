@@ -440,11 +440,7 @@ class CheckpointManager:
         if self._remote is not None:
             yield
             return
-        try:
-            fd = os.open(self._dir, os.O_RDONLY | os.O_DIRECTORY)
-        except OSError:
-            yield  # the root is checked again by the save itself
-            return
+        fd = os.open(self._dir, os.O_RDONLY | os.O_DIRECTORY)
         try:
             deadline = time.monotonic() + _ROOT_LOCK_WAIT
             while True:

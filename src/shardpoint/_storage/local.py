@@ -14,7 +14,7 @@ when nothing of the user's is left in it. So a ``config.json``, tokenizer files 
 beside the weights survive, and a load sees the old weights or the new, never a mix.
 
 A save holds an exclusive ``flock`` on its temporary directory until it commits or aborts,
-and writes :data:`SAVE_MARKER` (holding the directory's own name) into it first. The next
+and creates its marker (:func:`marker_name`, naming the directory) in it first. The next
 save of the same name tells the leftovers of saves that died (no lock, marker naming the
 directory: removed) from saves still running (locked: left alone) and from a replaced
 directory whose move-out was cut short (no lock, no such marker: finished, never removed
@@ -96,12 +96,7 @@ def write_small_file(path: str, data: bytes, *, durable: bool) -> None:
 
 
 SAVE_MARKER = ".shardpoint-save"
-"""Written first into a save's temporary directory: JSON naming that directory (``dir``). A
-dead directory whose marker names it is a save's own (removable); one without is a
-directory a commit replaced (it may hold the user's files: finished, never removed
-blindly). Before an overwrite's swap it also records the names the new checkpoint
-replaces (``replaced``) and the user's files carried over (``carried``: name -> version),
-so the move-out can be finished after a crash; it is removed once the move-out is done."""
+"""Prefix of a save's marker file, :func:`marker_name`."""
 
 _NAME_MAX = 255
 _HEX = 32
@@ -172,7 +167,7 @@ def _make_locked_temp(final: Path, *, durable: bool = False) -> tuple[str, int |
             locked and os.path.exists(directory) and os.path.samestat(os.fstat(fd), os.stat(directory))
         ):
             try:
-                _write_marker(directory, {"dir": os.path.basename(directory)}, durable=durable)
+                write_small_file(os.path.join(directory, marker_name(directory)), b"", durable=durable)
             except BaseException:
                 os.close(fd)
                 shutil.rmtree(directory, ignore_errors=True)
@@ -185,34 +180,37 @@ def _make_locked_temp(final: Path, *, durable: bool = False) -> tuple[str, int |
     raise OSError(errno.EAGAIN, "could not create and lock a temporary directory", str(final.parent))
 
 
-def _write_marker(directory: str, info: dict[str, object], *, durable: bool) -> None:
-    write_small_file(os.path.join(directory, SAVE_MARKER), json.dumps(info).encode(), durable=durable)
+def marker_name(directory: str) -> str:
+    """The marker a save creates first in its temporary directory ``.<stem>.tmp-<uuid>``:
+    ``.shardpoint-save-<uuid>``, naming the directory. It is empty (no disk block: a full
+    disk still takes it), so a dead directory holding the marker of its own name is a
+    save's (removable), and one without is a directory a commit replaced (it may hold the
+    user's files: finished, never removed blindly). Before an overwrite's swap it records
+    the names the new checkpoint replaces and the user's files carried over, so the
+    move-out can be finished after a crash; it leaves the committed checkpoint once that
+    is done.
 
-
-def _marker(directory: str) -> dict[str, object] | None:
-    """The :data:`SAVE_MARKER` of ``directory``, None if absent or not one."""
-    where = os.path.join(directory, SAVE_MARKER)
-    try:
-        info = json.loads(read_small_file(where, where=where, limit=knobs().max_json_bytes))
-    except (OSError, CheckpointError, ValueError, RecursionError):
-        return None
-    return info if isinstance(info, dict) and isinstance(info.get("dir"), str) else None
+    >>> marker_name("/data/.ckpt.tmp-0123456789abcdef0123456789abcdef")
+    '.shardpoint-save-0123456789abcdef0123456789abcdef'
+    """
+    return f"{SAVE_MARKER}-{os.path.basename(directory).rpartition(TMP_MARKER)[2][-_HEX:]}"
 
 
 def _is_own_temp(directory: str) -> bool:
     """Whether ``directory`` holds the marker naming it: a save's own temporary directory."""
-    info = _marker(directory)
-    return info is not None and info["dir"] == os.path.basename(directory)
+    return os.path.lexists(os.path.join(directory, marker_name(directory)))
 
 
 def _recorded_move_out(final: str, old_name: str) -> tuple[set[str], dict[str, tuple[int, ...]]] | None:
-    """What the save that replaced ``old_name`` by ``final`` recorded in ``final``'s marker
-    (the names it replaced, the files it carried over); None if it is not that save's."""
-    info = _marker(final)
-    if info is None:
+    """What the save that replaced ``old_name`` (at a temp or ``tmp-old-`` name of the same
+    uuid) by ``final`` recorded in its marker, now in ``final``: the names it replaced and
+    the files it carried over. None if there is no such record."""
+    where = os.path.join(final, marker_name(old_name))
+    try:
+        info = json.loads(read_small_file(where, where=where, limit=knobs().max_json_bytes))
+    except (OSError, CheckpointError, ValueError, RecursionError):
         return None
-    prefix = _temp_prefix(Path(final))
-    if old_name.removeprefix(prefix).removeprefix(_OLD) != str(info["dir"]).removeprefix(prefix):
+    if not isinstance(info, dict):
         return None
     replaced = info.get("replaced")
     carried = info.get("carried")
@@ -266,7 +264,7 @@ def owned_names(directory: str, names: Sequence[str], components: set[str]) -> s
     components' indexes, the manifest), a save's marker, and the Hugging Face weight files
     and indexes of the components being written or of its own. Everything else is the
     user's (``config.json``, tokenizer files, notes, subdirectories) and is kept."""
-    owned = {MANIFEST_NAME, SAVE_MARKER}
+    owned = {MANIFEST_NAME} | {n for n in names if n.startswith(SAVE_MARKER)}
     doc = _manifest_doc(directory) if MANIFEST_NAME in names else None
     own = _components(doc)
     files = doc.get("files") if doc else None
@@ -275,7 +273,7 @@ def owned_names(directory: str, names: Sequence[str], components: set[str]) -> s
     owned |= {index_name(c) for c in own}
     every = components | own
     owned |= {n for n in names if is_weight_file_of(n, every)}
-    return owned & set(names) | {MANIFEST_NAME, SAVE_MARKER}
+    return owned & set(names) | {MANIFEST_NAME}
 
 
 def _version(st: os.stat_result) -> tuple[int, int, int, int, int]:
@@ -403,7 +401,7 @@ def _finish_replaced(old: str, final: str, *, replaced: set[str] | None = None,
     shutil.rmtree(old, ignore_errors=True)
     if not os.path.lexists(old):  # the record is needed until the old directory is gone
         with contextlib.suppress(OSError):
-            os.unlink(os.path.join(final, SAVE_MARKER))
+            os.unlink(os.path.join(final, marker_name(old)))
     return moved > 0
 
 
@@ -651,7 +649,7 @@ class LocalTransaction:
                         os.rename(self.directory, self.final)
                     self._done = True
                     with contextlib.suppress(OSError):
-                        os.unlink(self.final / SAVE_MARKER)
+                        os.unlink(self.final / marker_name(self.directory))
                     if durable:
                         fsync_dir(self.final.parent)
             if replace:
@@ -672,7 +670,7 @@ class LocalTransaction:
     def _carry(self, *, durable: bool) -> tuple[set[str], dict[str, tuple[int, ...]], int | None]:
         """Before an overwrite's swap: lock the old directory (so no other save takes it
         for a dead one's once it sits at a hidden name) and carry the user's files over."""
-        new_names = set(os.listdir(self.directory)) - {SAVE_MARKER}
+        new_names = {n for n in os.listdir(self.directory) if not n.startswith(SAVE_MARKER)}
         components = _components(_manifest_doc(self.directory))
         old = str(self.final)
         fd = os.open(old, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
@@ -681,9 +679,9 @@ class LocalTransaction:
             names = os.listdir(old)
             replaced = owned_names(old, names, components) | new_names
             carried = _carry_over(old, self.directory, replaced, durable=durable)
-            record: dict[str, object] = {"dir": os.path.basename(self.directory), "replaced": sorted(replaced),
-                      "carried": {n: list(v) for n, v in carried.items()}}
-            _write_marker(self.directory, record, durable=durable)
+            record = {"replaced": sorted(replaced), "carried": {n: list(v) for n, v in carried.items()}}
+            marker = os.path.join(self.directory, marker_name(self.directory))
+            write_small_file(marker, json.dumps(record).encode(), durable=durable)
             if durable:
                 fsync_dir(self.directory)
         except BaseException:
