@@ -367,7 +367,8 @@ def _move_out(
 
 
 def _finish_replaced(old: str, final: str, *, replaced: set[str] | None = None,
-                     carried: dict[str, tuple[int, ...]] | None = None) -> bool:
+                     carried: dict[str, tuple[int, ...]] | None = None,
+                     components: set[str] | None = None) -> bool:
     """Move the user's entries out of the replaced directory ``old`` into ``final``, then
     remove ``old`` if nothing but what the old checkpoint owned is left; otherwise keep it
     and warn, naming it and what it holds. Returns whether anything was moved."""
@@ -378,7 +379,9 @@ def _finish_replaced(old: str, final: str, *, replaced: set[str] | None = None,
     # What ``old`` owns is read again from ``old`` itself: a concurrent overwrite may have
     # swapped in another save's checkpoint since the carry-over looked at the path.
     try:
-        owned = owned_names(old, names, _components(_manifest_doc(final)))
+        if components is None:
+            components = _components(_manifest_doc(final))
+        owned = owned_names(old, names, components)
     except OSError:
         if replaced is None:
             return False  # cannot tell what is the user's: leave it for the next save
@@ -575,6 +578,8 @@ class LocalTransaction:
             self.final.parent.mkdir(parents=True, exist_ok=True)
             self.directory, self._lock_fd = _make_locked_temp(self.final)
         self._done = False
+        self._components: set[str] = set()
+        """The components of the new checkpoint (read from its manifest before the swap)."""
 
     def _check_target(self) -> None:
         if not os.path.lexists(self.final):
@@ -659,7 +664,9 @@ class LocalTransaction:
                     if durable:
                         fsync_dir(self.final.parent)
                 finally:
-                    moved = _finish_replaced(old, str(self.final), replaced=replaced, carried=carried)
+                    moved = _finish_replaced(
+                        old, str(self.final), replaced=replaced, carried=carried, components=self._components
+                    )
                 if durable and moved:
                     fsync_dir(self.final)
         finally:
@@ -671,7 +678,7 @@ class LocalTransaction:
         """Before an overwrite's swap: lock the old directory (so no other save takes it
         for a dead one's once it sits at a hidden name) and carry the user's files over."""
         new_names = {n for n in os.listdir(self.directory) if not n.startswith(SAVE_MARKER)}
-        components = _components(_manifest_doc(self.directory))
+        self._components = components = _components(_manifest_doc(self.directory))
         old = str(self.final)
         fd = os.open(old, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         try:
