@@ -196,6 +196,27 @@ def marker_name(directory: str) -> str:
     return f"{SAVE_MARKER}-{os.path.basename(directory).rpartition(TMP_MARKER)[2][-_HEX:]}"
 
 
+def remove_temp(directory: str) -> None:
+    """Remove a save's own temporary directory, its marker last: cut short (a kill), what
+    is left is still recognised as a dead save's and removed by the next save."""
+    marker = marker_name(directory)
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return
+    for entry in entries:
+        if entry.name != marker:
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+    with contextlib.suppress(OSError):
+        os.unlink(os.path.join(directory, marker))
+    with contextlib.suppress(OSError):
+        os.rmdir(directory)
+
+
 def _is_own_temp(directory: str) -> bool:
     """Whether ``directory`` holds the marker naming it: a save's own temporary directory."""
     return os.path.lexists(os.path.join(directory, marker_name(directory)))
@@ -445,7 +466,7 @@ def recover(final: str | os.PathLike[str]) -> None:
                     _move_into(entry.path, str(final))
                 continue
             if not aside and _is_own_temp(entry.path):
-                shutil.rmtree(entry.path, ignore_errors=True)
+                remove_temp(entry.path)
             elif not aside and not os.listdir(entry.path):
                 os.rmdir(entry.path)  # died before writing its marker
             elif os.path.isdir(final) and not os.path.islink(final):
@@ -715,7 +736,7 @@ class LocalTransaction:
 
     def abort(self) -> None:
         if not self._done:
-            shutil.rmtree(self.directory, ignore_errors=True)
+            remove_temp(self.directory)
             self._done = True
         self._unlock()
 
