@@ -241,7 +241,8 @@ def open_checkpoint(
     names = os.listdir(location)
     if MANIFEST_NAME in names:
         where = os.path.join(location, MANIFEST_NAME)
-        manifest = parse_manifest(_read_json_file(where, where=where), where=where)
+        path = member_path(location, MANIFEST_NAME, where=location)
+        manifest = parse_manifest(_read_json_file(path, where=where), where=where)
         return Checkpoint(
             location, location, "shardpoint", manifest.components, manifest.flat, manifest
         )
@@ -253,7 +254,8 @@ def open_checkpoint(
         return _from_headers(location, location, "hf-file", None, ["model.safetensors"])
     if len(indexes) == 1:
         where = os.path.join(location, indexes[0])
-        index = parse_index(_read_json_file(where, where=where), where=where)
+        path = member_path(location, indexes[0], where=location)
+        index = parse_index(_read_json_file(path, where=where), where=where)
         files = list(dict.fromkeys(index.weight_map.values()))
         return _from_headers(location, location, "hf-index", index.weight_map, files)
     if len(singles) == 1:

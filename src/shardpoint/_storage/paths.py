@@ -27,21 +27,23 @@ def cache_blobs_dir(real_directory: str) -> str | None:
     """The ``blobs`` folder of the cached repository holding this snapshot directory.
 
     ``real_directory`` is already resolved (``os.path.realpath``). Returns None unless it is
-    ``<repo>/snapshots/<revision>`` with ``<repo>`` named ``models--…`` (or ``datasets--…``,
-    ``spaces--…``), as ``huggingface_hub`` lays out its cache.
+    ``<repo>/snapshots/<revision>`` or a folder below it (``…/<revision>/subfolder``), with
+    ``<repo>`` named ``models--…``, ``datasets--…`` or ``spaces--…``, as ``huggingface_hub``
+    lays out its cache.
 
     >>> cache_blobs_dir("/home/u/.cache/huggingface/hub/models--gpt2/snapshots/abc123")
     '/home/u/.cache/huggingface/hub/models--gpt2/blobs'
+    >>> cache_blobs_dir("/hub/datasets--org--data/snapshots/abc123/part/a")
+    '/hub/datasets--org--data/blobs'
     >>> cache_blobs_dir("/data/ckpt/step-100") is None
     True
     """
-    snapshots, revision = os.path.split(real_directory)
-    repo, middle = os.path.split(snapshots)
-    if middle != "snapshots" or not revision:
-        return None
-    if not os.path.basename(repo).startswith(_CACHE_REPO_PREFIXES):
-        return None
-    return os.path.join(repo, "blobs")
+    parts = real_directory.split(os.sep)
+    # The innermost "snapshots" with a revision below it and a cached repository above it.
+    for i in range(len(parts) - 2, 0, -1):
+        if parts[i] == "snapshots" and parts[i + 1] and parts[i - 1].startswith(_CACHE_REPO_PREFIXES):
+            return os.path.join(os.sep.join(parts[:i]) or os.sep, "blobs")
+    return None
 
 
 def member_path(directory: str, name: str, *, where: str) -> str:
@@ -55,10 +57,13 @@ def member_path(directory: str, name: str, *, where: str) -> str:
     Returns:
         ``os.path.join(directory, name)``, once the name and its symlink target are
         known to stay inside the directory (or inside the cached repository's ``blobs``).
+        The directory itself may be reached through links (a symlinked ``HF_HOME``), and
+        the ``blobs`` folder may be a link to another disk: both are compared resolved.
 
     Raises:
         UnsafePathError: the name is not a plain basename, or it is a symlink whose
-            target leaves the directory (and is not a blob of the same cached repository).
+            target leaves the directory (and is not a blob of the same cached repository;
+            a blob that is itself a link to elsewhere is refused too).
     """
     check_file_name(name, where=where)
     path = os.path.join(directory, name)
@@ -68,7 +73,7 @@ def member_path(directory: str, name: str, *, where: str) -> str:
     if parent == real_dir:
         return path
     blobs = cache_blobs_dir(real_dir)
-    if blobs is not None and parent == blobs:
+    if blobs is not None and parent in (blobs, os.path.realpath(blobs)):
         return path
     raise UnsafePathError(
         f"{where}: {name!r} is a symlink that leaves the checkpoint directory (to {real}); "
