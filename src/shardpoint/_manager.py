@@ -157,6 +157,9 @@ class CheckpointManager:
         self._pending: AsyncSave | None = None
         self._pending_step: int | None = None
         self._lock = threading.Lock()
+        self._sole_writer = False
+        """True where the root has no locks: this manager then takes every dead-looking
+        temporary directory of its root for a dead save's, as one writer per root."""
         self._put_back_moved_aside()
 
     # ------------------------------------------------------------------ queries
@@ -449,7 +452,8 @@ class CheckpointManager:
                     break
                 except OSError as exc:
                     if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                        break  # no locks on this filesystem: one writer per root is assumed
+                        self._sole_writer = True  # no locks here: one writer per root is assumed
+                        break
                     if time.monotonic() > deadline:
                         raise CheckpointError(
                             f"another process has held the lock on {self.root} for "
@@ -474,7 +478,7 @@ class CheckpointManager:
             if name.startswith(".step-") and f"{TMP_MARKER}old-" in name:
                 final = self._dir / name[1:].partition(TMP_MARKER)[0]
                 if not os.path.lexists(final) and moved_aside(final):
-                    recover(final)
+                    recover(final, no_locks_means_dead=True)  # a manager owns its root
 
     def _after_commit(self, step: int) -> None:
         with self._lock, self._root_lock():
@@ -541,7 +545,7 @@ class CheckpointManager:
             for name in _remote_uncommitted(self._remote):
                 self._remote.child(name).delete_tree()
             return
-        recover_all(self._dir)
+        recover_all(self._dir, no_locks_means_dead=self._sole_writer)
         for entry in os.scandir(self._dir):
             name = entry.name
             if not (name.startswith(".") and TMP_MARKER in name):

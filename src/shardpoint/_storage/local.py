@@ -429,7 +429,7 @@ def _finish_replaced(old: str, final: str, *, replaced: set[str] | None = None,
     return moved > 0
 
 
-def recover(final: str | os.PathLike[str]) -> None:
+def recover(final: str | os.PathLike[str], *, no_locks_means_dead: bool = False) -> None:
     """Tidy the hidden siblings that saves of ``final`` left when they died (their lock is
     free), and put ``final`` back if a replacement was cut short.
 
@@ -439,6 +439,9 @@ def recover(final: str | os.PathLike[str]) -> None:
     * a directory a commit replaced (a temp name without its marker): the user's entries
       are moved into ``final``, then it is removed once nothing of the user's is left.
     * a save's own temporary directory (marker naming it), or an empty one: removed.
+
+    Where the filesystem has no locks nothing is touched, unless ``no_locks_means_dead``
+    (a ``CheckpointManager``, the only writer of its root, says so).
     """
     final = Path(final).absolute()
     prefix = _temp_prefix(final)
@@ -459,7 +462,8 @@ def recover(final: str | os.PathLike[str]) -> None:
         except OSError:
             continue
         try:
-            if not _lock(fd):
+            locked = _lock(fd)
+            if locked is False or (locked is None and not no_locks_means_dead):
                 continue  # a save still running (or a filesystem without locks)
             if aside and not os.path.lexists(final):
                 with contextlib.suppress(OSError):
@@ -477,7 +481,7 @@ def recover(final: str | os.PathLike[str]) -> None:
             os.close(fd)
 
 
-def recover_all(parent: str | os.PathLike[str]) -> None:
+def recover_all(parent: str | os.PathLike[str], *, no_locks_means_dead: bool = False) -> None:
     """:func:`recover` for every path of ``parent`` with leftovers beside it (names short
     enough to be used whole in their siblings' names, as a manager's steps are)."""
     try:
@@ -492,7 +496,7 @@ def recover_all(parent: str | os.PathLike[str]) -> None:
         if stem and (_SAVE_TMP.fullmatch(suffix) or _OLD_TMP.fullmatch(suffix)) and temp_stem(stem) == stem:
             finals.add(stem)
     for stem in sorted(finals):
-        recover(os.path.join(parent, stem))
+        recover(os.path.join(parent, stem), no_locks_means_dead=no_locks_means_dead)
 
 
 def moved_aside(final: str | os.PathLike[str]) -> list[str]:
