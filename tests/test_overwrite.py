@@ -36,6 +36,7 @@ from safetensors.torch import load_file
 
 import shardpoint as sp
 from shardpoint._storage import local as sp_local
+from shardpoint._verify import verify_checkpoint
 
 HERE = Path(__file__).resolve()
 TOKENIZER_FILES = {
@@ -664,3 +665,18 @@ def _helper_main() -> None:
 
 if __name__ == "__main__" and sys.argv[1:] == ["helper"]:
     _helper_main()
+
+
+def test_verify_of_a_moved_aside_copy_or_a_missing_path_never_advises_deleting_it(tmp_path: Path) -> None:
+    sp.save({"w": torch.ones(2)}, tmp_path / "ckpt")
+    aside = tmp_path / f".ckpt.tmp-old-{'a' * 32}"
+    os.rename(tmp_path / "ckpt", aside)  # as an overwrite without renameat2 leaves it
+    report = verify_checkpoint(aside)
+    assert not report.ok
+    (problem,) = report.problems
+    assert "is a whole previous version of" in problem and "Do not delete it" in problem
+    with pytest.raises(sp.CheckpointNotFoundError) as err:
+        verify_checkpoint(tmp_path / "ckpt")
+    message = str(err.value)
+    assert f"{aside} beside it holds its whole previous version" in message
+    assert "nothing to verify" not in message and "do not delete it" in message
