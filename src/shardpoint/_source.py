@@ -43,7 +43,7 @@ from ._format.names import check_file_name
 from ._format.safetensors import HeaderEntry, SafetensorsHeader, read_header, read_header_with
 from ._io.transfer import read_error
 from ._knobs import knobs
-from ._storage.local import TMP_MARKER
+from ._storage.local import TMP_MARKER, hidden_sibling_message, missing_path_message, moved_aside
 from ._storage.paths import member_path, open_regular, read_small_file
 from ._storage.remote import PENDING_NAME, RemoteStore, header_reader, resolve
 from .errors import (
@@ -496,10 +496,7 @@ def _open_local(location: str) -> Checkpoint:
     """Open a local checkpoint as one snapshot, starting over if it is replaced meanwhile."""
     base = os.path.basename(os.path.normpath(location))
     if TMP_MARKER in base and base.startswith("."):
-        raise IncompleteCheckpointError(
-            f"{location} is the temporary directory of a save that never committed; "
-            "it is not a checkpoint. Load the committed one beside it, or delete it"
-        )
+        raise IncompleteCheckpointError(hidden_sibling_message(location))
     existed = False
     for attempt in range(OPEN_TRIES):
         if attempt:
@@ -511,6 +508,8 @@ def _open_local(location: str) -> Checkpoint:
             continue
         return ckpt
     if not os.path.lexists(location):
+        if moved_aside(location):  # an overwrite interrupted between its two renames
+            raise CheckpointNotFoundError(missing_path_message(location))
         raise CheckpointNotFoundError(
             f"{location} was removed (e.g. retired by a CheckpointManager's retention) while "
             "being loaded; load a checkpoint that is still there"
@@ -546,9 +545,9 @@ def _open_local_once(location: str, *, retry: bool) -> Checkpoint:
     except FileNotFoundError:
         if retry or _being_replaced(location):
             raise _Replaced from None
-        raise CheckpointNotFoundError(f"{location} does not exist; nothing to load") from None
+        raise CheckpointNotFoundError(missing_path_message(location)) from None
     except NotADirectoryError:
-        raise CheckpointNotFoundError(f"{location} does not exist; nothing to load") from None
+        raise CheckpointNotFoundError(missing_path_message(location)) from None
     ckpt = Checkpoint(location, location, "shardpoint", {}, flat=True)
     ckpt._adopt(dir_fd)
     try:
