@@ -13,7 +13,7 @@ import os
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -24,9 +24,9 @@ HEADER_ALIGN = 8
 """The JSON header is padded with spaces so tensor data starts 8-byte aligned."""
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """A tensor as the planner sees it: enough to lay out a file."""
+class TensorSpec(NamedTuple):
+    """A tensor as the planner sees it: enough to lay out a file. (A named tuple: plans
+    make one per tensor, and a state may hold 10^5 small ones.)"""
 
     key: str
     """Name of the tensor inside the file."""
@@ -84,20 +84,16 @@ def plan_file(specs: Sequence[TensorSpec], metadata: dict[str, str]) -> FileLayo
     """
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
     offset = 0
-    for spec in specs:
-        header[spec.key] = {
-            "dtype": spec.dtype,
-            "shape": list(spec.shape),
-            "data_offsets": [offset, offset + spec.nbytes],
-        }
-        offset += spec.nbytes
+    relative: list[tuple[str, int, int]] = []
+    for key, dtype, shape, nbytes in specs:
+        end = offset + nbytes
+        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, end]}
+        relative.append((key, offset, end))
+        offset = end
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     raw += b" " * (-(8 + len(raw)) % HEADER_ALIGN)
     data_start = 8 + len(raw)
-    ranges = {}
-    for spec in specs:
-        begin, end = header[spec.key]["data_offsets"]
-        ranges[spec.key] = (data_start + begin, data_start + end)
+    ranges = {key: (data_start + begin, data_start + end) for key, begin, end in relative}
     return FileLayout(struct.pack("<Q", len(raw)) + raw, ranges, data_start + offset)
 
 
