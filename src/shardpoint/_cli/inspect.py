@@ -40,7 +40,6 @@ import math
 from typing import Any
 
 from .._format.dtypes import NAME_TO_DTYPE, itemsize
-from .._format.manifest import FORMAT_VERSION
 from .._sizes import human_size
 from .._source import Checkpoint, open_checkpoint
 from .main import add_storage_options
@@ -161,7 +160,7 @@ def describe(ckpt: Checkpoint, *, pattern: str | None = None, limit: int = 0) ->
     return {
         "path": ckpt.location,
         "format": ckpt.kind,
-        "format_version": FORMAT_VERSION if manifest is not None else None,
+        "format_version": manifest.format_version if manifest is not None else None,
         "library_version": manifest.library_version if manifest is not None else None,
         "created": manifest.created if manifest is not None else None,
         "save_id": manifest.save_id if manifest is not None else None,

@@ -98,11 +98,15 @@ def plan_file(specs: Sequence[TensorSpec], metadata: dict[str, str]) -> FileLayo
 
 
 def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise _DuplicateKey(key)
-        result[key] = value
+    # Built in C, then compared: a header or manifest holds an object per tensor, and a
+    # Python loop over every pair of each cost more than the parse itself.
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        seen: set[str] = set()
+        for key, _value in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
     return result
 
 
