@@ -97,6 +97,7 @@ def flatten_state(
         if isinstance(obj, Mapping):
             items = []
             for key, child in obj.items():
+                stored: str | int
                 if type(key) is str:
                     kind, stored, part = "str", key, key
                 elif isinstance(key, bool) or not isinstance(key, (str, int)):

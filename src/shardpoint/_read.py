@@ -68,6 +68,8 @@ class ReadBatch:
         self.threads = threads
         """Reader threads (default: ``reader_threads()``)."""
         self.tasks: list[ReadTask] = []
+        self._names: dict[str, str] = {}
+        """Data file -> how errors name it."""
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def fill(
@@ -87,6 +89,8 @@ class ReadBatch:
         if offsets is None:
             offsets = (0,) * dest.dim()
         if dest.numel() == 0:
+            return
+        if self._fill_whole(record, dest, label, offsets):
             return
         covered = 0
         for chunk in record.chunks:
@@ -133,15 +137,51 @@ class ReadBatch:
                 "the checkpoint is incomplete for this tensor"
             )
 
+    def _fill_whole(
+        self, record: TensorRecord, dest: torch.Tensor, label: str, offsets: tuple[int, ...], entry: Any = None
+    ) -> bool:
+        """The common case of :meth:`fill` without its box arithmetic: the record is one
+        chunk, the whole tensor, read whole into a contiguous ``dest``. False otherwise."""
+        if len(record.chunks) != 1 or any(offsets):
+            return False
+        chunk = record.chunks[0]
+        if chunk.shape != record.shape or any(chunk.offsets) or chunk.shape != tuple(dest.shape):
+            return False
+        if not dest.is_contiguous():
+            return False
+        if entry is None:
+            entry = self.ckpt.entry(chunk, record.dtype, label)
+        name = self._names.get(chunk.file)
+        if name is None:
+            name = self._names[chunk.file] = (
+                self.ckpt.location if self.ckpt.kind == "hf-file" else os.path.join(self.ckpt.location, chunk.file)
+            )
+        self.tasks.append(
+            ReadTask(
+                name=name,
+                path=self.ckpt.file_path(chunk.file),
+                start=entry.start,
+                nbytes=entry.nbytes,
+                dest=dest.view(-1) if dest.dim() else dest.view(1),
+                stored_dtype=entry.dtype,
+                crc32c=chunk.crc32c if self.verify else None,
+                label=label,
+            )
+        )
+        return True
+
     @property
     def planned_bytes(self) -> int:
         return sum(t.nbytes for t in self.tasks)
 
     def new(self, record: TensorRecord, label: str, *, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
         """A new tensor that will hold ``record`` once the batch has run."""
-        stored = self.ckpt.entry(record.chunks[0], record.dtype, label).dtype
+        entry = self.ckpt.entry(record.chunks[0], record.dtype, label)
+        stored = entry.dtype
         want = dtype if (dtype is not None and stored.is_floating_point) else stored
         dest = torch.empty(record.shape, dtype=want, device=device)
+        if dest.numel() and self._fill_whole(record, dest, label, (), entry):
+            return dest
         self.fill(record, dest, label)
         return dest
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from .dtypes import dtype_from_name, itemsize
 from .names import check_component_name, check_file_name
-from .safetensors import addressable, parse_json_object
+from .safetensors import addressable, parse_json_object, quick_shape
 
 MANIFEST_NAME = "shardpoint.json"
 FORMAT_NAME = "shardpoint"
@@ -26,9 +26,9 @@ READ_VERSIONS = (1, 2)
 LAYOUTS = ("hf", "chunked")
 
 
-@dataclass(frozen=True)
-class ChunkRef:
-    """Where one stored piece of a tensor lives."""
+class ChunkRef(NamedTuple):
+    """Where one stored piece of a tensor lives. (Named tuples, this and ``TensorRecord``:
+    a manifest holds one per tensor, and a state may hold 10^5 small ones.)"""
 
     file: str
     """Data file (a plain basename inside the checkpoint)."""
@@ -45,8 +45,7 @@ class ChunkRef:
         return math.prod(self.shape)
 
 
-@dataclass(frozen=True)
-class TensorRecord:
+class TensorRecord(NamedTuple):
     """A tensor of the saved state: global dtype and shape, and the chunks that hold it."""
 
     dtype: str
@@ -216,7 +215,7 @@ def parse_manifest(raw: bytes, *, where: str) -> Manifest:
             item = item_of.get(dtype) if type(dtype) is str else None
             if item is None:
                 item = item_of[dtype] = itemsize(dtype_from_name(dtype, where=twhere))
-            shape = _shape(rec.get("shape"), twhere, "shape")
+            shape = quick_shape(rec.get("shape")) or _shape(rec.get("shape"), twhere, "shape")
             chunks_raw: Any = rec.get("chunks")
             _need(isinstance(chunks_raw, list) and bool(chunks_raw), twhere, "'chunks' is missing or empty")
             chunks = []

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -450,13 +450,58 @@ def _run_all(fn: Callable[..., object], items: Sequence[object], threads: int) -
             raise errors[0]
 
 
-@dataclass(frozen=True)
-class ReadTask:
+def _same_file_runs(entries: Sequence[tuple[str, int, int]]) -> list[tuple[int, int]]:
+    """:func:`small_runs` over (file, offset, nbytes) entries: a run stays in one file.
+    An offset of -1 keeps an entry out of every run."""
+    runs: list[tuple[int, int]] = []
+    first = 0
+    for i in range(1, len(entries) + 1):
+        if i == len(entries) or entries[i][0] != entries[first][0]:
+            group = [(offset, nbytes) for _path, offset, nbytes in entries[first:i]]
+            runs.extend((first + a, first + b) for a, b in small_runs(group))
+            first = i
+    return runs
+
+
+def _read_small_run(fd: int, tasks: Sequence[ReadTask]) -> list[int]:
+    """Read the bytes of small tasks lying back to back in one file with one request into
+    one buffer, then checksum each task's slice (in cache) and copy it into its tensor.
+
+    Returns the crc32c of each task's bytes (0 where it carries no crc to check).
+    """
+    start = tasks[0].start
+    nbytes = tasks[-1].start + tasks[-1].nbytes - start
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    got = 0
+    while got < nbytes:
+        n = os.preadv(fd, [view[got:]], start + got)
+        if n == 0:
+            short = next(t for t in tasks if t.start + t.nbytes > start + got)
+            raise CorruptCheckpointError(
+                f"{short.name}: unexpected end of file at byte {start + got}; the file is truncated"
+            )
+        got += n
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf)) if nbytes else 0
+    memmove = ctypes.memmove
+    crcs = []
+    for task in tasks:
+        pos = task.start - start
+        size = task.nbytes
+        crcs.append(crc32c_update(view[pos : pos + size], 0) if task.crc32c is not None else 0)
+        if size:
+            memmove(task.dest.data_ptr(), base + pos, size)
+    del view
+    return crcs
+
+
+class ReadTask(NamedTuple):
     """Read ``nbytes`` at ``start`` of file ``name`` into ``dest``.
 
     ``dest`` is a contiguous tensor. When it is a CPU tensor of the stored dtype the bytes
     land in its memory directly; otherwise they pass through a staging buffer and are
     cast / copied into it. ``crc32c``, when given, is checked over the whole range.
+    (A named tuple: a load makes one per tensor, and a state may hold 10^5 small ones.)
     """
 
     name: str
@@ -568,12 +613,34 @@ def run_reads(
         with fd_lock:
             refused.add(task.path)
 
-    work: list[tuple[int, ReadTask, int, int]] = []
-    for i, task in enumerate(tasks):
-        direct = task.dest.device.type == "cpu" and task.dest.dtype == task.stored_dtype
+    work: list[Any] = []
+    # Small tasks reading neighbouring bytes of one file straight into CPU memory are read
+    # together: one request into one buffer, split by the run (``_read_small_run``).
+    candidates = [
+        (task.path, task.start, task.nbytes)
+        if task.dest.is_cpu
+        and task.dest.dtype == task.stored_dtype
+        and task.dest.is_contiguous()
+        and task.dest.nbytes == task.nbytes  # copied with memmove: exactly its bytes
+        else ("", -1, SMALL_TENSOR_BYTES + 1)
+        for task in tasks
+    ]
+    run_at = {first: stop for first, stop in _same_file_runs(candidates)}
+    small_crcs: dict[int, int] = {}
+    """crc32c of each task read in a small run (each whole, in one piece)."""
+    i = 0
+    while i < len(tasks):
+        stop = run_at.get(i)
+        if stop is not None:
+            work.append((i, stop))
+            i = stop
+            continue
+        task = tasks[i]
+        direct = task.dest.is_cpu and task.dest.dtype == task.stored_dtype
         piece = PIECE_BYTES if direct else max(staging_bytes // 64 * 64, 64)
         for start, end in _pieces(task.nbytes, piece):
             work.append((i, task, start, end))
+        i += 1
 
     segment = cfg.io_segment_bytes
     copy_cached = None
@@ -583,10 +650,20 @@ def run_reads(
     # only thrash (the read threads outnumber the cores for the disk's sake: cold reads wait).
     copy_slots = threading.Semaphore(_cpu_count())
 
-    def run(item: tuple[int, ReadTask, int, int]) -> None:
+    def run(item: Any) -> None:
+        if len(item) == 2:
+            first, stop = item
+            members = tasks[first:stop]
+            with naming(members[0].path):
+                crcs = _read_small_run(fd_for(members[0]), members)
+            if advance is not None:
+                advance(sum(t.nbytes for t in members))
+            with crc_lock:
+                small_crcs.update(zip(range(first, stop), crcs))
+            return
         i, task, start, end = item
         fd = fd_for(task)
-        direct = task.dest.device.type == "cpu" and task.dest.dtype == task.stored_dtype
+        direct = task.dest.is_cpu and task.dest.dtype == task.stored_dtype
         slot, buffer = -1, None
         if direct:
             view = byte_view(task.dest)[start:end]
@@ -661,7 +738,9 @@ def run_reads(
     for i, task in enumerate(tasks):
         if task.crc32c is None:
             continue
-        got = _combine([(c, n) for _, c, n in sorted(crcs.get(i, []))])
+        got = small_crcs.get(i)
+        if got is None:
+            got = _combine([(c, n) for _, c, n in sorted(crcs.get(i, []))])
         if got != task.crc32c:
             raise ChecksumMismatchError(
                 f"{task.name}, tensor {task.label!r}: crc32c of the stored bytes is {got:#010x}, "
