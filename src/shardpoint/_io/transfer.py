@@ -655,11 +655,11 @@ def run_reads(
             first, stop = item
             members = tasks[first:stop]
             with naming(members[0].path):
-                crcs = _read_small_run(fd_for(members[0]), members)
+                run_crcs = _read_small_run(fd_for(members[0]), members)
             if advance is not None:
                 advance(sum(t.nbytes for t in members))
             with crc_lock:
-                small_crcs.update(zip(range(first, stop), crcs))
+                small_crcs.update(zip(range(first, stop), run_crcs))
             return
         i, task, start, end = item
         fd = fd_for(task)
