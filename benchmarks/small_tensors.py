@@ -142,7 +142,7 @@ def load_section(state: StateDict, outputs: dict[str, str], rounds: int) -> Sect
         paths = files_under(src)
         got: dict[str, Any] = {}
 
-        def prepare(paths: list[str] = paths) -> None:
+        def prepare(paths: list[str] = paths, got: dict[str, Any] = got) -> None:
             got.clear()
             read_into_cache(paths)
 

@@ -659,7 +659,7 @@ def run_reads(
             if advance is not None:
                 advance(sum(t.nbytes for t in members))
             with crc_lock:
-                small_crcs.update(zip(range(first, stop), run_crcs))
+                small_crcs.update(zip(range(first, stop), run_crcs, strict=True))
             return
         i, task, start, end = item
         fd = fd_for(task)
