@@ -131,8 +131,9 @@ def parse_json_object(raw: bytes, *, where: str) -> dict[str, Any]:
     try:
         # ``parse_int`` (a call per integer) only where a ``-0`` may be: a header of 10^5
         # tensors has 5 x 10^5 integers.
-        exact = {"parse_int": _parse_int} if "-0" in text else {}
-        value = json.loads(text, object_pairs_hook=_reject_duplicates, **exact)
+        value = json.loads(
+            text, object_pairs_hook=_reject_duplicates, parse_int=_parse_int if "-0" in text else None
+        )
     except _DuplicateKey as dup:
         raise CorruptCheckpointError(
             f"{where} has the key {dup.key!r} twice; the file is damaged or forged"
