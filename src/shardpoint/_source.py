@@ -82,6 +82,9 @@ class Checkpoint:
 
     def header(self, name: str) -> SafetensorsHeader:
         """The validated header of data file ``name`` (read once, then cached)."""
+        cached = self._headers.get(name)  # a dict lookup is atomic: no lock once it is there
+        if cached is not None:
+            return cached
         with self._lock:
             cached = self._headers.get(name)
         if cached is not None:
