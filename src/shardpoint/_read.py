@@ -151,12 +151,10 @@ class ReadBatch:
     ) -> bool:
         """The common case of :meth:`fill` without its box arithmetic: the record is one
         chunk, the whole tensor, read whole into a contiguous ``dest``. False otherwise."""
-        if len(record.chunks) != 1 or any(offsets):
-            return False
         chunk = record.chunks[0]
-        if chunk.shape != record.shape or any(chunk.offsets) or chunk.shape != tuple(dest.shape):
+        if len(record.chunks) != 1 or chunk.shape != record.shape or dest.shape != chunk.shape:
             return False
-        if not dest.is_contiguous():
+        if any(offsets) or any(chunk.offsets) or not dest.is_contiguous():
             return False
         if entry is None:
             entry = self.ckpt.entry(chunk, record.dtype, label)
