@@ -7,7 +7,9 @@
 Parsers: ``header`` (safetensors header, cross-checked against the ``safetensors``
 library), ``index`` (HF ``*.safetensors.index.json``, then a load through it),
 ``manifest`` (``shardpoint.json``, then loads through it), ``latest`` (the
-``CheckpointManager`` pointer). See ``fuzz/targets.py`` for what counts as a finding.
+``CheckpointManager`` pointer), ``cli`` (a manifest, data file header or index of
+checkpoints whose names hold terminal controls, then ``inspect``, ``verify`` and ``diff``
+on them: their human output must escape every control character). See ``fuzz/targets.py`` for what counts as a finding.
 
 Engines: ``atheris`` (coverage-guided libFuzzer, the default where it is installed; it
 runs in a child process, restarted after a crash or a hang it reports) and
@@ -236,7 +238,7 @@ def fuzz_with_atheris(parser: str, seconds: float, findings: Path, corpus: Path)
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parser", default="all", choices=["all", "header", "index", "manifest", "latest"])
+    parser.add_argument("--parser", default="all", choices=["all", "header", "index", "manifest", "latest", "cli"])
     parser.add_argument("--minutes", type=float, default=None, help="time per parser")
     parser.add_argument("--seconds", type=float, default=None, help="time per parser (instead of --minutes)")
     parser.add_argument("--engine", default="auto", choices=["auto", "atheris", "hypothesis"])
@@ -263,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     corpus_root = Path(args.corpus).parent if args.corpus else HERE / "corpus"
     os.environ.setdefault("SHARDPOINT_FUZZ_FIXTURES", str(corpus_root / "fixtures"))
     findings = Path(args.findings)
-    parsers = ["header", "index", "manifest", "latest"] if args.parser == "all" else [args.parser]
+    parsers = ["header", "index", "manifest", "latest", "cli"] if args.parser == "all" else [args.parser]
     any_findings = False
     for name in parsers:
         started = time.monotonic()

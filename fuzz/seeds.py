@@ -93,7 +93,23 @@ def seeds(parser: str, fixtures: Path) -> list[bytes]:
         return [(fixtures / d / "shardpoint.json").read_bytes() for d in ("nested", "chunked")]
     if parser == "latest":
         return [b"step-000007\n", b"step-000002\n", b"step-", b"", b"step-000099\n", b"\xff\xfe"]
+    if parser == "cli":
+        return cli_seeds()
     raise ValueError(parser)
+
+
+def cli_seeds() -> list[bytes]:
+    """``cli`` inputs: a mode byte (0 manifest, 1 first data file, 2 HF index) + the file,
+    from the fixtures whose names hold control characters (``targets._cli_fixtures``)."""
+    import targets
+
+    root = targets._cli_fixtures()
+    first = sorted((root / "cli-hf").glob("*.safetensors"))[0]
+    return [
+        b"\x00" + (root / "cli" / "shardpoint.json").read_bytes(),
+        b"\x01" + first.read_bytes(),
+        b"\x02" + (root / "cli-hf" / "model.safetensors.index.json").read_bytes(),
+    ]
 
 
 # ------------------------------------------------------------------------------ mutation
@@ -164,8 +180,26 @@ def mutate_json(doc: Any, rng: random.Random, rounds: int = 1) -> Any:
     return doc
 
 
+CONTROL_STRINGS = ["\x1b[2J", "\x1b]0;x\x07", "\r", "\n", "\u202e", "\u2066", "\x9b", "\x7f", "\ud800", "\u200b"]
+"""Strings the ``cli`` mutations put into keys and values: terminal controls and spoofers."""
+
+
 def mutate_input(parser: str, data: bytes, rng: random.Random) -> bytes:
     """A structure-aware mutation of ``data``; bytes unchanged if it is not JSON-shaped."""
+    if parser == "cli":
+        if not data:
+            return data
+        inner = ("manifest", "header", "index")[data[0] % 3]
+        body = mutate_input(inner, data[1:], rng)
+        if rng.random() < 0.5:  # put a control sequence into some string of the JSON
+            at = body.find(b'"', rng.randrange(max(1, min(len(body), 4096))))
+            if at >= 0:
+                evil = json.dumps(rng.choice(CONTROL_STRINGS))[1:-1].encode()
+                body = body[: at + 1] + evil + body[at + 1 :]
+                if inner == "header" and len(body) >= 8:  # keep the header length right
+                    (length,) = struct.unpack("<Q", body[:8])
+                    body = struct.pack("<Q", length + len(evil)) + body[8:]
+        return data[:1] + body
     if parser == "latest":
         return rng.choice([b"step-%06d\n" % rng.randrange(10), b"step-" + bytes(rng.randrange(256) for _ in range(3)),
                            data[: rng.randrange(len(data) + 1)], data + b"\n" * rng.randrange(3)])

@@ -255,3 +255,90 @@ TARGETS: dict[str, Callable[[bytes], str]] = {
 
 def header_bytes(header_json: bytes, data: bytes = b"") -> bytes:
     return struct.pack("<Q", len(header_json)) + header_json + data
+
+
+# ------------------------------------------------------------------ CLI human output
+
+CLI_MODES = ("manifest", "header", "index")
+"""What the first byte of a ``cli`` input (modulo 3) overwrites; the rest is the content."""
+
+CONTROL_NAMES = ["\x1b]0;pwned\x07", "\x1b[2J", "ok\rFAKE", "\u202e", "x\nOK: whole", "\x9b1m", "\ufeff"]
+"""Tensor names of the ``cli`` fixtures: the fuzzer starts from names that try to drive the
+terminal, and mutates around them."""
+
+
+def _cli_fixtures() -> Path:
+    """Checkpoints whose names, metadata and values hold control characters (made once):
+    ``cli`` (shardpoint, nested, several files) and ``cli-hf`` (HF index + shards)."""
+    root = _fixture_dir()
+    if not (root / "cli-hf").is_dir():
+        weights = {name: torch.full((2,), float(i)) for i, name in enumerate(CONTROL_NAMES)}
+        sp.save(
+            {"model": weights, "extra": {"\x1b[2J": "x\u202ey", "n": 1}},
+            root / "cli",
+            max_shard_size=16,
+            metadata={"\x1b]0;t\x07": "\x9b31m\u2066"},
+            progress=False,
+        )
+        sp.save(weights, root / "cli-hf", max_shard_size=16, progress=False)
+        (root / "cli-hf" / "shardpoint.json").unlink()
+    return root
+
+
+def _run_cli(argv: list[str]) -> tuple[int, str, str]:
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from shardpoint._cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+def cli(data: bytes) -> str:
+    """Write ``data[1:]`` as the manifest, a data file's header or the HF index of a
+    checkpoint (``data[0]`` picks, see ``CLI_MODES``), then run ``inspect``, ``verify`` and
+    ``diff`` (human output) on it. Each must exit 0, 1 or 2 without a traceback, and print
+    no control or format character but the newlines ending its lines (``escape``)."""
+    if not data:
+        return "error"
+    mode, body = CLI_MODES[data[0] % len(CLI_MODES)], data[1:]
+    root = _cli_fixtures()
+    kind = "cli" if mode == "manifest" else "cli-hf"
+    work = _scratch(kind)
+    if mode == "manifest":
+        target = work / "shardpoint.json"
+    elif mode == "index":
+        target = work / "model.safetensors.index.json"
+    else:
+        target = work / sorted(p.name for p in work.glob("*.safetensors"))[0]
+    original = target.read_bytes()
+    target.write_bytes(body)
+    codes: list[int] = []
+    try:
+        for argv in (["inspect", str(work)], ["verify", str(work)], ["diff", str(work), str(root / kind)]):
+            got: list[tuple[int, str, str]] = []
+            if _classify(lambda a=argv, g=got: g.append(_run_cli(a))) == "error":
+                raise Finding("crash", f"{argv[0]} let a CheckpointError out of main()")
+            code, out, err = got[0]
+            if code not in (0, 1, 2) or "Traceback" in err:
+                raise Finding("crash", f"{argv[0]} exited {code}: {err[-2000:]}")
+            _check_printable(argv[0], out, err)
+            codes.append(code)
+    finally:
+        target.write_bytes(original)
+    return "result" if codes[0] == 0 else "error"
+
+
+def _check_printable(command: str, out: str, err: str) -> None:
+    from shardpoint._cli.output import has_control
+
+    for stream, text in (("stdout", out), ("stderr", err)):
+        if has_control(text, allow="\n"):
+            bad = sorted({repr(ch) for ch in text if ch != "\n" and has_control(ch)})
+            raise Finding("escape", f"{command} printed {', '.join(bad)} on {stream}: {text[:500]!r}")
+
+
+TARGETS["cli"] = cli

@@ -220,7 +220,7 @@ def test_inspect_nested_state_names_components(
         in out.splitlines()
     )
     code, out, _ = run(
-        capsys, "inspect", tmp_path / "nested", "--json", "--filter", "optim/*exp_avg"
+        capsys, "inspect", tmp_path / "nested", "--json", "--filter", "optim/*exp_avg$"
     )
     doc = json.loads(out)
     assert doc["flat"] is False
@@ -298,6 +298,8 @@ def test_verify_whole_checkpoint(ckpt: Path, capsys: pytest.CaptureFixture[str])
         "ok": True,
         "problems": [],
         "warnings": [],
+        "notes": [],
+        "unchecked": [],
         "files_checked": 3,
         "tensors_checked": 4,
         "bytes_checked": 512,
@@ -396,14 +398,21 @@ def test_verify_damaged_index_and_manifest(ckpt: Path, capsys: pytest.CaptureFix
     )
 
 
-def test_verify_extra_files_are_warnings(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_lists_other_files_and_warns_on_stray_data(
+    ckpt: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     (ckpt / "notes.txt").write_text("hello")
+    (ckpt / "model-00004-of-00004.safetensors").write_bytes(b"stale")
     code, out, _ = run(capsys, "verify", ckpt)
     assert code == 0
-    assert out.splitlines()[1] == (
-        f"warning: {ckpt / 'notes.txt'} is not part of the checkpoint (the manifest does not list it); "
-        "load ignores it"
-    )
+    assert out.splitlines()[1:3] == [
+        f"warning: {ckpt / 'model-00004-of-00004.safetensors'} looks like checkpoint data but is "
+        "not part of the checkpoint (the manifest does not list it); load ignores it. If it is "
+        "left from another save, move it away",
+        "not checked (not checkpoint data): notes.txt",
+    ]
+    doc = json.loads(run(capsys, "verify", ckpt, "--json")[1])
+    assert (doc["ok"], doc["unchecked"], len(doc["warnings"])) == (True, ["notes.txt"], 1)
 
 
 def test_verify_uncommitted_tmp_dir(
@@ -571,3 +580,359 @@ def test_console_script(ckpt: Path) -> None:
         f"{ckpt}: shardpoint checkpoint, 3 data files\n"
         "OK: whole (3 files, 4 stored tensors); crc32c matched for 512 B\n"
     )
+
+
+# ------------------------------------------------- folders people actually have (issue 19)
+
+TRAINER_FILES = {
+    "training_args.bin": None,
+    "optimizer.pt": None,
+    "scheduler.pt": None,
+    "rng_state.pth": None,
+    "trainer_state.json": "{}",
+    "tokenizer.json": "{}",
+    "tokenizer_config.json": "{}",
+    "special_tokens_map.json": "{}",
+    "README.md": "# model",
+    ".gitattributes": "*.safetensors filter=lfs",
+}
+
+
+def _tiny_llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=64, max_position_embeddings=32,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _add_companions(path: Path) -> None:
+    for name, text in TRAINER_FILES.items():
+        if text is None:
+            torch.save({"lr": torch.tensor(0.1)}, path / name)
+        else:
+            (path / name).write_text(text)
+
+
+@pytest.mark.parametrize("maker", ["sp.save+config", "integrations.save_pretrained", "model.save_pretrained"])
+def test_verify_of_model_folders_warns_about_nothing_and_lists_the_rest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], maker: str
+) -> None:
+    model = _tiny_llama()
+    path = tmp_path / "out"
+    if maker == "sp.save+config":
+        sp.save(model.state_dict(), path, max_shard_size="20kB")
+        model.config.save_pretrained(path)
+    elif maker == "integrations.save_pretrained":
+        from shardpoint.integrations.transformers import save_pretrained
+
+        save_pretrained(model, path, max_shard_size="20kB")
+    else:
+        model.save_pretrained(path, max_shard_size="20kB")
+    _add_companions(path)
+    capsys.readouterr()  # transformers' own progress bar
+    code, out, err = run(capsys, "verify", path)
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert not [line for line in lines if line.startswith(("warning", "problem"))], out
+    generation = ["generation_config.json"] if maker != "sp.save+config" else []
+    unchecked = sorted([*TRAINER_FILES, "config.json", *generation])
+    assert lines[-2] == f"not checked (not checkpoint data): {', '.join(unchecked)}"
+    assert lines[-1].startswith("OK: ")
+    doc = json.loads(run(capsys, "verify", path, "--json")[1])
+    assert (doc["ok"], doc["warnings"], doc["unchecked"]) == (True, [], unchecked)
+    inspected = json.loads(run(capsys, "inspect", path, "--json")[1])
+    assert inspected["unchecked"] == unchecked
+
+
+def test_verify_stale_shard_missing_from_hf_index_warns(
+    hf_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shutil.copy(hf_dir / FILES[2], hf_dir / "model-00004-of-00004.safetensors")
+    (hf_dir / "config.json").write_text("{}")
+    code, out, _ = run(capsys, "verify", hf_dir)
+    assert code == 0
+    assert out.splitlines()[1:3] == [
+        f"warning: {hf_dir / 'model-00004-of-00004.safetensors'} looks like checkpoint data but "
+        "is not part of the checkpoint (the index does not list it); load ignores it. If it is "
+        "left from another save, move it away",
+        "not checked (not checkpoint data): config.json",
+    ]
+
+
+def _bin_shards(path: Path) -> dict[str, torch.Tensor]:
+    """A Hugging Face .bin sharded folder (as transformers 4 wrote them) + trainer files."""
+    state = _state()
+    path.mkdir()
+    shards = {"pytorch_model-00001-of-00002.bin": ["embed.weight", "layer.0.weight"],
+              "pytorch_model-00002-of-00002.bin": ["layer.0.bias", "head.weight"]}
+    for fname, keys in shards.items():
+        torch.save({k: state[k] for k in keys}, path / fname)
+    weight_map = {k: f for f, keys in shards.items() for k in keys}
+    (path / "pytorch_model.bin.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 512}, "weight_map": weight_map})
+    )
+    (path / "config.json").write_text("{}")
+    torch.save({"lr": 0.1}, path / "training_args.bin")
+    return state
+
+
+def _record_offset(path: Path, suffix: str) -> int:
+    """Where the bytes of the zip record whose name ends with ``suffix`` start."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith(suffix))
+    raw = path.read_bytes()
+    start = info.header_offset
+    name_len, extra_len = struct.unpack("<HH", raw[start + 26 : start + 30])
+    return start + 30 + name_len + extra_len
+
+
+def test_verify_and_inspect_bin_shards(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bin"
+    _bin_shards(path)
+    sizes = [os.path.getsize(path / f"pytorch_model-0000{i}-of-00002.bin") for i in (1, 2)]
+    code, out, err = run(capsys, "verify", path)
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0] == f"{path}: hf-bin checkpoint, 2 data files (torch.save files)"
+    assert lines[1].startswith("note: torch.save files: each one's zip records checked against their CRC-32")
+    assert lines[2] == "not checked (not checkpoint data): config.json, training_args.bin"
+    assert lines[3].startswith("OK: whole (2 files, 4 stored tensors); the zip archives' CRC-32 matched for ")
+    assert len(lines) == 4
+    report = verify_checkpoint(path)
+    assert (report.kind, report.checksums, report.tensors_checked) == ("hf-bin", True, 4)
+    assert 512 < report.bytes_checked < sum(sizes)  # tensor data + the pickles, not headers
+
+    doc = json.loads(run(capsys, "inspect", path, "--json")[1])
+    assert (doc["format"], doc["tensor_count"], doc["tensor_bytes"]) == ("hf-bin", 4, 512)
+    assert doc["unchecked"] == ["config.json", "training_args.bin"]
+    assert [(t["name"], t["dtype"], t["shape"], t["files"]) for t in doc["tensors"]][:2] == [
+        ("embed.weight", "F32", [10, 4], ["pytorch_model-00001-of-00002.bin"]),
+        ("layer.0.weight", "F32", [8, 8], ["pytorch_model-00001-of-00002.bin"]),
+    ]
+    assert doc["files"] == [
+        {"name": f"pytorch_model-0000{i}-of-00002.bin", "size": sizes[i - 1]} for i in (1, 2)
+    ]
+
+    # A flipped byte of tensor data fails its record's CRC-32; --quick reads structure only.
+    shard = path / "pytorch_model-00001-of-00002.bin"
+    flip_byte(shard, _record_offset(shard, "data/0") + 5)
+    code, out, _ = run(capsys, "verify", path)
+    assert code == 1
+    problem = next(line for line in out.splitlines() if line.startswith("problem:"))
+    assert problem.startswith(f"problem: {shard}: record ") and "does not match its CRC-32" in problem
+    code, out, _ = run(capsys, "verify", path, "--quick")
+    assert code == 0
+    assert out.splitlines()[1] == (
+        "note: torch.save files: tensors read with torch.load(weights_only=True) (structure "
+        "only, never a full unpickle)"
+    )
+    assert out.splitlines()[-1] == "OK: structure is whole (2 files, 4 stored tensors); CRC-32 skipped (--quick)"
+    (path / "pytorch_model-00002-of-00002.bin").unlink()
+    code, out, _ = run(capsys, "verify", path, "--quick")
+    assert code == 1
+    assert (
+        f"problem: {path / 'pytorch_model-00002-of-00002.bin'} is missing: the index lists it but "
+        "it is not there; the checkpoint is incomplete (copy the file back or load another "
+        "checkpoint); it holds tensors 'layer.0.bias', 'head.weight'"
+    ) in out.splitlines()
+
+
+def test_verify_and_inspect_single_pytorch_model_bin(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "trainer-out"
+    path.mkdir()
+    torch.save(_state(), path / "pytorch_model.bin")
+    _add_companions(path)
+    code, out, _ = run(capsys, "verify", path)
+    assert code == 0
+    assert out.splitlines()[0] == f"{path}: torch-save checkpoint, 1 data file (torch.save files)"
+    assert out.splitlines()[-1].startswith("OK: whole (1 file, 4 stored tensors)")
+    assert run(capsys, "verify", path / "pytorch_model.bin")[0] == 0
+    doc = json.loads(run(capsys, "inspect", path, "--json")[1])
+    assert (doc["format"], doc["tensor_count"]) == ("torch-save", 4)
+    assert doc["unchecked"] == sorted(TRAINER_FILES)
+    # sp.load reads the same folder (pytorch_model.bin, not training_args.bin).
+    assert torch.equal(sp.load(path)["layer.0.weight"], torch.ones(8, 8))
+
+
+def test_verify_bin_never_unpickles_beyond_weights_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "evil.pt"
+    torch.save({"w": torch.ones(2), "obj": _Custom()}, path)
+    code, out, err = run(capsys, "verify", path)
+    assert (code, out) == (2, "")
+    assert err.startswith(f"shardpoint: error: {path} cannot be loaded with weights_only=True (")
+    assert "it is refused" in err
+    assert _Custom.unpickled == 0
+    code, out, _ = run(capsys, "verify", path, "--json")
+    assert (code, json.loads(out)["error"]) == (2, "UnsafePickleError")
+
+
+class _Custom:
+    unpickled = 0
+
+    def __setstate__(self, state: object) -> None:
+        type(self).unpickled += 1
+
+
+# ------------------------------------------------------------------------ --json failures
+
+
+def test_json_failures_print_an_error_object(
+    tmp_path: Path, ckpt: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "missing"
+    for argv, code, error, message, path in [
+        (["inspect", missing], 2, "CheckpointNotFoundError", f"{missing} does not exist; nothing to load", str(missing)),
+        (["verify", missing], 2, "CheckpointNotFoundError", f"{missing} does not exist; nothing to verify", str(missing)),
+        (["diff", ckpt, missing], 2, "CheckpointNotFoundError", f"{missing} does not exist; nothing to read", str(missing)),
+    ]:
+        got, out, err = run(capsys, *argv, "--json")
+        assert got == code
+        assert json.loads(out) == {"error": error, "message": message, "path": path}
+        assert err == f"shardpoint: error: {message}\n"
+    (ckpt / "shardpoint.json").write_text("{not json")
+    got, out, _ = run(capsys, "inspect", ckpt, "--json")
+    doc = json.loads(out)
+    assert got == 2
+    assert sorted(doc) == ["error", "message", "path"]
+    assert (doc["error"], doc["path"]) == ("CorruptCheckpointError", str(ckpt))
+    assert doc["message"].startswith(f"{ckpt / 'shardpoint.json'} is not valid JSON")
+    got, out, _ = run(capsys, "verify", ckpt, "--json")  # verify judges it: a damaged checkpoint
+    assert (got, json.loads(out)["ok"]) == (1, False)
+    got, out, err = run(capsys, "inspect", "--json", "--limit", "x", ckpt)
+    assert got == 2
+    assert json.loads(out) == {
+        "error": "UsageError",
+        "message": "argument --limit: 'x' is not a whole number",
+        "path": None,
+    }
+    assert err.endswith("shardpoint inspect: error: argument --limit: 'x' is not a whole number\n")
+    got, out, _ = run(capsys, "inspect", ckpt)  # no --json: nothing on stdout
+    assert (got, out) == (2, "")
+
+
+# ------------------------------------------------------------------------------- --filter
+
+
+def test_filter_matches_anywhere_in_transformers_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = _tiny_llama()
+    sp.save(model.state_dict(), tmp_path / "llama")
+
+    def names(pattern: str) -> list[str]:
+        code, out, _ = run(capsys, "inspect", tmp_path / "llama", "--json", "--filter", pattern)
+        assert code == 0
+        return [t["name"] for t in json.loads(out)["tensors"]]
+
+    assert "model.layers.0.mlp.up_proj.weight" in names("layers.*.weight")
+    assert len(names("layers.*.weight")) == 18  # 9 weights per layer, 2 layers
+    assert names("layers.1.*up_proj") == ["model.layers.1.mlp.up_proj.weight"]
+    assert names("^lm_head") == ["lm_head.weight"]
+    assert names("^head") == []
+    assert names("norm.weight$") == [
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+        "model.layers.1.input_layernorm.weight",
+        "model.layers.1.post_attention_layernorm.weight",
+        "model.norm.weight",
+    ]
+    assert names("layers.[!0].self_attn.q") == ["model.layers.1.self_attn.q_proj.weight"]
+    code, help_text, _ = run(capsys, "inspect", "--help")
+    assert code == 0
+    assert "'layers.*.weight' matches model.layers.0.mlp.up_proj.weight" in " ".join(help_text.split())
+
+
+# ------------------------------------------------------------ terminal escapes (issue 23)
+
+EVIL = ["\x1b]0;pwned\x07", "\x1b[2J", "ok\rFAKE", "\u202e", "x\nOK: whole", "\x9b31m", "a\u2066b"]
+
+
+def test_no_control_character_reaches_the_terminal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from shardpoint._cli.output import has_control
+
+    root = tmp_path / "dir\x1b[31m"
+    root.mkdir()
+    a, b = root / "a\x1b]0;t\x07", root / "b"
+    sp.save({n: torch.ones(2) for n in EVIL}, a, metadata={"note": "\x1b[32mall good\x1b[0m"})
+    sp.save({n: torch.zeros(2) for n in EVIL}, b)
+    (a / "stray\x1b[2J.safetensors").write_bytes(b"x")
+    (a / "cfg\x07.json").write_text("{}")
+    runs = [
+        ("inspect", a), ("verify", a), ("diff", a, b), ("convert", a, root / "c\x1b[2J"),
+        ("verify", root / "missing\x1b]0;x\x07"), ("inspect", root / "\u202emissing"),
+        ("diff", a, root / "gone\rFAKE"), ("convert", root / "gone\x1b[2J", root / "d"),
+        ("inspect", a, "--limit", "\x1b[2J"),
+    ]
+    for argv in runs:
+        code, out, err = run(capsys, *argv)
+        assert code in (0, 1, 2) and (out or err), argv
+        assert not has_control(out, allow="\n"), (argv, out)
+        assert not has_control(err, allow="\n"), (argv, err)
+        assert "\x1b" not in out + err and "\r" not in out + err
+    out = run(capsys, "inspect", a)[1]
+    assert "  x\\nOK: whole  " in out and "  ok\\rFAKE  " in out and "  \\u202e  " in out
+    assert "  \\x1b]0;pwned\\x07  " in out
+    assert run(capsys, "verify", a)[1].splitlines()[-1] == (
+        "OK: whole (1 file, 7 stored tensors); crc32c matched for 56 B"
+    )
+    # --json stays exact: the names come back as they are.
+    doc = json.loads(run(capsys, "inspect", a, "--json")[1])
+    assert [t["name"] for t in doc["tensors"]] == EVIL
+    assert doc["metadata"] == {"note": "\x1b[32mall good\x1b[0m"}
+    diff_doc = json.loads(run(capsys, "diff", a, b, "--json")[1])
+    assert [t["key"] for t in diff_doc["tensors"]] == EVIL
+
+
+def test_printable_escapes_every_kind_of_control() -> None:
+    from shardpoint._cli.output import printable
+
+    assert printable("\x00\x1f\x7f\x85\x9f") == "\\x00\\x1f\\x7f\\x85\\x9f"
+    assert printable("a\u200bb\u2028c\u2029d\ufeff") == "a\\u200bb\\u2028c\\u2029d\\ufeff"
+    assert printable("\ud800") == "\\ud800"  # a lone surrogate (JSON "\ud800")
+    assert printable("\U000e0001") == "\\U000e0001"  # a tag character (format)
+    assert printable("caf\u00e9 \u6a21\u578b \U0001f600 \u00a0") == "caf\u00e9 \u6a21\u578b \U0001f600 \u00a0"
+
+
+def test_progress_bar_descriptions_are_escaped(capsys: pytest.CaptureFixture[str]) -> None:
+    from shardpoint._progress import byte_progress
+
+    with byte_progress(10, "verifying evil\x1b[2J\u202e", True) as advance:
+        assert advance is not None
+        advance(10)
+    err = capsys.readouterr().err
+    assert "verifying evil\\x1b[2J\\u202e" in err
+    assert "\x1b[2J" not in err and "\u202e" not in err
+
+
+def test_pt_beside_safetensors_is_read_from_the_safetensors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from safetensors.torch import save_file
+
+    save_file(_state(), str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "model.pt").write_bytes(b"\x80 not read: a pickle that would fail")
+    note = (
+        f"{tmp_path / 'model.safetensors'} instead of {tmp_path / 'model.pt'}: load reads the "
+        ".safetensors file of the same stem beside it (same tensors, no unpickling)"
+    )
+    code, out, _ = run(capsys, "verify", tmp_path / "model.pt")
+    assert code == 0
+    assert out.splitlines()[1] == f"note: verified {note}"
+    assert out.splitlines()[-1].startswith("OK: structure is whole (1 file, 4 stored tensors)")
+    code, out, _ = run(capsys, "inspect", tmp_path / "model.pt")
+    assert code == 0
+    assert out.splitlines()[0] == f"note: showing {note}"
+    doc = json.loads(run(capsys, "inspect", tmp_path / "model.pt", "--json")[1])
+    assert (doc["format"], doc["tensor_count"], doc["notes"]) == ("hf-file", 4, [f"showing {note}"])

@@ -43,7 +43,9 @@ def test_human_size():
 
 def test_plan_shards_follows_transformers_rule():
     sizes = [("a", 3), ("b", 3), ("c", 3), ("big", 20), ("d", 1)]
-    assert plan_shards(sizes, 6) == [["a", "b"], ["c"], ["big"], ["d"]]
+    # huggingface_hub: the oversized tensor's file is closed at once; "c" and "d" share the
+    # file still being filled, which comes after it.
+    assert plan_shards(sizes, 6) == [["a", "b"], ["big"], ["c", "d"]]
     assert plan_shards(sizes, 100) == [["a", "b", "c", "big", "d"]]
     assert shard_file_names("model", 3)[2] == "model-00003-of-00003.safetensors"
 

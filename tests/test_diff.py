@@ -214,3 +214,120 @@ def test_diff_a_converted_dcp_checkpoint(tmp_path: Path) -> None:
     assert [t.status for t in report.tensors] == ["dtype", "dtype"]
     assert report.tensors[0].max_rel is not None and report.tensors[0].max_rel < 2**-8
     assert not report.values and not report.only_in_a and not report.only_in_b
+
+
+# ------------------------------------------------------------------------------ ties
+
+
+def _tied_state() -> dict[str, torch.Tensor]:
+    emb = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    return {"emb.weight": emb, "mid": torch.ones(2), "head.weight": emb}
+
+
+def test_alias_against_separately_stored_copy_is_equal_with_a_note(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sp.save(_tied_state(), tmp_path / "tied")
+    untied = {k: v.clone() for k, v in _tied_state().items()}
+    sp.save(untied, tmp_path / "untied")
+    report = sp.diff(tmp_path / "tied", tmp_path / "untied")
+    assert report.equal and not report.only_in_a and not report.only_in_b
+    assert [t.key for t in report.tensors] == ["emb.weight", "mid", "head.weight"]
+    [note] = report.notes
+    assert (note.key, note.a, note.b, note.alias_of_a, note.alias_of_b, note.compared_as) == (
+        "head.weight", "alias", "stored", "emb.weight", None, None,
+    )
+    code, out, _ = run_cli(capsys, "diff", tmp_path / "tied", tmp_path / "untied")
+    assert code == 0
+    assert out.splitlines()[-2:] == [
+        "note: head.weight: an alias of emb.weight in A (tied, stored once), stored in B; values compared",
+        "equal: 3 tensors (56 B) match, 1 tied name stored differently (notes above) (atol=0, rtol=0)",
+    ]
+    # A separately stored copy that differs is a difference, tie or not.
+    untied["head.weight"] = untied["head.weight"] + 1
+    sp.save(untied, tmp_path / "changed")
+    report = sp.diff(tmp_path / "tied", tmp_path / "changed")
+    assert not report.equal and [t.key for t in report.differences] == ["head.weight"]
+    assert run_cli(capsys, "diff", tmp_path / "tied", tmp_path / "changed")[0] == 1
+
+
+def test_tied_name_absent_on_the_other_side_compares_through_its_twin(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from safetensors.torch import save_file
+
+    sp.save(_tied_state(), tmp_path / "tied")
+    (tmp_path / "hf").mkdir()
+    dropped = {k: v.clone() for k, v in _tied_state().items() if k != "head.weight"}
+    save_file(dropped, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    for a, b, side in [("tied", "hf", "a"), ("hf", "tied", "b")]:
+        report = sp.diff(tmp_path / a, tmp_path / b)
+        assert report.equal and not report.only_in_a and not report.only_in_b, (a, b)
+        [note] = report.notes
+        assert (note.key, getattr(note, side), note.compared_as) == ("head.weight", "alias", "emb.weight")
+    code, out, _ = run_cli(capsys, "diff", tmp_path / "hf", tmp_path / "tied", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["equal"] is True and doc["only_in_a"] == [] and doc["only_in_b"] == []
+    assert doc["notes"] == [
+        {
+            "key": "head.weight",
+            "a": "absent",
+            "b": "alias",
+            "alias_of_a": None,
+            "alias_of_b": "emb.weight",
+            "compared_as": "emb.weight",
+            "message": "head.weight: absent from A (tied weight not saved), an alias of emb.weight in B "
+            "(tied, stored once); compared as emb.weight",
+        }
+    ]
+    # The twin's values still decide: a changed embedding is a difference.
+    save_file({**dropped, "emb.weight": dropped["emb.weight"] * 2}, str(tmp_path / "hf" / "model.safetensors"),
+              metadata={"format": "pt"})
+    report = sp.diff(tmp_path / "tied", tmp_path / "hf")
+    assert [t.key for t in report.differences] == ["emb.weight"] and not report.equal
+
+
+def test_a_missing_name_that_is_no_tie_stays_only_in_one_side(tmp_path: Path) -> None:
+    sp.save(_tied_state(), tmp_path / "tied")
+    # B lacks the head and the embedding it is tied to: nothing to compare it through.
+    sp.save({"mid": torch.ones(2)}, tmp_path / "mid")
+    report = sp.diff(tmp_path / "tied", tmp_path / "mid")
+    assert report.only_in_a == ["emb.weight", "head.weight"] and not report.notes
+    # An untied extra name is a difference even when other names are tied.
+    sp.save({**_tied_state(), "extra": torch.zeros(1)}, tmp_path / "extra")
+    report = sp.diff(tmp_path / "tied", tmp_path / "extra")
+    assert report.only_in_b == ["extra"] and not report.notes and not report.equal
+
+
+@pytest.mark.parametrize("family", ["gpt2", "t5"])
+def test_save_pretrained_against_shardpoint_save_pretrained_exits_0(
+    family: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    from shardpoint.integrations.transformers import save_pretrained
+
+    torch.manual_seed(0)
+    common = {"vocab_size": 50, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+    if family == "gpt2":
+        model = transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, n_positions=16, **common)
+        )
+        tied = ["lm_head.weight"]
+    else:
+        model = transformers.T5ForConditionalGeneration(
+            transformers.T5Config(d_model=16, d_ff=32, d_kv=8, num_layers=1, num_heads=2,
+                                  decoder_start_token_id=0, **common)
+        )
+        tied = ["encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"]
+    model.save_pretrained(tmp_path / "hf")
+    save_pretrained(model, tmp_path / "sp")
+    kept = "transformer.wte.weight" if family == "gpt2" else "shared.weight"
+    for a, b in [("sp", "hf"), ("hf", "sp")]:
+        code, out, err = run_cli(capsys, "diff", tmp_path / a, tmp_path / b)
+        assert code == 0, out + err
+        notes = [line for line in out.splitlines() if line.startswith("note: ")]
+        assert [n.split(":")[1].strip() for n in notes] == tied
+        assert all(n.endswith(f"; compared as {kept}") for n in notes)
+        assert "only in" not in out and "DIFFERENT" not in out
+        assert out.splitlines()[-1].startswith("equal: ")

@@ -188,3 +188,28 @@ def test_long_run_cli_with_atheris(tmp_path: Path) -> None:
     assert line, done.stdout
     inputs, results, errors = map(int, line.groups())
     assert inputs > 100 and results > 0 and errors > 0 and inputs == results + errors
+
+
+# ------------------------------------------------------------- the CLI's human output
+
+
+def test_cli_seeds_are_accepted() -> None:
+    outcomes = [check("cli", data) for data in seeds.cli_seeds()]
+    assert outcomes == ["result", "result", "result"]
+
+
+@given(data=st.data())
+@settings(BOUNDED, max_examples=60)
+def test_fuzz_cli_output(data: st.DataObject) -> None:
+    """Fuzzed manifests, headers and indexes (names full of terminal controls) through
+    inspect, verify and diff: exit 0/1/2, no traceback, nothing unescaped printed."""
+    check("cli", data.draw(seeds.input_strategy("cli", seeds.cli_seeds())))
+
+
+def test_the_cli_target_flags_an_unescaped_control(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Were a command to print names raw, the target reports it."""
+    import shardpoint._printable as printable
+
+    monkeypatch.setattr(printable, "_escape_char", lambda match: match.group())
+    with pytest.raises(targets.Finding, match=r"escape: inspect printed .*'\\x1b'"):
+        targets.cli(seeds.cli_seeds()[0])

@@ -385,11 +385,10 @@ def test_cold_loads_go_past_the_page_cache_and_still_check_every_byte(tmp_path, 
     _evict(f)
     loaded = sp.load(out)
     assert torch.equal(loaded["big"], state["big"]) and torch.equal(loaded["small"], state["small"])
-    if cached_copy == "1":  # the mapped copy found the first window not wholly cached
-        assert counting.direct == [3_000_001 * 4], "the cold tensor came through O_DIRECT"
-    else:  # the part reading the header pulled into the cache is copied from it, no more
-        (direct,) = counting.direct
-        assert 3_000_001 * 4 - (1 << 20) < direct <= 3_000_001 * 4
+    # The mapped copy (or the probe) copies what reading the header pulled into the cache
+    # (readahead: a few pages, seen 16 KiB) from it; the rest, and no more, comes via O_DIRECT.
+    (direct,) = counting.direct
+    assert 3_000_001 * 4 - (1 << 20) < direct <= 3_000_001 * 4, "the cold tensor came through O_DIRECT"
 
     monkeypatch.delenv("SHARDPOINT_DIRECT_READS")  # off by default
     counting.direct.clear()

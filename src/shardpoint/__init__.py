@@ -1,8 +1,10 @@
 """shardpoint: fast, atomic, sharded safetensors checkpoints for PyTorch.
 
->>> import shardpoint as sp
->>> sp.save(model.state_dict(), "ckpt/step-100", max_shard_size="5GB")  # doctest: +SKIP
->>> sp.load_into(model, "ckpt/step-100")  # doctest: +SKIP
+>>> import torch, shardpoint as sp
+>>> model = torch.nn.Linear(4, 4)
+>>> info = sp.save(model.state_dict(), "ckpt/step-100", max_shard_size="5GB")
+>>> sp.load_into(model, "ckpt/step-100").ok
+True
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ __version__ = "0.1.0"
 from ._api import LoadResult, SaveInfo, load, load_into, save
 from ._async import AsyncSave, async_save
 from ._convert import convert
-from ._diff import DiffReport, TensorDiff, diff
+from ._diff import DiffReport, StorageNote, TensorDiff, diff
 from ._manager import CheckpointManager
 from ._stateful import RNGState, Stateful, empty_model
 from .errors import (
@@ -55,6 +57,7 @@ __all__ = [
     "SaveInfo",
     "Stateful",
     "StorageError",
+    "StorageNote",
     "TensorDiff",
     "UnsafePathError",
     "UnsafePickleError",

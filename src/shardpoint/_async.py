@@ -98,7 +98,8 @@ def stage(prepared: PreparedState, pool: StagingPool) -> PreparedState:
         for alias, stored in comp.aliases.items():
             tensors[alias] = tensors[stored]
         components.append(
-            Component(comp.name, comp.tree, tensors, list(comp.stored), dict(comp.aliases), placements[comp.name])
+            Component(comp.name, comp.tree, tensors, list(comp.stored), dict(comp.aliases), placements[comp.name],
+                      dict(comp.hf_storage), comp.parameters)
         )
     return PreparedState(components, prepared.flat)
 

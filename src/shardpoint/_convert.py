@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ._hub import local_path
 from ._io.transfer import FileWrite, write_files
 from ._prepare import Component, PreparedState
 from ._sizes import parse_size
@@ -234,8 +235,10 @@ def run_convert(
     overwrite: bool = False,
     progress: bool | None = None,
     workers: int = 1,
+    cache_dir: str | os.PathLike[str] | None = None,
 ) -> tuple[SaveInfo, TensorSource]:
     """``convert``, also returning the (closed) source: its kind and notes, for the CLI."""
+    src = local_path(src, cache_dir)
     max_bytes = parse_size(max_shard_size)
     want = parse_dtype(dtype)
     if workers < 1:
@@ -268,6 +271,7 @@ def convert(
     overwrite: bool = False,
     progress: bool | None = None,
     workers: int = 1,
+    cache_dir: str | os.PathLike[str] | None = None,
 ) -> SaveInfo:
     """Convert a checkpoint to an HF-layout shardpoint checkpoint, tensor by tensor.
 
@@ -292,7 +296,8 @@ def convert(
     ``transformers.from_pretrained`` reads.
 
     Args:
-        src: file or directory to read.
+        src: file or directory to read, or ``hf://org/name[@revision][/subfolder]``: a
+            repository in the local Hugging Face cache (never downloaded).
         dst: the checkpoint directory to create.
         max_shard_size: largest output file, e.g. ``"5GB"`` or ``"500MiB"``.
         dtype: cast every floating-point tensor (all components) to ``"bf16"``,
@@ -305,6 +310,8 @@ def convert(
         progress: show a progress bar (default: when stderr is a terminal).
         workers: processes writing output files in parallel (each opens the source and
             holds one batch; worth it for many output files on fast storage).
+        cache_dir: the Hugging Face cache an ``hf://`` source is looked up in (default:
+            ``huggingface_hub``'s, from ``HF_HUB_CACHE`` / ``HF_HOME``).
 
     Returns:
         The :class:`SaveInfo` of the written checkpoint.
@@ -332,5 +339,6 @@ def convert(
         overwrite=overwrite,
         progress=progress,
         workers=workers,
+        cache_dir=cache_dir,
     )
     return info

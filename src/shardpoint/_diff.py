@@ -5,6 +5,13 @@ a nested checkpoint they are ``component/name``. Values are compared like
 ``torch.allclose``: ``|a - b| <= atol + rtol * |b|`` element-wise (B is the reference), NaN
 equal to NaN at the same position. Non-tensor values of nested states (epoch, learning
 rates, ...) are compared too.
+
+Ties are compared by value: a name that one side records as an alias of a stored tensor
+(tied weights stored once) and the other stores separately is compared under its own
+name; one that the other side lacks while it holds a name of the same tie (as
+``transformers``' ``save_pretrained`` drops ``lm_head.weight`` of a tied GPT-2) is equal
+when that name is. Either way the difference in storage is reported as a
+:class:`StorageNote`, not as a difference.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import torch
 
 from ._flatten import WRAPPER_TYPES
 from ._format.dtypes import DTYPE_TO_NAME
+from ._hub import local_path
 from ._stream_source import BATCH_BYTES, Ref, TensorSource, batches, open_source
 from .errors import CheckpointError
 
@@ -65,6 +73,36 @@ MISSING = "<absent>"
 
 
 @dataclass(frozen=True)
+class StorageNote:
+    """A tensor name stored differently on the two sides while its values compare."""
+
+    key: str
+    a: str
+    """How A holds it: ``stored``, ``alias`` (of ``alias_of_a``) or ``absent``."""
+    b: str
+    alias_of_a: str | None = None
+    """The stored name it is an alias of in A (load-style key), when ``a`` is ``alias``."""
+    alias_of_b: str | None = None
+    compared_as: str | None = None
+    """When the name is absent on one side: the key of the same tie whose values were
+    compared in its place."""
+
+    @property
+    def message(self) -> str:
+        def side(how: str, target: str | None, label: str) -> str:
+            if how == "alias":
+                return f"an alias of {target} in {label} (tied, stored once)"
+            if how == "absent":
+                return f"absent from {label} (tied weight not saved)"
+            return f"stored in {label}"
+
+        text = f"{self.key}: {side(self.a, self.alias_of_a, 'A')}, {side(self.b, self.alias_of_b, 'B')}"
+        if self.compared_as is not None:
+            return f"{text}; compared as {self.compared_as}"
+        return f"{text}; values compared"
+
+
+@dataclass(frozen=True)
 class DiffReport:
     """The result of :func:`diff`."""
 
@@ -81,6 +119,9 @@ class DiffReport:
     """Non-tensor values that differ."""
     compared_bytes: int = 0
     """Bytes of tensor data read and compared (A's side)."""
+    notes: list[StorageNote] = field(default_factory=list)
+    """Names whose storage differs (alias on one side, stored or absent on the other)
+    while their values are compared; not differences."""
 
     @property
     def equal(self) -> bool:
@@ -104,6 +145,57 @@ def _keys(source: TensorSource) -> dict[str, Ref]:
         for name in comp.tensors:
             out[prefix + name] = (comp.name, comp.aliases.get(name, name))
     return out
+
+
+def _ties(source: TensorSource) -> dict[str, list[str]]:
+    """Load-style key -> every key of its tie (stored name first), for tied names only."""
+    out: dict[str, list[str]] = {}
+    for comp in source.components:
+        prefix = "" if source.flat else f"{comp.name}/"
+        groups: dict[str, list[str]] = {}
+        for alias, stored in comp.aliases.items():
+            groups.setdefault(stored, [prefix + stored]).append(prefix + alias)
+        for members in groups.values():
+            for key in members:
+                out[key] = members
+    return out
+
+
+def _how(key: str, refs: dict[str, Ref], source: TensorSource) -> tuple[str, str | None]:
+    """("stored" | "alias" | "absent", the stored key it aliases) of ``key`` in a source."""
+    ref = refs.get(key)
+    if ref is None:
+        return "absent", None
+    comp, stored = ref
+    prefix = "" if source.flat else f"{comp}/"
+    if prefix + stored == key:
+        return "stored", None
+    return "alias", prefix + stored
+
+
+def _tie_notes(
+    a: TensorSource, b: TensorSource, keys_a: dict[str, Ref], keys_b: dict[str, Ref]
+) -> tuple[list[StorageNote], set[str]]:
+    """Notes on names stored differently, and the one-sided keys a tie covers."""
+    ties_a, ties_b = _ties(a), _ties(b)
+    notes: list[StorageNote] = []
+    covered: set[str] = set()
+    for key in [*keys_a, *(k for k in keys_b if k not in keys_a)]:
+        how_a, of_a = _how(key, keys_a, a)
+        how_b, of_b = _how(key, keys_b, b)
+        if (how_a, of_a) == (how_b, of_b):
+            continue
+        compared_as = None
+        if how_a == "absent" or how_b == "absent":
+            present, other = (keys_b, keys_a) if how_a == "absent" else (keys_a, keys_b)
+            tie = (ties_b if how_a == "absent" else ties_a).get(key, [])
+            twins = [k for k in tie if k != key and k in present and k in other]
+            if not twins:
+                continue  # not a tie the other side holds: only in A / only in B
+            compared_as = twins[0]
+            covered.add(key)
+        notes.append(StorageNote(key, how_a, how_b, of_a, of_b, compared_as))
+    return notes, covered
 
 
 def _json_leaves(source: TensorSource) -> dict[str, Any]:
@@ -191,6 +283,7 @@ def diff(
     atol: float = 0.0,
     rtol: float = 0.0,
     trust_pickle: bool = False,
+    cache_dir: str | os.PathLike[str] | None = None,
 ) -> DiffReport:
     """Compare two checkpoints tensor by tensor, streaming (about one batch in memory).
 
@@ -203,6 +296,8 @@ def diff(
         a, b: the checkpoints (B is the reference for ``rtol``).
         atol, rtol: tolerance, element-wise ``|a - b| <= atol + rtol * |b|``.
         trust_pickle: allow a full unpickle of either side (see ``convert``).
+        cache_dir: the Hugging Face cache ``hf://org/name[@revision]`` sides are looked up
+            in (default: ``huggingface_hub``'s); such a side is never downloaded.
 
     Returns:
         A :class:`DiffReport`; ``report.equal`` is True when the keys, shapes and dtypes
@@ -222,9 +317,10 @@ def diff(
     """
     if atol < 0 or rtol < 0 or math.isnan(atol) or math.isnan(rtol):
         raise CheckpointError(f"atol and rtol must be >= 0 (got atol={atol}, rtol={rtol})")
-    src_a = open_source(a, trust_pickle=trust_pickle)
+    local_a, local_b = local_path(a, cache_dir), local_path(b, cache_dir)
+    src_a = open_source(local_a, trust_pickle=trust_pickle)
     try:
-        src_b = open_source(b, trust_pickle=trust_pickle)
+        src_b = open_source(local_b, trust_pickle=trust_pickle)
         try:
             return _diff_sources(src_a, src_b, os.fspath(a), os.fspath(b), atol, rtol)
         finally:
@@ -237,8 +333,9 @@ def _diff_sources(
     a: TensorSource, b: TensorSource, name_a: str, name_b: str, atol: float, rtol: float
 ) -> DiffReport:
     keys_a, keys_b = _keys(a), _keys(b)
-    only_a = [k for k in keys_a if k not in keys_b]
-    only_b = [k for k in keys_b if k not in keys_a]
+    notes, covered = _tie_notes(a, b, keys_a, keys_b)
+    only_a = [k for k in keys_a if k not in keys_b and k not in covered]
+    only_b = [k for k in keys_b if k not in keys_a and k not in covered]
     results: dict[str, TensorDiff] = {}
     common: list[tuple[str, Ref, Ref]] = []
     for key, ra in keys_a.items():
@@ -285,4 +382,4 @@ def _diff_sources(
         if k not in leaves_a or k not in leaves_b or not _same_value(leaves_a[k], leaves_b[k])
     ]
     ordered = [results[k] for k in keys_a if k in results]
-    return DiffReport(name_a, name_b, atol, rtol, only_a, only_b, ordered, values, compared)
+    return DiffReport(name_a, name_b, atol, rtol, only_a, only_b, ordered, values, compared, notes)

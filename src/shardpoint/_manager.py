@@ -96,7 +96,7 @@ class CheckpointManager:
         >>> model = torch.nn.Linear(2, 2)
         >>> mgr = sp.CheckpointManager(tempfile.mkdtemp(), keep_last=2)
         >>> for step in (10, 20, 30):
-        ...     mgr.save(step, {"model": model, "step": step})
+        ...     _ = mgr.save(step, {"model": model, "step": step})
         >>> mgr.steps()
         [20, 30]
         >>> mgr.restore({"model": torch.nn.Linear(2, 2), "step": 0})

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,9 +29,22 @@ class Component:
     """Name -> stored name, for tensors that are the same memory as a stored one."""
     placements: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
     """For staged shards: name -> (global shape, offsets) of the local chunk in ``tensors``."""
+    hf_storage: dict[str, tuple[tuple[Any, ...] | None, int]] = field(default_factory=dict)
+    """Stored name -> (storage identity, bytes) as ``transformers`` plans files (see
+    :func:`hf_storages`), taken from the caller's tensors at prepare time (staged copies
+    share one buffer); empty: computed from ``tensors`` when the files are planned."""
+    parameters: int | None = None
+    """Parameter count of the module this component was taken from (``num_parameters()``
+    in ``transformers``); None for a state dict, where every stored element counts."""
 
     def stored_bytes(self) -> int:
         return sum(self.tensors[n].numel() * self.tensors[n].element_size() for n in self.stored)
+
+    def parameter_count(self) -> int:
+        """The index's ``total_parameters``: the module's parameters, else stored elements."""
+        if self.parameters is not None:
+            return self.parameters
+        return sum(_global_numel(self.tensors[n]) for n in self.stored)
 
 
 @dataclass
@@ -83,6 +96,89 @@ def check_tensor(name: str, component: str, tensor: torch.Tensor) -> None:
     dtype_name(tensor.dtype, key=name)
 
 
+def _global_numel(tensor: torch.Tensor) -> int:
+    return tensor.numel()  # a DTensor's numel() is its global element count
+
+
+def module_parameters(module: torch.nn.Module) -> int:
+    """Parameters of ``module``, each shared one once (``transformers``' ``num_parameters()``)."""
+    return sum(p.numel() for p in module.parameters())
+
+
+def hf_storage(tensor: torch.Tensor) -> tuple[tuple[Any, ...] | None, int]:
+    """(storage identity, bytes) as ``huggingface_hub``'s ``split_torch_state_dict_into_shards``
+    (which ``transformers``' ``save_pretrained`` uses) sizes a tensor when it plans files.
+
+    A tensor counts the bytes of its whole storage, and views of one storage share the
+    identity (so they go to one file, counted once), contiguous or not, as there;
+    ``meta`` descriptors and DTensors count their (global) bytes and share nothing.
+    """
+    nbytes = tensor.numel() * tensor.element_size()
+    if type(tensor).__name__ == "DTensor" or tensor.device.type == "meta":
+        return None, nbytes
+    storage = tensor.untyped_storage()
+    return (tensor.device, storage.data_ptr(), storage.nbytes()), storage.nbytes()
+
+
+def _end_ptr(tensor: torch.Tensor) -> int:
+    """One past the last byte of ``tensor``'s last element (its first byte when empty)."""
+    if tensor.numel() == 0:
+        return int(tensor.data_ptr())
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    return int(tensor.data_ptr()) + (last + 1) * tensor.element_size()
+
+
+def hf_storages(
+    tensors: Mapping[str, torch.Tensor], stored: list[str]
+) -> dict[str, tuple[tuple[Any, ...] | None, int]]:
+    """Stored name -> (storage identity, bytes) as ``transformers``' ``save_pretrained``
+    plans its files (see :func:`hf_storage`).
+
+    As there (``remove_tied_weights_from_state_dict``), of several names viewing one
+    storage (aliases included) those that overlap no other are saved as copies of their
+    own: each counts its own bytes and shares nothing (an empty copy, like every empty
+    tensor without memory, shares the null storage). Views that overlap stay together.
+    """
+    out = {name: hf_storage(tensors[name]) for name in stored}
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for name, tensor in tensors.items():
+        sid = out[name][0] if name in out else hf_storage(tensor)[0]
+        if sid is not None:
+            groups.setdefault(sid, []).append(name)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        areas = sorted((int(tensors[n].data_ptr()), _end_ptr(tensors[n]), n) for n in members)
+        sets: list[list[str]] = [[areas[0][2]]]
+        last_stop = areas[0][1]
+        for start, stop, name in areas[1:]:
+            if start >= last_stop:
+                sets.append([name])
+            else:
+                sets[-1].append(name)
+            last_stop = max(last_stop, stop)
+        for names in sets:
+            if len(names) == 1 and names[0] in out:
+                tensor = tensors[names[0]]
+                nbytes = tensor.numel() * tensor.element_size()
+                out[names[0]] = ((tensor.device, 0, 0) if nbytes == 0 else ("copy", names[0]), nbytes)
+    return out
+
+
+def hf_sizes(comp: Component) -> tuple[list[tuple[str, int]], dict[str, tuple[Any, ...] | None]]:
+    """The sizes and storage identities :func:`~shardpoint._planning.shards.plan_shards`
+    takes to lay ``comp``'s stored tensors out as ``transformers`` would (see
+    :func:`hf_storages`); taken at prepare time where the component was prepared."""
+    planned = comp.hf_storage or hf_storages(comp.tensors, comp.stored)
+    sizes = []
+    storage = {}
+    for name in comp.stored:
+        sid, nbytes = planned[name]
+        storage[name] = sid
+        sizes.append((name, nbytes))
+    return sizes, storage
+
+
 def storage_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
     """Identity of a tensor's memory view: equal keys mean the very same bytes."""
     if type(tensor).__name__ == "DTensor":
@@ -104,29 +200,73 @@ def storage_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
     )
 
 
-def dedup(comp: Component) -> None:
-    """Store tensors that are the same view of the same memory once (tied weights)."""
-    seen: dict[tuple[Any, ...], str] = {}
+def dedup(comp: Component, keep: Collection[str] = ()) -> None:
+    """Store tensors that are the same view of the same memory once (tied weights).
+
+    Of each group of such names the one stored is the name listed in ``keep`` (the names
+    ``transformers``' ``save_pretrained`` keeps of a model's ties), else the first in order
+    (for the models of ``transformers`` that is the name it keeps too: the embedding comes
+    before the head that reuses it). It keeps its own place in the order; the others
+    become aliases of it. (``huggingface_hub.save_torch_state_dict`` keeps the
+    alphabetically first name unless given ``shared_tensors_to_discard``.)
+    """
+    groups: dict[tuple[Any, ...], list[str]] = {}
     for name, tensor in comp.tensors.items():
         key = storage_key(tensor)
-        if key is not None and key in seen:
-            comp.aliases[name] = seen[key]
-            continue
         if key is not None:
-            seen[key] = name
-        comp.stored.append(name)
+            groups.setdefault(key, []).append(name)
+    alias_of: dict[str, str] = {}
+    for names in groups.values():
+        if len(names) > 1:
+            preferred = [n for n in names if n in keep] or names
+            kept = preferred[0]
+            alias_of.update((n, kept) for n in names if n != kept)
+    for name in comp.tensors:
+        if name in alias_of:
+            comp.aliases[name] = alias_of[name]
+        else:
+            comp.stored.append(name)
+    comp.hf_storage = hf_storages(comp.tensors, comp.stored)
 
 
-def prepare_state(state: Any, *, allow_pickle: bool = False) -> PreparedState:
-    """Flatten, check and dedup ``state`` into components."""
+def transformers_kept_names(module: torch.nn.Module) -> set[str]:
+    """The names ``transformers``' ``save_pretrained`` keeps of a model's tied weights
+    (empty for other modules: the plain state-dict rule applies)."""
+    if getattr(module, "config", None) is None or not hasattr(module, "_tied_weights_keys"):
+        return set()
+    try:
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+    except ImportError:  # pragma: no cover - transformers not installed
+        return set()
+    state = module.state_dict()
+    for key in getattr(module, "_keys_to_ignore_on_save", None) or ():
+        state.pop(key, None)
+    try:
+        model: Any = module  # a PreTrainedModel (it has a config and _tied_weights_keys)
+        return set(remove_tied_weights_from_state_dict(dict(state), model))
+    except (RuntimeError, ValueError, TypeError, AttributeError, KeyError):
+        return set()  # ties transformers itself refuses to save, or cannot read: shardpoint's rule
+
+
+def prepare_state(state: Any, *, allow_pickle: bool = False, keep: Collection[str] = ()) -> PreparedState:
+    """Flatten, check and dedup ``state`` into components.
+
+    ``keep``: tensor names to store rather than record as aliases where names are tied
+    (see :func:`dedup`); a ``transformers`` model passed as ``state`` brings its own.
+    """
     raw, flat = split_components(state)
     to_state = make_to_state(parameter_names(find_modules(state)))
     components = []
     for cname, value in raw.items():
         tree, tensors = flatten_state(value, path=cname, to_state=to_state, allow_pickle=allow_pickle)
         comp = Component(cname, tree, tensors)
+        module = state if flat and isinstance(state, torch.nn.Module) else value
+        comp_keep: Collection[str] = keep if flat else ()
+        if isinstance(module, torch.nn.Module):
+            comp.parameters = module_parameters(module)
+            comp_keep = comp_keep or transformers_kept_names(module)
         for name, tensor in tensors.items():
             check_tensor(name, cname, tensor)
-        dedup(comp)
+        dedup(comp, comp_keep)
         components.append(comp)
     return PreparedState(components, flat)

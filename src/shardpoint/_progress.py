@@ -21,6 +21,10 @@ def byte_progress(total: int, desc: str, enabled: bool | None) -> Iterator[Calla
         return
     from tqdm.auto import tqdm
 
+    from ._printable import printable
+
+    desc = printable(desc)  # names a checkpoint chose: no terminal controls
+
     lock = threading.Lock()
     with tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1000, leave=False) as bar:
 

@@ -6,25 +6,30 @@ data, so ``strict=True`` can refuse a mismatch before a single byte of the targe
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import mmap as _mmap
 import os
+import re
 import socket
 from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import _module_fit
 from ._distributed.group import Group, local_chunk
 from ._flatten import WRAPPER_TYPES, tree_tensor_names, unflatten_state
 from ._format.manifest import ComponentRecord, TensorRecord
+from ._hub import resolve_hub
 from ._io.transfer import ReadTask, reader_threads, run_reads
 from ._knobs import knobs
 from ._planning.chunks import byte_runs, intersect
 from ._prepare import storage_key
 from ._progress import byte_progress
-from ._read_pickled import load_pickled, load_pickled_into, route
+from ._read_pickled import PickledBatch, load_pickled, route
 from ._sizes import parse_size
 from ._source import Checkpoint, open_checkpoint
 from ._stateful import Stateful, find_modules, optimizer_state_for, parameter_names
@@ -36,6 +41,9 @@ from .errors import (
     InvalidStateError,
     LoadMismatchError,
 )
+
+if TYPE_CHECKING:
+    from ._stream_source import SourceSpec
 
 
 @dataclass(frozen=True)
@@ -50,10 +58,32 @@ class LoadResult:
     """(name, saved shape, target shape) for keys whose shapes differ (not read)."""
     bytes_read: int = 0
     """Bytes read from the checkpoint's files by this process."""
+    meta_keys: list[str] = field(default_factory=list)
+    """Parameters and buffers still on the ``meta`` device after the load (a model that
+    cannot run): missing from the checkpoint, or non-persistent buffers the module's own
+    initialization could not rebuild. Those a ``device_map`` sends to ``"meta"`` are not
+    listed."""
+    prefix_mapping: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """Module path (``""`` for the whole target) -> ``(checkpoint prefix, target prefix)``
+    where the keys matched only after a rename, as ``from_pretrained`` does: ``("",
+    "model.")`` loaded the checkpoint's ``norm.weight`` into ``model.norm.weight`` (a base
+    model's checkpoint into a model with a head), ``("model.", "")`` the other way."""
 
     @property
     def ok(self) -> bool:
-        return not (self.missing_keys or self.unexpected_keys or self.mismatched_keys)
+        """True when every key matched and no tensor is left on ``meta``."""
+        return not (self.missing_keys or self.unexpected_keys or self.mismatched_keys or self.meta_keys)
+
+    def summary(self) -> str:
+        """The report in a few lines (what ``strict=True`` raises with, minus the advice).
+
+        Example:
+            >>> import shardpoint as sp
+            >>> print(sp.LoadResult(missing_keys=["w"], prefix_mapping={"": ("", "model.")}).summary())
+            keys renamed to match: checkpoint '<name>' -> target 'model.<name>'
+            missing from the checkpoint: 'w'
+        """
+        return "\n".join(_report_lines(self))
 
 
 class ReadBatch:
@@ -287,7 +317,9 @@ def load(
 
     Args:
         path: checkpoint directory or ``.safetensors`` file (local HF ``.bin`` weights too), or an fsspec URL of either
-            (``s3://bucket/run/step-100``): only the byte ranges needed are read, concurrently.
+            (``s3://bucket/run/step-100``): only the byte ranges needed are read, concurrently;
+            or ``hf://org/name[@revision][/subfolder]``: a repository in the local Hugging Face
+            cache, never downloaded (``storage_options={"cache_dir": ...}`` names another cache).
         keys: tensor names to read (flat checkpoints) or components (nested ones).
         device: where the tensors go (read through a bounded staging buffer if not CPU).
         dtype: cast floating-point tensors to this dtype while reading.
@@ -313,6 +345,7 @@ def load(
         >>> sp.load(d)["w"].tolist()
         [0.0, 1.0, 2.0, 3.0]
     """
+    path, storage_options = resolve_hub(path, storage_options)
     path, pickled = route(path)
     if pickled is not None:
         if mmap:
@@ -400,36 +433,58 @@ def _item_setter(
 
 def _placement(
     key: str, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None,
-    device_map: Mapping[str, Any],
+    device_map: Mapping[str, Any], keep_fp32: re.Pattern[str] | None = None,
 ) -> tuple[torch.device, torch.dtype]:
     """Device and dtype for materializing meta tensor ``key``: the longest matching
-    ``device_map`` prefix (module names, as Accelerate's), else ``device``."""
+    ``device_map`` prefix (module names, as Accelerate's), else ``device``; ``dtype`` for a
+    floating-point tensor (float32 where ``keep_fp32`` matches the key), else its own."""
     best = -1
     for prefix, target in device_map.items():
         if (prefix == "" or key == prefix or key.startswith(prefix + ".")) and len(prefix) > best:
             best, device = len(prefix), torch.device(target)
-    want = dtype if (dtype is not None and tensor.dtype.is_floating_point) else tensor.dtype
+    want = tensor.dtype
+    if dtype is not None and tensor.dtype.is_floating_point:
+        want = torch.float32 if keep_fp32 is not None and keep_fp32.search(key) else dtype
     return device, want
+
+
+@dataclass
+class _ModuleLoad:
+    """What the planner knows about the module it is filling."""
+
+    module: torch.nn.Module
+    empty: bool
+    """Some parameter or buffer was on ``meta``: its buffers go where ``device=`` /
+    ``device_map`` say, like its parameters (an empty model has no other placement)."""
+    keep_fp32: re.Pattern[str] | None = None
+    declared_ties: dict[str, str] = field(default_factory=dict)
+    """Target key -> the key it is tied to, as the model declares (``transformers``'
+    ``all_tied_weights_keys``): one absent from the checkpoint gets its twin's tensor."""
+    materialized: set[str] = field(default_factory=set)
+    """Keys given a new tensor by this load (meta ones among them)."""
 
 
 class _Planner:
     """Walks a target beside the saved trees; records reads, report entries and fix-ups."""
 
-    def __init__(self, ckpt: Checkpoint, batch: ReadBatch, *, allow_pickle: bool) -> None:
-        self.ckpt = ckpt
+    def __init__(self, location: str, batch: ReadBatch | PickledBatch, *, allow_pickle: bool) -> None:
+        self.location = location
         self.batch = batch
         self.allow_pickle = allow_pickle
         self.missing: list[str] = []
         self.unexpected: list[str] = []
         self.mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+        self.meta_left: list[str] = []
+        self.prefix_mapping: dict[str, tuple[str, str]] = {}
         self.post: list[Callable[[], None]] = []
         self.param_names: dict[int, str] = {}
         self.device: torch.device = torch.device("cpu")
         self.dtype: torch.dtype | None = None
         self.device_map: dict[str, Any] = {}
 
-    def placement(self, key: str, tensor: torch.Tensor) -> tuple[torch.device, torch.dtype]:
-        return _placement(key, tensor, self.device, self.dtype, self.device_map)
+    def placement(self, key: str, tensor: torch.Tensor, keep_fp32: re.Pattern[str] | None = None
+                  ) -> tuple[torch.device, torch.dtype]:
+        return _placement(key, tensor, self.device, self.dtype, self.device_map, keep_fp32)
 
     # A subtree read into new tensors, turned into a value after the batch ran.
     def build(self, comp: ComponentRecord, node: dict[str, Any], apply: Callable[[Any], None], path: str) -> None:
@@ -439,13 +494,34 @@ class _Planner:
             if stored not in tensors:
                 tensors[stored] = self.batch.new(comp.tensors[stored], stored, device=torch.device("cpu"), dtype=None)
             tensors[name] = tensors[stored]
-        where = f"{self.ckpt.location}, {path}"
+        where = f"{self.location}, {path}"
         allow = self.allow_pickle
         self.post.append(lambda: apply(unflatten_state(node, tensors, where=where, allow_pickle=allow)))
 
+    def _new_home(self, key: str, tensor: torch.Tensor, fit: _ModuleLoad | None
+                  ) -> tuple[torch.device, torch.dtype] | None:
+        """Where a target tensor must be replaced by a new one (device, dtype), or None to
+        fill it in place: a meta tensor; a floating-point one of another dtype than
+        ``dtype=`` asks; a buffer of an empty model away from its placement."""
+        device, want = self.placement(key, tensor, fit.keep_fp32 if fit else None)
+        if tensor.device.type == "meta":
+            return device, want
+        if fit is None or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+            return None  # a plain dict's tensor or a DTensor: filled where it is
+        if not (fit.empty and not isinstance(tensor, torch.nn.Parameter)) or device.type == "meta":
+            device = tensor.device
+        if device == tensor.device and want == tensor.dtype:
+            return None
+        return device, want
+
     def tensors_into(self, targets: Mapping[str, torch.Tensor], names: Mapping[str, str],
-                     comp: ComponentRecord, prefix: str, module: torch.nn.Module | None) -> None:
-        """Fill target tensors in place; ``names`` maps a target key to its saved tensor name."""
+                     comp: ComponentRecord, prefix: str, module: torch.nn.Module | None,
+                     fit: _ModuleLoad | None = None, saved_names: Mapping[str, str] | None = None) -> None:
+        """Fill target tensors in place; ``names`` maps a target key to its saved tensor name.
+
+        ``saved_names`` (saved tensor name -> the key it has in the checkpoint's tree) names
+        the unexpected keys when ``names`` was renamed; by default they are ``names``' keys.
+        """
         matched = []
         for key, tensor in targets.items():
             saved = names.get(key)
@@ -461,15 +537,29 @@ class _Planner:
             for ident in identities(targets[m]):
                 first_with.setdefault(ident, m)
         tied: dict[str, str] = {}  # target key absent from the checkpoint -> matched key it is tied to
+        to_tie: list[str] = []  # tied by the model's declaration only: made to share the twin's tensor
+        is_matched = set(matched)
         for key in targets:
             if key in names:
                 continue
             twin = next((first_with[i] for i in identities(targets[key]) if i in first_with), None)
+            declared = (fit.declared_ties if fit is not None else {}).get(key)
+            if twin is None and declared in is_matched and targets[key].shape == targets[declared].shape:
+                twin = declared  # e.g. built by accelerate.init_empty_weights, which unties them
+                to_tie.append(key)
             if twin is None:
                 self.missing.append(prefix + key)
             else:
                 tied[key] = twin
-        self.unexpected.extend(prefix + k for k in names if k not in targets)
+        for key in to_tie:
+            if fit is not None and self._new_home(tied[key], targets[tied[key]], fit) is None:
+                self._assign_later(fit.module, key, targets[tied[key]])
+                fit.materialized.add(key)
+        if saved_names is None:
+            self.unexpected.extend(prefix + k for k in names if k not in targets)
+        else:
+            used = set(names.values())
+            self.unexpected.extend(prefix + tree_key for saved, tree_key in saved_names.items() if saved not in used)
 
         filled: set[Any] = set()
         materialized: dict[int, torch.Tensor] = {}
@@ -478,25 +568,33 @@ class _Planner:
             saved = names[key]
             stored = comp.aliases.get(saved, saved)
             record = comp.tensors[stored]
-            if tensor.device.type == "meta":
+            home = self._new_home(key, tensor, fit)
+            if home is not None:
                 if module is None:
                     raise InvalidStateError(
                         f"target tensor {prefix + key!r} is on the meta device; pass the module itself"
                     )
                 value = materialized.get(id(tensor))
                 if value is None:
-                    device, dtype = self.placement(key, tensor)
+                    device, dtype = home
                     if device.type == "meta":
                         continue  # the device map keeps it off this process
                     new = torch.empty(tensor.shape, dtype=dtype, device=device)
                     self.batch.fill(record, new, stored)
-                    value = (
-                        torch.nn.Parameter(new, requires_grad=tensor.requires_grad)
-                        if isinstance(tensor, torch.nn.Parameter)
-                        else new
-                    )
+                    if isinstance(tensor, torch.nn.Parameter) and tensor.device.type != "meta":
+                        # A real parameter keeps its identity (optimizers, hooks): new data only.
+                        self.post.append(functools.partial(setattr, tensor, "data", new))
+                        value = tensor
+                    elif isinstance(tensor, torch.nn.Parameter):
+                        value = torch.nn.Parameter(new, requires_grad=tensor.requires_grad)
+                    else:
+                        value = new
                     materialized[id(tensor)] = value
                 for k in [key, *(t for t, twin in tied.items() if twin == key)]:
+                    if fit is not None:
+                        fit.materialized.add(k)
+                    if targets[k] is value:
+                        continue  # the same object, given its new data above
 
                     def put(m: torch.nn.Module = module, k: str = k, v: torch.Tensor = value) -> None:
                         if not _assign(m, k, v):
@@ -511,6 +609,62 @@ class _Planner:
             _global_shape, offsets, local = local_chunk(tensor)
             self.batch.fill(record, local.detach(), stored, offsets)
 
+    def module_into(self, target: torch.nn.Module, saved: Mapping[str, str], comp: ComponentRecord, path: str) -> None:
+        """Fill a module from a saved state dict (its keys -> saved tensor names): keys
+        renamed by a base-model prefix where that matches more, meta tensors materialized,
+        non-persistent buffers rebuilt, and whatever stays on ``meta`` reported."""
+        prefix = f"{path}/" if path else ""
+        targets = target.state_dict(keep_vars=True)
+        everything = _module_fit.module_tensors(target)
+        fit = _ModuleLoad(
+            target,
+            empty=any(t.device.type == "meta" for t in everything.values()),
+            keep_fp32=_module_fit.keep_fp32_pattern(target, self.dtype),
+            declared_ties=_module_fit.declared_ties(target),
+        )
+        base = getattr(target, "base_model_prefix", None)
+        rename = _module_fit.match_prefix(targets, saved, base if isinstance(base, str) else None)
+        by_target = _module_fit.rename_keys(targets, saved, rename)
+        if targets and saved and not by_target:
+            raise LoadMismatchError(_no_match_message(self.location, path, list(targets), list(saved)))
+        if rename is not None:
+            self.prefix_mapping[path] = rename
+        names = {k: saved[s] for k, s in by_target.items()}
+        self.tensors_into(targets, names, comp, prefix, target, fit, {v: k for k, v in saved.items()})
+        self._finish_module(fit, targets, prefix)
+
+    def _finish_module(self, fit: _ModuleLoad, targets: Mapping[str, torch.Tensor], prefix: str) -> None:
+        """Non-persistent buffers of an empty model placed (rebuilt where on ``meta``), and
+        every tensor that will still be on ``meta`` after the load listed."""
+        for key, tensor in targets.items():
+            off = isinstance(tensor, torch.Tensor) and tensor.device.type == "meta" and key not in fit.materialized
+            if off and self.placement(key, tensor)[0].type != "meta":
+                self.meta_left.append(prefix + key)
+        rebuild: dict[str, tuple[torch.nn.Module, list[str]]] = {}
+        for full, owner, name, buffer in _module_fit.non_persistent_buffers(fit.module):
+            device = self.placement(full, buffer)[0] if fit.empty else buffer.device
+            if buffer.device.type == "meta":
+                if device.type != "meta":
+                    owner_path = full.rpartition(".")[0]
+                    rebuild.setdefault(owner_path, (owner, []))[1].append(name)
+            elif device.type != "meta" and device != buffer.device:
+                self._assign_later(fit.module, full, buffer.to(device))
+        for owner_path, (owner, buffer_names) in rebuild.items():
+            values = _module_fit.rebuild_buffers(fit.module, owner_path, owner, buffer_names)
+            rest = [n for n in buffer_names if n not in values]
+            if rest:
+                values.update(_module_fit.rebuild_by_constructor(owner, rest))
+            for name in buffer_names:
+                full = f"{owner_path}.{name}" if owner_path else name
+                if name in values:
+                    self._assign_later(fit.module, full, values[name].to(self.placement(full, values[name])[0]))
+                else:
+                    self.meta_left.append(prefix + full)
+
+    def _assign_later(self, module: torch.nn.Module, key: str, value: torch.Tensor) -> None:
+        self.post.append(lambda: None if _assign(module, key, value) else module.load_state_dict(
+            {key: value}, strict=False, assign=True))
+
     def node(self, target: Any, node: dict[str, Any], comp: ComponentRecord, path: str,
              setter: Callable[[Any], None] | None) -> None:
         kind = node.get("type")
@@ -520,14 +674,14 @@ class _Planner:
                 self.mismatched.append((path, (), ()))
                 return
             names = {str(k): child["name"] for _, k, child in inner["items"] if child.get("type") == "tensor"}
-            self.tensors_into(target.state_dict(keep_vars=True), names, comp, f"{path}/" if path else "", target)
+            self.module_into(target, names, comp, path)
             return
         if isinstance(target, torch.optim.Optimizer):
             if kind != "optimizer":
-                raise LoadMismatchError(f"{self.ckpt.location}: {path!r} was not saved from an optimizer")
+                raise LoadMismatchError(f"{self.location}: {path!r} was not saved from an optimizer")
             by_name = node.get("by_name", False)
             param_names = self.param_names
-            where = f"{self.ckpt.location}, {path}"
+            where = f"{self.location}, {path}"
 
             def load_optimizer(value: Any, opt: torch.optim.Optimizer = target) -> None:
                 sd = optimizer_state_for(opt, value, param_names, where=where) if by_name else value
@@ -611,19 +765,37 @@ def load_into(
     Optimizers are matched by parameter name; other objects get ``load_state_dict``;
     values in mutable containers are replaced.
 
+    A module is loaded as ``from_pretrained`` loads one: keys that differ by a base-model
+    prefix (``model.``, ``transformer.``, the module's ``base_model_prefix``) are renamed,
+    either way, and the rename reported (``LoadResult.prefix_mapping``); a key the model
+    declares tied and the checkpoint lacks gets its twin; non-persistent buffers left on
+    ``meta`` (a model built under ``torch.device("meta")``) are rebuilt through the model's
+    own ``_init_weights``. Whatever would still be on ``meta`` afterwards is listed in
+    ``LoadResult.meta_keys`` (and ``ok`` is False; ``strict=True`` raises).
+
     Args:
         target: the objects to fill.
         path: checkpoint directory or ``.safetensors`` file (local HF ``.bin`` weights too), or an fsspec URL of either
-            (``s3://bucket/run/step-100``): only the byte ranges needed are read, concurrently.
+            (``s3://bucket/run/step-100``): only the byte ranges needed are read, concurrently;
+            or ``hf://org/name[@revision][/subfolder]``: a repository in the local Hugging Face
+            cache, never downloaded (``storage_options={"cache_dir": ...}`` names another cache).
         strict: raise :class:`LoadMismatchError` (before changing anything) when keys are
-            missing, unexpected or mis-shaped.
+            missing, unexpected or mis-shaped, or a tensor would be left on ``meta``. A load
+            where no key at all matches raises even with ``strict=False``.
         progress: show a progress bar (default: when stderr is a terminal).
         verify: check crc32c (default on).
         allow_pickle: unpickle values saved with ``allow_pickle=True``.
         process_group: load collectively: every rank fills its own shards (DTensors read
             only the byte ranges they hold); an error on any rank is raised on all.
-        device, dtype: where and in which floating dtype ``meta`` parameters are
-            materialized (one tensor at a time, read straight into its final memory).
+        device: where ``meta`` tensors are materialized (one at a time, read straight into
+            their final memory); in a module with anything on ``meta``, its real buffers
+            move there too. Real parameters stay where they are.
+        dtype: the floating-point dtype of every loaded parameter and persistent buffer,
+            as ``from_pretrained(dtype=...)``: integer and bool tensors keep theirs,
+            non-persistent buffers keep the dtype their module built them in, and keys of a
+            ``transformers`` model's ``_keep_in_fp32_modules`` (float16) /
+            ``_keep_in_fp32_modules_strict`` (float16, bfloat16) stay float32. A real
+            parameter of another dtype keeps its ``Parameter`` object (new ``.data``).
         device_map: module-name prefix -> device for ``meta`` parameters (the longest
             prefix wins; ``"meta"`` leaves them unmaterialized), as Accelerate's.
         storage_options: options of the URL's fsspec filesystem (see :func:`shardpoint.save`).
@@ -633,8 +805,12 @@ def load_into(
             overlaps the previous copy). Default: ``SHARDPOINT_STAGING_BUFFER_BYTES``.
 
     Returns:
-        A :class:`LoadResult` listing missing, unexpected and mismatched keys and the
-        bytes read.
+        A :class:`LoadResult` listing missing, unexpected and mismatched keys, tensors left
+        on ``meta``, any prefix rename, and the bytes read.
+
+    Raises:
+        LoadMismatchError: ``strict=True`` and the report is not ok, or no key matches.
+        CheckpointNotFoundError, CorruptCheckpointError, ChecksumMismatchError.
 
     Example:
         >>> import torch, shardpoint as sp, tempfile, os
@@ -670,17 +846,13 @@ def _load_into(
     storage_options: Mapping[str, Any] | None = None,
     threads: int | None = None,
 ) -> LoadResult:
+    path, storage_options = resolve_hub(path, storage_options)
     path, pickled = route(path)
     if pickled is not None:
-        return load_pickled_into(
-            target, path, pickled, strict=strict,
-            placement=lambda k, t: _placement(k, t, torch.device(device), dtype, dict(device_map or {})),
-            assign=lambda m, k, v: None if _assign(m, k, v) else m.load_state_dict({k: v}, strict=False, assign=True),
-            mismatch_message=_mismatch_message,
-        )
+        return _load_pickled_into(target, path, pickled, strict, progress, device, dtype, device_map)
     ckpt = open_checkpoint(path, storage_options)
     batch = ReadBatch(ckpt, verify=resolve_verify(verify), staging_bytes=staging_bytes, threads=threads)
-    planner = _Planner(ckpt, batch, allow_pickle=allow_pickle)
+    planner = _Planner(ckpt.location, batch, allow_pickle=allow_pickle)
     planner.device = torch.device(device)
     planner.dtype = dtype
     planner.device_map = dict(device_map or {})
@@ -693,34 +865,112 @@ def _load_into(
             continue
         if ckpt.flat and isinstance(value, Mapping) and not isinstance(value, torch.nn.Module):
             names = {k: k for k in list(comp.tensors) + list(comp.aliases)}
+            if value and names and not any(k in names for k in value):
+                raise LoadMismatchError(_no_match_message(ckpt.location, "", list(value), list(names)))
             planner.tensors_into(value, names, comp, "", None)
             continue
         setter = (lambda v, k=cname: target.__setitem__(k, v)) if isinstance(target, MutableMapping) else None
         planner.node(value, comp.tree, comp, "" if ckpt.flat else cname, setter)
     planner.unexpected.extend(c for c in ckpt.components if c not in targets)
-    result = LoadResult(planner.missing, planner.unexpected, planner.mismatched)
+    result = LoadResult(planner.missing, planner.unexpected, planner.mismatched, 0, planner.meta_left,
+                        planner.prefix_mapping)
     if strict and not result.ok:
         raise LoadMismatchError(_mismatch_message(ckpt.location, result), result)
     batch.run(progress)
     for fix in planner.post:
         fix()
-    return LoadResult(result.missing_keys, result.unexpected_keys, result.mismatched_keys, batch.planned_bytes)
+    return dataclasses.replace(result, bytes_read=batch.planned_bytes)
+
+
+def _load_pickled_into(
+    target: Any,
+    path: str | os.PathLike[str],
+    spec: SourceSpec,
+    strict: bool,
+    progress: bool | None,
+    device: str | torch.device,
+    dtype: torch.dtype | None,
+    device_map: Mapping[str, str | torch.device] | None,
+) -> LoadResult:
+    """``load_into`` of ``.bin`` weights (a flat state dict): the same planning, then the
+    tensors read a batch at a time."""
+    batch = PickledBatch(path, spec)
+    try:
+        planner = _Planner(batch.location, batch, allow_pickle=False)
+        planner.device = torch.device(device)
+        planner.dtype = dtype
+        planner.device_map = dict(device_map or {})
+        comp = batch.comp
+        names = {k: k for k in comp.tensors}
+        if isinstance(target, torch.nn.Module):
+            planner.module_into(target, names, comp, "")
+        elif isinstance(target, Mapping) and all(isinstance(v, torch.Tensor) for v in target.values()):
+            if target and names and not any(k in names for k in target):
+                raise LoadMismatchError(_no_match_message(batch.location, "", list(target), list(names)))
+            planner.tensors_into(target, names, comp, "", None)
+        else:
+            raise InvalidStateError(f"{batch.location} holds a flat state dict; load it into a module or a dict of tensors")
+        result = LoadResult(planner.missing, planner.unexpected, planner.mismatched, 0, planner.meta_left,
+                            planner.prefix_mapping)
+        if strict and not result.ok:
+            raise LoadMismatchError(_mismatch_message(batch.location, result), result)
+        batch.run(progress)
+        for fix in planner.post:
+            fix()
+        return dataclasses.replace(result, bytes_read=batch.bytes_read)
+    finally:
+        batch.close()
+
+
+def _show(items: Sequence[Any], limit: int = 10) -> str:
+    head = ", ".join(
+        repr(i) if isinstance(i, str) else f"{i[0]!r} (saved {list(i[1])}, target {list(i[2])})"
+        for i in items[:limit]
+    )
+    return head + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def _report_lines(result: LoadResult) -> list[str]:
+    lines = []
+    for path, (old, new) in result.prefix_mapping.items():
+        where = f" of {path!r}" if path else ""
+        lines.append(
+            f"keys{where} renamed to match: checkpoint {old + '<name>'!r} -> target {new + '<name>'!r}"
+        )
+    if result.missing_keys:
+        lines.append(f"missing from the checkpoint: {_show(result.missing_keys)}")
+    if result.unexpected_keys:
+        lines.append(f"unexpected (in the checkpoint, not the target): {_show(result.unexpected_keys)}")
+    if result.mismatched_keys:
+        lines.append(f"shape mismatch: {_show(result.mismatched_keys)}")
+    if result.meta_keys:
+        lines.append(
+            f"left on the meta device (the model cannot run): {_show(result.meta_keys, len(result.meta_keys))}"
+        )
+    if not lines:
+        lines.append("every key matched")
+    return lines
 
 
 def _mismatch_message(location: str, result: LoadResult) -> str:
-    def show(items: Sequence[Any]) -> str:
-        head = ", ".join(
-            repr(i) if isinstance(i, str) else f"{i[0]!r} (saved {list(i[1])}, target {list(i[2])})"
-            for i in items[:10]
+    parts = [f"loading {location} into the target does not match (strict=True):", *_report_lines(result)]
+    if result.meta_keys:
+        parts.append(
+            "a tensor on meta is neither in the checkpoint nor rebuilt by its module's own "
+            "initialization: build the model with sp.empty_model (which keeps non-persistent "
+            "buffers real) or set those tensors yourself before loading"
         )
-        return head + (f" and {len(items) - 10} more" if len(items) > 10 else "")
-
-    parts = [f"loading {location} into the target does not match (strict=True):"]
-    if result.missing_keys:
-        parts.append(f"missing from the checkpoint: {show(result.missing_keys)}")
-    if result.unexpected_keys:
-        parts.append(f"unexpected (in the checkpoint, not the target): {show(result.unexpected_keys)}")
-    if result.mismatched_keys:
-        parts.append(f"shape mismatch: {show(result.mismatched_keys)}")
     parts.append("nothing was loaded; pass strict=False to load the matching tensors and get this report")
     return "\n  ".join(parts)
+
+
+def _no_match_message(location: str, path: str, target_keys: list[str], saved_keys: list[str]) -> str:
+    where = f"{path!r} of the target" if path else "the target"
+    return (
+        f"loading {location}: not one of its {len(saved_keys)} keys matches the {len(target_keys)} "
+        f"keys of {where}, even with a base-model prefix added or removed, so nothing would load.\n  "
+        f"checkpoint keys: {_show(sorted(saved_keys), 5)}\n  target keys: {_show(sorted(target_keys), 5)}\n  "
+        "is this the checkpoint of this model? If the names differ by a fixed prefix, rename them "
+        "(sd = sp.load(path); sd = {prefix + k: v for k, v in sd.items()}) and load that dict with "
+        "module.load_state_dict"
+    )

@@ -15,17 +15,15 @@ structure.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import CheckpointError, InvalidStateError, LoadMismatchError
+from .errors import CheckpointError, CheckpointNotFoundError, InvalidStateError
 
 if TYPE_CHECKING:
     from ._stream_source import SourceSpec
-
-Placement = Callable[[str, torch.Tensor], tuple[torch.device, torch.dtype]]
 
 
 def route(path: str | os.PathLike[str]) -> tuple[str | os.PathLike[str], SourceSpec | None]:
@@ -40,7 +38,7 @@ def route(path: str | os.PathLike[str]) -> tuple[str | os.PathLike[str], SourceS
         return path, None
     try:
         real, kind, _notes = resolve_source(location)
-    except CheckpointError:
+    except CheckpointNotFoundError:
         return path, None  # not ours to explain: the safetensors reader says what is wrong
     if kind in ("torch-save", "hf-bin"):
         return path, SourceSpec(real, kind, trust_pickle=False, zip_only=True)
@@ -96,89 +94,41 @@ def load_pickled(
         source.close()
 
 
-def load_pickled_into(
-    target: Any,
-    path: str | os.PathLike[str],
-    spec: SourceSpec,
-    *,
-    strict: bool,
-    placement: Placement,
-    assign: Callable[[torch.nn.Module, str, torch.Tensor], None],
-    mismatch_message: Callable[[str, Any], str],
-) -> Any:
-    """``sp.load_into`` of ``.bin`` weights into a module or a flat dict of tensors."""
-    from ._read import LoadResult, identities
+class PickledBatch:
+    """The reads of a ``load_into`` of ``.bin`` weights, collected as ``ReadBatch`` collects
+    them (same planner), then run a batch of tensors at a time: each tensor is copied (and
+    cast) into every destination planned for it and its pages dropped again."""
 
-    if isinstance(target, torch.nn.Module):
-        module: torch.nn.Module | None = target
-        targets = target.state_dict(keep_vars=True)
-    elif isinstance(target, Mapping) and all(isinstance(v, torch.Tensor) for v in target.values()):
-        module, targets = None, dict(target)
-    else:
-        raise InvalidStateError(
-            f"{os.fspath(path)} holds a flat state dict; load it into a module or a dict of tensors"
-        )
-    source, comp = _open_flat(path, spec)
-    try:
-        location = os.fspath(path)
-        saved = comp.tensors
-        mismatched = [
-            (k, tuple(saved[k].shape), tuple(t.shape))
-            for k, t in targets.items()
-            if k in saved and tuple(saved[k].shape) != tuple(t.shape)
-        ]
-        first_with: dict[Any, str] = {}
-        for key in targets:
-            if key in saved:
-                for ident in identities(targets[key]):
-                    first_with.setdefault(ident, key)
-        tied: dict[str, str] = {}  # a target key absent from the file but tied to one present
-        for key in targets:
-            twin = None if key in saved else next(
-                (first_with[i] for i in identities(targets[key]) if i in first_with), None
-            )
-            if twin is not None:
-                tied[key] = twin
-        result = LoadResult(
-            missing_keys=[k for k in targets if k not in saved and k not in tied],
-            unexpected_keys=[k for k in saved if k not in targets],
-            mismatched_keys=mismatched,
-        )
-        if strict and not result.ok:
-            raise LoadMismatchError(mismatch_message(location, result))
-        skip = {m[0] for m in mismatched}
-        matched = [k for k in targets if k in saved and k not in skip]
-        by_stored: dict[str, list[str]] = {}
-        for key in matched:
-            by_stored.setdefault(comp.aliases.get(key, key), []).append(key)
-        for key, twin in tied.items():
-            if twin in matched:
-                by_stored[comp.aliases.get(twin, twin)].append(key)
-        read = 0
+    def __init__(self, path: str | os.PathLike[str], spec: SourceSpec) -> None:
+        self.location = os.fspath(path)
+        self.source, self.comp = _open_flat(path, spec)
+        self.dests: dict[str, list[tuple[torch.Tensor, tuple[int, ...] | None]]] = {}
+        self.bytes_read = 0
+
+    def fill(self, record: Any, dest: torch.Tensor, label: str,
+             offsets: tuple[int, ...] | None = None) -> None:
+        """Copy tensor ``label`` (the region at ``offsets``, default all) into ``dest`` once read."""
+        self.dests.setdefault(label, []).append((dest, offsets))
+
+    def new(self, record: Any, label: str, *, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
+        raise InvalidStateError(f"{self.location} holds a flat state dict; load it into a module or a dict of tensors")
+
+    @property
+    def planned_bytes(self) -> int:
+        return sum(self.comp.tensors[n].numel() * self.comp.tensors[n].element_size() for n in self.dests)
+
+    def run(self, progress: bool | None) -> None:
         with torch.no_grad():
-            for group in _batches(source, comp, list(by_stored)):
-                with source.batch([(comp.name, n) for n in group], None) as tensors:
+            for group in _batches(self.source, self.comp, list(self.dests)):
+                with self.source.batch([(self.comp.name, n) for n in group], None) as tensors:
                     for name, value in zip(group, tensors, strict=True):
-                        read += value.numel() * value.element_size()
-                        made: torch.Tensor | None = None
-                        for key in by_stored[name]:
-                            dest = targets[key]
-                            if dest.device.type != "meta":
-                                if key not in tied:  # a tied twin shares the memory just filled
-                                    dest.copy_(value)
-                                continue
-                            if module is None:
-                                raise InvalidStateError(
-                                    f"target tensor {key!r} is on the meta device; pass the module itself"
-                                )
-                            device, want = placement(key, dest)
-                            if device.type == "meta":
-                                continue
-                            if made is None:  # tied keys get the same new tensor
-                                made = value.to(device=device, dtype=want, copy=True)
-                                if isinstance(dest, torch.nn.Parameter):
-                                    made = torch.nn.Parameter(made, requires_grad=dest.requires_grad)
-                            assign(module, key, made)
-        return LoadResult(result.missing_keys, result.unexpected_keys, result.mismatched_keys, bytes_read=read)
-    finally:
-        source.close()
+                        self.bytes_read += value.numel() * value.element_size()
+                        for dest, offsets in self.dests[name]:
+                            part = value
+                            if tuple(dest.shape) != tuple(value.shape) or (offsets is not None and any(offsets)):
+                                starts = offsets or (0,) * dest.dim()
+                                part = value[tuple(slice(o, o + n) for o, n in zip(starts, dest.shape, strict=True))]
+                            dest.copy_(part)
+
+    def close(self) -> None:
+        self.source.close()

@@ -8,7 +8,6 @@ file's safetensors header (read lazily, once, when a tensor of that file is need
 from __future__ import annotations
 
 import os
-import stat
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ from ._format.names import check_file_name
 from ._format.safetensors import HeaderEntry, SafetensorsHeader, read_header, read_header_with
 from ._knobs import knobs
 from ._storage.local import TMP_MARKER
-from ._storage.paths import member_path
+from ._storage.paths import member_path, open_regular, read_small_file
 from ._storage.remote import PENDING_NAME, RemoteStore, header_reader, resolve
 from .errors import (
     CheckpointNotFoundError,
@@ -175,25 +174,11 @@ class Checkpoint:
 
 
 def _open_regular(path: str, *, where: str) -> int:
-    """Open a file for reading, refusing directories, FIFOs and devices (a FIFO would block)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CorruptCheckpointError(
-            f"{where} is not a regular file; the checkpoint is damaged or forged"
-        )
-    return fd
+    return open_regular(path, where=where)
 
 
 def _read_json_file(path: str, *, where: str) -> bytes:
-    limit = knobs().max_json_bytes
-    with os.fdopen(_open_regular(path, where=where), "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size > limit:
-            raise CorruptCheckpointError(
-                f"{where} is {size} bytes, over the {limit}-byte limit for JSON files; refusing to parse it"
-            )
-        return f.read(limit + 1)
+    return read_small_file(path, where=where, limit=knobs().max_json_bytes)
 
 
 def _from_headers(location: str, directory: str, kind: str, weight_map: dict[str, str] | None,
@@ -263,7 +248,8 @@ def open_checkpoint(
     names = os.listdir(location)
     if MANIFEST_NAME in names:
         where = os.path.join(location, MANIFEST_NAME)
-        manifest = parse_manifest(_read_json_file(where, where=where), where=where)
+        path = member_path(location, MANIFEST_NAME, where=location)
+        manifest = parse_manifest(_read_json_file(path, where=where), where=where)
         return Checkpoint(
             location, location, "shardpoint", manifest.components, manifest.flat, manifest
         )
@@ -275,7 +261,8 @@ def open_checkpoint(
         return _from_headers(location, location, "hf-file", None, ["model.safetensors"])
     if len(indexes) == 1:
         where = os.path.join(location, indexes[0])
-        index = parse_index(_read_json_file(where, where=where), where=where)
+        path = member_path(location, indexes[0], where=location)
+        index = parse_index(_read_json_file(path, where=where), where=where)
         files = list(dict.fromkeys(index.weight_map.values()))
         return _from_headers(location, location, "hf-index", index.weight_map, files)
     if len(singles) == 1:

@@ -8,6 +8,7 @@ freshly built optimizer whose parameters are filtered or ordered differently.
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, cast, runtime_checkable
 
@@ -189,10 +190,16 @@ class RNGState:
 
 
 def empty_model(factory: Callable[..., torch.nn.Module], *args: Any, **kwargs: Any) -> torch.nn.Module:
-    """Build a module on the ``meta`` device: shapes and dtypes, no memory.
+    """Build a module with its parameters and persistent buffers on the ``meta`` device:
+    shapes and dtypes, no memory.
 
-    Fill it with ``sp.load_into(model, path, device=..., dtype=...)``, which materializes
-    each parameter straight from the checkpoint, one at a time.
+    Non-persistent buffers (rotary ``inv_freq``, ``position_ids``, causal masks: in no
+    state dict, so in no checkpoint) are built for real on the CPU by the module's own
+    code, as ``accelerate.init_empty_weights()`` keeps buffers. Construction runs with the
+    default device (each parameter is moved to ``meta`` as it is registered, before the
+    module initializes it, so no weight memory is written); then persistent buffers go to
+    ``meta`` too. Fill the model with ``sp.load_into(model, path, device=..., dtype=...)``,
+    which materializes each tensor straight from the checkpoint, one at a time.
 
     Example:
         >>> import torch, shardpoint as sp
@@ -200,5 +207,26 @@ def empty_model(factory: Callable[..., torch.nn.Module], *args: Any, **kwargs: A
         >>> model.weight.device.type
         'meta'
     """
-    with torch.device("meta"):
-        return factory(*args, **kwargs)
+    builder = threading.get_ident()
+
+    def to_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> Any:
+        if param is None or param.device.type == "meta" or threading.get_ident() != builder:
+            return None  # tied (already meta), or another thread's module: as it is
+        meta = param.detach().to("meta")
+        if type(param) is torch.nn.Parameter:
+            out = torch.nn.Parameter(meta, requires_grad=param.requires_grad)
+            out.__dict__.update(param.__dict__)
+            return out
+        return type(param)(meta, **{**param.__dict__, "requires_grad": param.requires_grad})
+
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(to_meta)
+    try:
+        model = factory(*args, **kwargs)
+    finally:
+        handle.remove()
+    moved: dict[int, torch.Tensor] = {}  # a buffer shared by modules stays one tensor
+    for owner in model.modules():
+        for name, buffer in owner._buffers.items():
+            if buffer is not None and name not in owner._non_persistent_buffers_set and buffer.device.type != "meta":
+                owner._buffers[name] = moved.setdefault(id(buffer), buffer.to("meta"))
+    return model

@@ -16,6 +16,12 @@ whole checkpoint in memory:
 - DCP (``.metadata``, a pickle): refused unless ``trust_pickle``; then ``dcp.load`` of a
   batch of keys into empty tensors (transiently about twice the batch: DCP reads each
   stored chunk into a tensor of its own, then copies it).
+
+Every file opened inside a checkpoint directory (indexes, shards, a single ``.bin``/``.pt``,
+DCP's ``.metadata`` and the data files it names) is first checked with
+``_storage.paths.member_path`` (plain name, no link out of the directory except into a
+Hugging Face cache repository's ``blobs/``) and ``open_regular`` (no FIFO, device or
+directory); control files are size-capped before they are read.
 """
 
 from __future__ import annotations
@@ -33,20 +39,24 @@ from typing import Any
 import torch
 
 from ._flatten import flatten_state
+from ._format.companions import torch_weights_file
 from ._format.dtypes import dtype_from_name, dtype_name
 from ._format.index import parse_index
 from ._format.manifest import MANIFEST_NAME
 from ._format.names import check_file_name
 from ._io.transfer import contiguous_cpu
+from ._knobs import knobs
 from ._prepare import Component, check_tensor, dedup, split_components
 from ._read import ReadBatch
 from ._source import Checkpoint, _read_json_file, open_checkpoint
 from ._stateful import find_modules, make_to_state, parameter_names
+from ._storage.paths import member_path, open_regular
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     InvalidStateError,
+    MissingShardError,
     UnsafePickleError,
     UnsupportedFormatError,
 )
@@ -276,11 +286,11 @@ def torch_load(path: str, *, trust_pickle: bool, zip_only: bool = False) -> tupl
     Raises UnsafePickleError naming the file when it needs a full unpickle and
     ``trust_pickle`` is False; with ``zip_only`` a legacy file is refused before unpickling.
     """
+    fd = open_regular(path, where=path)  # a FIFO or device would hang or never end
     try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except IsADirectoryError:
-        raise CheckpointNotFoundError(f"{path} is a directory, not a torch.save file") from None
+        magic = os.pread(fd, 4, 0)
+    finally:
+        os.close(fd)
     if magic == b"PK\x03\x04":
         mapped = True
     elif magic[:1] == b"\x80" and zip_only:
@@ -370,7 +380,9 @@ class BinShardsSource(TensorSource):
             else indexes[0]
         )
         where = os.path.join(directory, iname)
-        index = parse_index(_read_json_file(where, where=where), where=where)
+        index = parse_index(
+            _read_json_file(member_path(directory, iname, where=directory), where=where), where=where
+        )
         self.directory = directory
         self._file_of: dict[str, str] = {}
         skeleton: dict[str, torch.Tensor] = {}
@@ -402,10 +414,11 @@ class BinShardsSource(TensorSource):
 
     def _load(self, fname: str) -> dict[str, torch.Tensor]:
         check_file_name(fname, where=self._label("pytorch_model.bin.index.json"))
-        path = self._label(fname)
-        if not os.path.isfile(path):
-            raise CorruptCheckpointError(
-                f"{path} is missing: the index lists it but it is not there"
+        path = member_path(self.directory, fname, where=self.directory)
+        if not os.path.exists(path):  # absent, or a dangling link
+            raise MissingShardError(
+                f"{path} is missing: the index lists it but it is not there; the checkpoint is "
+                "incomplete (copy the file back or load another checkpoint)"
             )
         obj, _ = torch_load(path, trust_pickle=self.spec.trust_pickle, zip_only=self.spec.zip_only)
         if not isinstance(obj, Mapping):
@@ -490,6 +503,37 @@ def _dcp_reader(path: str, metadata: Any = None) -> Any:
     return _Reader(path)
 
 
+def _check_control_file(path: str, where: str) -> None:
+    """A control file another library opens: a regular file, within the size cap."""
+    fd = open_regular(path, where=where)
+    try:
+        size = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    limit = knobs().max_json_bytes
+    if size > limit:
+        raise CorruptCheckpointError(
+            f"{where} is {size} bytes, over the {limit}-byte limit for this kind of file; "
+            "refusing to read it (the file is damaged or forged)"
+        )
+
+
+def _check_dcp_files(directory: str, metadata: Any) -> None:
+    """Every data file DCP's ``.metadata`` names: a plain name inside ``directory``, regular."""
+    infos = getattr(metadata, "storage_data", None) or {}
+    names: set[Any] = {getattr(info, "relative_path", None) for info in infos.values()}
+    for name in sorted(names, key=str):
+        path = member_path(directory, name, where=os.path.join(directory, ".metadata"))
+        where = os.path.join(directory, str(name))
+        try:
+            os.close(open_regular(path, where=where))
+        except FileNotFoundError:
+            raise MissingShardError(
+                f"{where} is missing: the DCP .metadata lists it but it is not there; the "
+                "checkpoint is incomplete"
+            ) from None
+
+
 def _set_path(root: dict[str, Any], path: Sequence[Any], value: Any) -> None:
     """Place ``value`` at ``path`` in nested dicts / lists (as DCP's planner rebuilds state)."""
     node: Any = root
@@ -521,12 +565,16 @@ class DCPSource(TensorSource):
             )
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+        where = os.path.join(spec.path, ".metadata")
+        # The same path rule and size cap as every control file, before DCP opens it.
+        _check_control_file(member_path(spec.path, ".metadata", where=spec.path), where)
         try:
             metadata = _dcp_reader(spec.path).read_metadata()
         except Exception as exc:
             raise CorruptCheckpointError(
-                f"{os.path.join(spec.path, '.metadata')} could not be read: {type(exc).__name__}: {exc}"
+                f"{where} could not be read: {type(exc).__name__}: {exc}"
             ) from None
+        _check_dcp_files(spec.path, metadata)
         self._metadata = metadata
         self.spec = spec  # _dcp_load needs it before the dataclass fields are set
         planner_data = getattr(metadata, "planner_data", None) or {}
@@ -605,12 +653,15 @@ def resolve_source(path: str | os.PathLike[str]) -> tuple[str, str, list[str]]:
     safetensors files.
     """
     location = os.fspath(path)
-    if os.path.isfile(location):
+    if os.path.exists(location) and not os.path.isdir(location):
         if location.endswith(".safetensors"):
             return location, "safetensors", []
         stem, _ = os.path.splitext(location)
         sibling = stem + ".safetensors"
         if os.path.isfile(sibling):
+            # The user named the .pt file; its sibling must stay beside it (same path rule).
+            parent = os.path.dirname(location) or "."
+            member_path(parent, os.path.basename(sibling), where=parent)
             note = (
                 f"reading {sibling} instead of {location}: a .safetensors file of the same stem "
                 "sits beside it (same tensors, no unpickling); move it away to convert the "
@@ -636,7 +687,10 @@ def resolve_source(path: str | os.PathLike[str]) -> tuple[str, str, list[str]]:
     if bins:
         return location, "hf-bin", []
     if len(torch_files) == 1:
-        return os.path.join(location, torch_files[0]), "torch-save", []
+        return member_path(location, torch_files[0], where=location), "torch-save", []
+    weights, _ = torch_weights_file(names)  # pytorch_model.bin beside training_args.bin, ...
+    if weights is not None:
+        return member_path(location, weights, where=location), "torch-save", []
     raise CheckpointNotFoundError(
         f"{location} is not a checkpoint convert can read: no shardpoint.json or .safetensors "
         "files, no DCP .metadata, no pytorch_model.bin.index.json and not exactly one "

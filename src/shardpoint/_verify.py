@@ -14,25 +14,37 @@ their structure is verified, and the report says so.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import threading
+import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ._checksum import crc32c
+from ._format.companions import PICKLE_WEIGHTS, role, torch_weights_file
 from ._format.dtypes import NAME_TO_DTYPE, itemsize
 from ._format.index import index_name, parse_index
 from ._format.manifest import MANIFEST_NAME, ChunkRef, Manifest
 from ._format.safetensors import SafetensorsHeader
+from ._hub import resolve_hub
 from ._io.transfer import reader_threads
 from ._knobs import knobs
 from ._progress import byte_progress
 from ._source import Checkpoint, _read_json_file, is_tmp, open_checkpoint
+from ._storage.paths import member_path, open_regular
 from ._storage.remote import PENDING_NAME, RemoteStore, resolve
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    UnsafePickleError,
+    UnsupportedFormatError,
+)
 
 __all__ = ["VerifyReport", "verify_checkpoint"]
 
@@ -61,8 +73,16 @@ class VerifyReport:
     """Bytes of tensor data read and compared against their crc32c."""
     checksums: bool
     """True when stored bytes were compared against their crc32c (every tensor that could be
-    read); False with ``checksums=False``, for foreign checkpoints (they record none), or when
-    some tensor has no recorded crc."""
+    read; for ``.bin`` / ``.pt`` files the CRC-32 of every record of their zip archive);
+    False with ``checksums=False``, for foreign safetensors checkpoints (they record none),
+    or when some tensor has no recorded crc."""
+    unchecked: list[str] = field(default_factory=list)
+    """Files in the directory that are not checkpoint data and were not checked (config,
+    tokenizer, README, training state...), sorted. Stray files that look like this
+    checkpoint's data are not listed here: they are warnings."""
+    notes: list[str] = field(default_factory=list)
+    """How the checkpoint was read, where a person should know (a file read instead of the
+    one named, pickles read with ``weights_only=True``)."""
 
     @property
     def ok(self) -> bool:
@@ -108,7 +128,9 @@ def verify_checkpoint(
     Args:
         path: checkpoint directory (shardpoint or HF) or a single ``.safetensors`` file,
             or an fsspec URL of either (``s3://bucket/run/step-100``; checksumming then
-            streams every object through ranged reads).
+            streams every object through ranged reads), or ``hf://org/name[@revision]``
+            (a repository in the local Hugging Face cache; ``storage_options`` may name its
+            ``cache_dir``).
         storage_options: options of the URL's fsspec filesystem (see ``shardpoint.save``).
         checksums: also read every stored tensor and compare its crc32c (the slow part;
             ``False`` checks structure only: manifest, file sizes, headers, entries).
@@ -119,6 +141,10 @@ def verify_checkpoint(
 
     Raises:
         CheckpointNotFoundError: ``path`` does not exist or holds no checkpoint at all.
+        UnsafePickleError: a ``.bin`` / ``.pt`` file needs more than ``weights_only`` to be
+            read (verify never unpickles it; ``sp.load`` would refuse it too).
+        UnsupportedFormatError: a ``.bin`` / ``.pt`` file is not a zip-format ``torch.save``
+            file (a legacy pickle, which ``sp.load`` refuses too).
         OSError: the directory itself cannot be listed.
 
     Example:
@@ -129,6 +155,7 @@ def verify_checkpoint(
         >>> report.ok, report.files_checked, report.bytes_checked
         (True, 1, 16)
     """
+    path, storage_options = resolve_hub(path, storage_options)
     path, store = resolve(path, storage_options)
     if store is not None:
         return _verify_remote(store, storage_options, checksums=checksums, progress=progress)
@@ -143,21 +170,46 @@ def verify_checkpoint(
         )
         return VerifyReport(location, "shardpoint", [message], [], 0, 0, 0, False)
     if os.path.isfile(location):
+        if location.endswith(PICKLE_WEIGHTS):
+            sibling = os.path.splitext(location)[0] + ".safetensors"
+            if not os.path.isfile(sibling):
+                return _verify_pickled(
+                    location, os.path.dirname(location) or ".", None,
+                    [os.path.basename(location)], checksums=checksums,
+                )
+            note = (
+                f"verified {sibling} instead of {location}: load reads the .safetensors file of "
+                "the same stem beside it (same tensors, no unpickling)"
+            )
+            report = verify_checkpoint(sibling, checksums=checksums, progress=progress)
+            return dataclasses.replace(report, notes=[note, *report.notes])
         if not location.endswith(".safetensors"):
             raise CheckpointNotFoundError(
-                f"{location} is a file but not a .safetensors file; shardpoint verifies checkpoint "
-                "directories and .safetensors files"
+                f"{location} is a file but not a .safetensors, .bin, .pt, .pth or .ckpt file; "
+                "shardpoint verifies checkpoint directories and files of those kinds"
             )
         # The user named this file: follow it if it is a link (as in a Hugging Face cache).
         directory, name = os.path.split(os.path.realpath(location))
         return _verify_foreign(location, directory, "hf-file", None, [name], checksums=checksums)
     if not os.path.isdir(location):
-        raise CheckpointNotFoundError(f"{location} is neither a directory nor a .safetensors file")
+        raise CheckpointNotFoundError(f"{location} is neither a directory nor a checkpoint file")
     names = os.listdir(location)
     if MANIFEST_NAME in names:
         return _verify_shardpoint(location, names, checksums=checksums, progress=progress)
-    kind, index, files = _locate_foreign(location, names)
-    return _verify_foreign(location, location, kind, index, files, checksums=checksums)
+    if not any(n.endswith(".safetensors") for n in names):
+        bin_indexes = sorted(n for n in names if n.endswith(".bin.index.json"))
+        if bin_indexes:
+            index = (
+                "pytorch_model.bin.index.json"
+                if "pytorch_model.bin.index.json" in bin_indexes
+                else bin_indexes[0]
+            )
+            return _verify_pickled(location, location, index, [], checksums=checksums, listing=names)
+        single, _ = torch_weights_file(names)
+        if single is not None:
+            return _verify_pickled(location, location, None, [single], checksums=checksums, listing=names)
+    kind, found_index, files = _locate_foreign(location, names)
+    return _verify_foreign(location, location, kind, found_index, files, checksums=checksums)
 
 
 # ------------------------------------------------------------------------ shardpoint
@@ -200,7 +252,7 @@ def _read_json(ckpt: Checkpoint, name: str, where: str) -> bytes:
     """An index of ``ckpt``, local or remote, size-capped."""
     if ckpt.store is not None:
         return ckpt.store.get(name, limit=knobs().max_json_bytes)
-    return _read_json_file(where, where=where)
+    return _read_json_file(member_path(ckpt.directory, name, where=ckpt.location), where=where)
 
 
 def _verify_shardpoint(
@@ -265,12 +317,9 @@ def _verify_shardpoint(
 
     expected_indexes = _check_indexes(ckpt, manifest, names, found)
     accounted = {MANIFEST_NAME, *manifest.files, *expected_indexes}
-    for name in sorted(names):
-        if name not in accounted:
-            found.warnings.append(
-                f"{os.path.join(location, name)} is not part of the checkpoint (the manifest does "
-                "not list it); load ignores it"
-            )
+    unchecked = _unreferenced(
+        found, location, names, accounted, "safetensors", "the manifest does not list it"
+    )
     if no_crc:
         found.warnings.append(
             f"{location}: {no_crc} stored tensor(s) have no recorded crc32c; their bytes were not checked"
@@ -288,6 +337,7 @@ def _verify_shardpoint(
         tensors_checked=tensors_checked,
         bytes_checked=bytes_checked,
         checksums=checksums and not no_crc,
+        unchecked=unchecked,
     )
 
 
@@ -357,8 +407,9 @@ def _locate_foreign(location: str, names: list[str]) -> tuple[str, str | None, l
     if len(singles) == 1:
         return "hf-file", None, singles
     raise CheckpointNotFoundError(
-        f"{location} is not a checkpoint: no shardpoint.json, no *.safetensors.index.json and "
-        f"no single .safetensors file (found {len(singles)} .safetensors files, {len(indexes)} indexes)"
+        f"{location} is not a checkpoint: no shardpoint.json, no *.safetensors.index.json, "
+        f"no single .safetensors file (found {len(singles)} .safetensors files, {len(indexes)} "
+        "indexes), no pytorch_model.bin.index.json and no pytorch_model.bin"
     )
 
 
@@ -432,16 +483,12 @@ def _verify_foreign(
                 f'{where}: __metadata__ has no "format" (e.g. "pt"); transformers refuses such files'
             )
 
+    unchecked: list[str] = []
     if location == directory:
         accounted = set(files) | ({index} if index else set())
         listing = sorted(ckpt.sizes) if store is not None else sorted(os.listdir(directory))
-        for name in listing:
-            if name not in accounted and name.endswith((".safetensors", ".safetensors.index.json")):
-                found.warnings.append(
-                    f"{os.path.join(location, name)} is not part of the checkpoint "
-                    f"({'the index does not list it' if index else 'another file was chosen'}); "
-                    "loaders ignore it"
-                )
+        why = "the index does not list it" if index else "another file was chosen"
+        unchecked = _unreferenced(found, location, listing, accounted, "safetensors", why)
     return VerifyReport(
         path=location,
         kind=kind,
@@ -451,10 +498,206 @@ def _verify_foreign(
         tensors_checked=tensors_checked,
         bytes_checked=0,
         checksums=False,
+        unchecked=unchecked,
     )
 
 
+# ------------------------------------------------------------------------ .bin / .pt
+
+def _pickled_note(checksums: bool) -> str:
+    crc = "each one's zip records checked against their CRC-32, " if checksums else ""
+    return (
+        f"torch.save files: {crc}tensors read with torch.load(weights_only=True) (structure "
+        "only, never a full unpickle)"
+    )
+
+
+def _verify_pickled(
+    location: str,
+    directory: str,
+    index: str | None,
+    files: list[str],
+    *,
+    checksums: bool,
+    listing: Sequence[str] | None = None,
+) -> VerifyReport:
+    """``verify_checkpoint`` of ``torch.save`` weights, read as ``sp.load`` reads them: HF
+    ``.bin`` shards through their index (``index``), or one file (``files``)."""
+    from ._stream_source import components_from_object, torch_load
+
+    kind = "hf-bin" if index is not None else "torch-save"
+    single = location != directory
+    found = _Findings()
+    weight_map: dict[str, str] | None = None
+    if index is not None:
+        where = os.path.join(location, index)
+        try:
+            weight_map = parse_index(_read_json_file(where, where=where), where=where).weight_map
+        except CheckpointError as exc:
+            return VerifyReport(location, kind, [str(exc)], [], 0, 0, 0, False)
+        except OSError as exc:
+            return VerifyReport(location, kind, [f"{where} cannot be read: {exc}"], [], 0, 0, 0, False)
+        files = list(dict.fromkeys(weight_map.values()))
+    tensors_checked = bytes_checked = 0
+    without_crc: list[str] = []
+    for fname in files:
+        where = location if single else os.path.join(location, fname)
+        listed = [k for k, f in (weight_map or {}).items() if f == fname]
+        held = f"; it holds {_name_list(listed)}" if listed else ""
+        try:
+            path = location if single else member_path(directory, fname, where=location)
+            if not os.path.lexists(path):
+                found.problem(
+                    fname,
+                    f"{where} is missing: the index lists it but it is not there; the checkpoint "
+                    f"is incomplete (copy the file back or load another checkpoint){held}",
+                )
+                continue
+            if checksums:
+                got, has_crc, problems = _zip_crc(path, where)
+                bytes_checked += got
+                for message in problems:
+                    found.problem(fname, message)
+                if not has_crc:
+                    without_crc.append(where)
+            obj, _ = torch_load(path, trust_pickle=False, zip_only=True)
+        except (UnsafePickleError, UnsupportedFormatError):
+            raise  # not damage: verify cannot judge the file without unpickling it
+        except CheckpointError as exc:
+            found.problem(fname, f"{exc}{held}")
+            continue
+        except OSError as exc:
+            found.problem(fname, f"{where} cannot be read: {exc.strerror or exc}{held}")
+            continue
+        if weight_map is None:
+            try:
+                components, flat = components_from_object(obj, where=where, allow_pickle=False)
+            except CheckpointError as exc:
+                found.problem(fname, str(exc))
+                continue
+            finally:
+                del obj
+            tensors_checked += sum(len(c.stored) for c in components)
+            if not flat:
+                found.warnings.append(
+                    f"{where} holds a nested training state (components "
+                    f"{', '.join(repr(c.name) for c in components)}), not a flat state dict: "
+                    "sp.load and load_into refuse it; `shardpoint convert` converts it whole"
+                )
+            continue
+        if not isinstance(obj, Mapping):
+            found.problem(fname, f"{where} holds a {type(obj).__name__}, not a state dict shard")
+            continue
+        for key in listed:
+            if key not in obj:
+                found.problem(
+                    fname,
+                    f"{where}: tensor {key!r} is listed in the index but absent from this file; "
+                    "the checkpoint is damaged",
+                )
+            elif not isinstance(obj[key], torch.Tensor):
+                found.problem(
+                    fname, f"{where}: {key!r} is a {type(obj[key]).__name__}, not a tensor"
+                )
+            else:
+                tensors_checked += 1
+        unlisted = [str(k) for k in obj if weight_map.get(str(k)) != fname]
+        if unlisted:
+            found.warnings.append(
+                f"{where} holds {_name_list(unlisted)} that the index does not map to it; "
+                "loaders ignore them"
+            )
+        del obj
+    if without_crc:
+        found.warnings.append(
+            f"{', '.join(without_crc[:_MAX_NAMED])}: no CRC-32 recorded in the zip archive "
+            "(saved with torch.serialization's compute_crc32 off); their bytes were not checked"
+        )
+    unchecked: list[str] = []
+    if not single and listing is not None:
+        accounted = set(files) | ({index} if index else set())
+        why = "the index does not list it" if index else "pytorch_model.bin was chosen"
+        unchecked = _unreferenced(found, location, listing, accounted, "pickle", why)
+    return VerifyReport(
+        path=location,
+        kind=kind,
+        problems=found.flat(files),
+        warnings=found.warnings,
+        files_checked=len(files),
+        tensors_checked=tensors_checked,
+        bytes_checked=bytes_checked,
+        checksums=checksums and not without_crc,
+        unchecked=unchecked,
+        notes=[_pickled_note(checksums)],
+    )
+
+
+def _zip_crc(path: str, where: str) -> tuple[int, bool, list[str]]:
+    """Check every record of a zip-format ``torch.save`` file against its CRC-32, reading
+    in bounded pieces: (bytes read, whether CRCs are recorded, problems). A legacy
+    (non-zip) file has none: ``torch_load`` says what is wrong with it."""
+    with os.fdopen(open_regular(path, where=where), "rb") as f:  # a FIFO would hang
+        if f.read(4) != b"PK\x03\x04":
+            return 0, True, []
+        f.seek(0)
+        try:
+            archive = zipfile.ZipFile(f)
+            records = archive.infolist()
+        except Exception as exc:  # zipfile raises many kinds on a damaged archive
+            return 0, True, [
+                f"{where} is not a readable zip archive ({type(exc).__name__}: {exc}); the file is "
+                "truncated or damaged"
+            ]
+        if not any(r.CRC for r in records if r.file_size):
+            return 0, not any(r.file_size for r in records), []
+        read, problems = 0, []
+        for record in records:
+            if record.compress_type != zipfile.ZIP_STORED:
+                problems.append(
+                    f"{where}: record {record.filename!r} is compressed, which torch.save never "
+                    "does; the file is damaged or forged"
+                )
+                continue
+            try:
+                with archive.open(record) as member:
+                    while piece := member.read(1 << 20):
+                        read += len(piece)
+            except Exception as exc:  # BadZipFile("Bad CRC-32 ..."), EOFError on a truncated file
+                problems.append(
+                    f"{where}: record {record.filename!r} of the zip archive does not match its "
+                    f"CRC-32 or cannot be read ({type(exc).__name__}: {exc}); the file is damaged. "
+                    "Restore it from a copy"
+                )
+        return read, True, problems
+
+
 # ------------------------------------------------------------------------ shared
+
+
+def _unreferenced(
+    found: _Findings,
+    location: str,
+    listing: Sequence[str],
+    accounted: set[str],
+    family: str,
+    why: str,
+) -> list[str]:
+    """Files of the directory the checkpoint does not reference: a warning for each that
+    looks like this checkpoint's data (see ``_format.companions``); the others, returned,
+    are listed as not checked."""
+    unchecked = []
+    for name in sorted(listing):
+        if name in accounted or is_tmp(name):
+            continue
+        if role(name, family) == "weights":
+            found.warnings.append(
+                f"{os.path.join(location, name)} looks like checkpoint data but is not part of "
+                f"the checkpoint ({why}); load ignores it. If it is left from another save, "
+                "move it away"
+            )
+        else:
+            unchecked.append(name)
+    return unchecked
 
 
 def _read_headers(

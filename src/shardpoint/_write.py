@@ -20,7 +20,7 @@ from ._format.names import check_file_name
 from ._format.safetensors import TensorSpec, plan_file
 from ._io.transfer import FileWrite, write_files
 from ._planning.shards import plan_shards, shard_file_names
-from ._prepare import PreparedState
+from ._prepare import PreparedState, hf_sizes
 from ._progress import byte_progress
 from ._storage import Transaction, open_transaction
 from .errors import InvalidStateError
@@ -106,7 +106,8 @@ def write_checkpoint(
         if not comp.stored:
             continue  # a component of JSON values only lives in the manifest
         info = described[comp.name] = describe_tensors(comp.tensors, comp.stored)
-        groups = plan_shards([(n, info[n][2]) for n in comp.stored], max_shard_bytes)
+        sizes, storage = hf_sizes(comp)
+        groups = plan_shards(sizes, max_shard_bytes, storage=storage)
         weight_map: dict[str, str] = {}
         for fname, group in zip(shard_file_names(comp.name, len(groups)), groups, strict=False):
             specs = []
@@ -118,7 +119,7 @@ def write_checkpoint(
             writes.append(FileWrite(fname, plan.header, plan.size, tensors))
             files[fname] = plan.size
         if len(groups) > 1:
-            indexes[index_name(comp.name)] = render_index(weight_map, comp.stored_bytes())
+            indexes[index_name(comp.name)] = render_index(weight_map, comp.stored_bytes(), comp.parameter_count())
 
     extras = dict(extra_files or {})
     for name in extras:

@@ -21,17 +21,22 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from .._convert import run_convert
 from .._sizes import human_size
-from .main import EXIT_OK
+from .main import EXIT_OK, add_cache_dir
+from .output import emit, note
 
 HELP = "convert torch.save / HF .bin / DCP / safetensors checkpoints to sharded safetensors"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", help="file or directory to convert")
+    parser.add_argument(
+        "src",
+        help="file or directory to convert, or hf://org/name[@revision][/subfolder]: a "
+        "repository in the local Hugging Face cache",
+    )
+    add_cache_dir(parser)
     parser.add_argument("dst", help="checkpoint directory to create")
     parser.add_argument(
         "--max-shard-size",
@@ -80,14 +85,15 @@ def run(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         progress=args.progress,
         workers=args.workers,
+        cache_dir=args.cache_dir,
     )
-    for note in source.notes:
-        print(f"shardpoint: note: {note}", file=sys.stderr)
+    for message in source.notes:
+        note(message)
     tensors = sum(len(c.stored) for c in source.components)
     files = len(info.files)
-    print(
+    emit([
         f"converted {source.spec.path} ({source.describe()}) -> {os.fspath(args.dst)}: "
         f"{tensors} tensor{'s' if tensors != 1 else ''}, {human_size(info.tensor_bytes)} in "
         f"{files} file{'s' if files != 1 else ''} ({info.seconds:.1f} s)"
-    )
+    ])
     return EXIT_OK

@@ -7,7 +7,12 @@ Values are equal within tolerance when |a - b| <= atol + rtol * |b| element-wise
 the reference); NaN equals NaN at the same position. Keys are the names sp.load returns
 (component/name in nested checkpoints). Non-tensor values (epoch, ...) are compared too.
 
-The table lists the tensors that differ (--all: every tensor) and ends with a summary.
+Tied weights compare by value: a name stored once and recorded as an alias on one side,
+and stored separately or absent (a tie transformers' save_pretrained does not save) on the
+other, is not a difference; each such name is listed as a note.
+
+The table lists the tensors that differ (--all: every tensor), then the notes, and ends
+with a summary.
 
 Exit status: 0 equal within tolerance, 1 different, 2 error (unreadable or refused input).
 
@@ -15,7 +20,8 @@ The --json object has the keys: a, b, equal, atol, rtol, only_in_a [key], only_i
 tensors [{key, status, dtype_a, dtype_b, shape_a, shape_b, max_abs, max_rel, mismatched}]
 (every tensor in both; status is equal, close, changed, dtype or shape; non-finite numbers
 are the strings "nan" / "inf"), values [{key, a, b}] (non-tensor values that differ),
-compared_bytes.
+compared_bytes, notes [{key, a, b, alias_of_a, alias_of_b, compared_as, message}] (names
+stored differently: a and b are stored, alias or absent).
 """
 
 from __future__ import annotations
@@ -27,14 +33,19 @@ from typing import Any
 
 from .._diff import DiffReport, TensorDiff, diff
 from .._sizes import human_size
-from .main import EXIT_DAMAGED, EXIT_OK
+from .main import EXIT_DAMAGED, EXIT_OK, add_cache_dir
+from .output import emit, printable
 
 HELP = "compare two checkpoints (any format): keys, shapes, dtypes, max abs / rel difference"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("a", help="first checkpoint (file or directory)")
+    parser.add_argument(
+        "a", help="first checkpoint (file or directory, or hf://org/name[@revision] in the "
+        "local Hugging Face cache)"
+    )
     parser.add_argument("b", help="second checkpoint, the reference for --rtol")
+    add_cache_dir(parser)
     parser.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0)")
     parser.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (keys above)")
@@ -49,11 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, trust_pickle=args.trust_pickle)
+    report = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, trust_pickle=args.trust_pickle,
+                  cache_dir=args.cache_dir)
     if args.json:
         print(json.dumps(to_json(report), indent=2))
     else:
-        print(render(report, show_all=args.all))
+        emit(render(report, show_all=args.all).split("\n"))
     return EXIT_OK if report.equal else EXIT_DAMAGED
 
 
@@ -94,6 +106,18 @@ def to_json(report: DiffReport) -> dict[str, object]:
         ],
         "values": [{"key": v.key, "a": _plain(v.a), "b": _plain(v.b)} for v in report.values],
         "compared_bytes": report.compared_bytes,
+        "notes": [
+            {
+                "key": n.key,
+                "a": n.a,
+                "b": n.b,
+                "alias_of_a": n.alias_of_a,
+                "alias_of_b": n.alias_of_b,
+                "compared_as": n.compared_as,
+                "message": n.message,
+            }
+            for n in report.notes
+        ],
     }
 
 
@@ -125,17 +149,22 @@ def render(report: DiffReport, *, show_all: bool = False) -> str:
     rows += [[k, "only in A", "", "", "", ""] for k in report.only_in_a]
     rows += [[k, "only in B", "", "", "", ""] for k in report.only_in_b]
     rows += [[v.key, "value", "", "", f"{v.a!r} -> {v.b!r}", ""] for v in report.values]
-    lines = [f"A: {report.a}", f"B: {report.b}"]
+    rows = [[printable(cell) for cell in row] for row in rows]  # names may hold controls
+    lines = [f"A: {printable(report.a)}", f"B: {printable(report.b)}"]
     if rows:
         header = ["KEY", "STATUS", "DTYPE", "SHAPE", "MAX ABS", "MAX REL"]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         for r in [header, *rows]:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    lines += [f"note: {n.message}" for n in report.notes]
     tol = f"atol={report.atol:g}, rtol={report.rtol:g}"
     n = len(report.tensors)
     if report.equal:
         close = sum(1 for t in report.tensors if t.status == "close")
         extra = f", {close} within tolerance but not identical" if close else ""
+        if report.notes:
+            count = len(report.notes)
+            extra += f", {count} tied name{'s' if count != 1 else ''} stored differently (notes above)"
         lines.append(
             f"equal: {n} tensor{'s' if n != 1 else ''} ({human_size(report.compared_bytes)}) "
             f"match{extra} ({tol})"

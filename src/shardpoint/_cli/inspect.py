@@ -1,12 +1,15 @@
 """Show what a checkpoint holds, without reading any tensor data.
 
 Works on shardpoint checkpoints (reads the manifest only), Hugging Face sharded directories
-(index + headers) and single .safetensors files (header).
+(index + headers), single .safetensors files (header), and torch.save weights as sp.load
+reads them: Hugging Face .bin shards (pytorch_model.bin.index.json), pytorch_model.bin or
+a .bin/.pt file, through torch.load(weights_only=True), memory-mapped (never a full
+unpickle; no tensor data is read).
 
 The --json object has these keys:
 
   path             the path given
-  format           "shardpoint", "hf-index" or "hf-file"
+  format           "shardpoint", "hf-index", "hf-file", "hf-bin" or "torch-save"
   format_version   manifest format version (null for foreign checkpoints)
   library_version  shardpoint version that saved it (null for foreign checkpoints)
   created          save time, ISO 8601 UTC (null for foreign checkpoints)
@@ -17,6 +20,10 @@ The --json object has these keys:
   metadata         the user's metadata saved in the manifest ({} for foreign)
   components       {name: {"tensors": int, "aliases": int, "bytes": int, "files": [str]}}
   files            [{"name": str, "size": int}] data files, in order
+  unchecked        [str] other files of the directory, not read (config.json, tokenizer
+                   files, training_args.bin, ...; also stray files that look like data)
+  notes            [str] how the checkpoint was read, where it matters (model.pt named,
+                   model.safetensors beside it shown instead, as sp.load reads it)
   total_size       bytes of all data files
   tensor_count     stored tensors (tied aliases not counted)
   alias_count      tied names stored once under another name
@@ -28,21 +35,36 @@ The --json object has these keys:
                      "alias_of"}]; "files" are the data files holding its chunks, in order;
                    "alias_of" names the stored tensor a tied name shares (else null)
 
-Names are matched by --filter as "component/name" in nested checkpoints, "name" in flat ones.
+--filter PATTERN keeps the tensors whose name contains PATTERN anywhere. In PATTERN, *
+matches any run of characters (dots included), ? any one character, [abc] one of a set;
+a leading ^ anchors it to the start of the name, a trailing $ to the end. So
+'layers.*.weight' matches model.layers.0.mlp.up_proj.weight, 'layers.1.' everything of
+layer 1, and '.weight$' only names ending in .weight. Names are matched as
+"component/name" in nested checkpoints, "name" in flat ones.
+
+With --json a failure prints {"error", "message", "path"} instead (same exit status, 2).
 """
 
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import json
 import math
+import os
+import re
+from collections.abc import Mapping
+from functools import lru_cache
 from typing import Any
 
-from .._format.dtypes import NAME_TO_DTYPE, itemsize
+from .._format.companions import PICKLE_WEIGHTS, torch_weights_file
+from .._format.dtypes import NAME_TO_DTYPE, dtype_name, itemsize
+from .._format.index import index_name
+from .._format.manifest import MANIFEST_NAME
+from .._hub import resolve_hub
 from .._sizes import human_size
-from .._source import Checkpoint, open_checkpoint
-from .main import add_storage_options
+from .._source import Checkpoint, is_tmp, open_checkpoint
+from .main import add_cache_dir, add_storage_options, hub_storage_options
+from .output import emit, emit_json, printable
 
 HELP = "show format, files, dtypes and tensors of a checkpoint"
 
@@ -54,15 +76,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "path",
         help="checkpoint directory (shardpoint or Hugging Face) or .safetensors file, or an "
-        "fsspec URL of either (s3://bucket/run/step-100)",
+        "fsspec URL of either (s3://bucket/run/step-100), or hf://org/name[@revision]: a "
+        "repository in the local Hugging Face cache",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object (keys above)")
     add_storage_options(parser)
+    add_cache_dir(parser)
     parser.add_argument(
         "--filter",
         metavar="PATTERN",
-        help="list only tensors whose name contains PATTERN, or matches it as a glob if it "
-        "has * ? or [ (e.g. 'layers.*.weight')",
+        help="list only tensors whose name contains PATTERN anywhere; * matches any characters "
+        "(dots too), ? one, [abc] one of a set, a leading ^ / trailing $ anchor it to the start / "
+        "end of the name: 'layers.*.weight' matches model.layers.0.mlp.up_proj.weight",
     )
     parser.add_argument(
         "--limit",
@@ -83,23 +108,188 @@ def _count_arg(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    ckpt = open_checkpoint(args.path, args.storage_options)
+    options = hub_storage_options(args.path, args.storage_options, args.cache_dir)
+    path, resolved = resolve_hub(args.path, options)
     limit = args.limit if args.limit is not None else (0 if args.json else DEFAULT_LIMIT)
-    doc = describe(ckpt, pattern=args.filter, limit=limit)
+    doc = describe_path(path, resolved, pattern=args.filter, limit=limit)
     if args.json:
-        print(json.dumps(doc, indent=2))
+        emit_json(doc)
     else:
-        print(render(doc, pattern=args.filter))
+        emit(render(doc, pattern=args.filter))
     return 0
 
 
+def describe_path(
+    path: str, storage_options: Mapping[str, Any] | None, *, pattern: str | None, limit: int
+) -> dict[str, Any]:
+    """``describe`` of whatever ``sp.load`` would read at ``path`` (``.bin`` weights too)."""
+    location = os.fspath(path)
+    notes = []
+    sibling = os.path.splitext(location)[0] + ".safetensors"
+    if location.endswith(PICKLE_WEIGHTS) and "://" not in location and os.path.isfile(sibling):
+        notes.append(
+            f"showing {sibling} instead of {location}: load reads the .safetensors file of the "
+            "same stem beside it (same tensors, no unpickling)"
+        )
+        path = location = sibling
+    pickled = None if "://" in location else _pickled_weights(location)
+    if pickled is not None:
+        doc = describe_pickled(location, *pickled, pattern=pattern, limit=limit)
+    else:
+        doc = describe(open_checkpoint(path, storage_options), pattern=pattern, limit=limit)
+    index = doc.pop("_index", None)
+    doc["unchecked"] = _unchecked(location, doc, index) if os.path.isdir(location) else []
+    doc["notes"] = notes
+    return doc
+
+
+def _pickled_weights(location: str) -> tuple[str, str, str | None] | None:
+    """(kind, path read, index) when ``location`` holds torch.save weights and no safetensors."""
+    if os.path.isfile(location):
+        sibling = os.path.splitext(location)[0] + ".safetensors"
+        if location.endswith(PICKLE_WEIGHTS) and not os.path.isfile(sibling):
+            return "torch-save", location, None
+        return None
+    if not os.path.isdir(location):
+        return None
+    names = os.listdir(location)
+    if MANIFEST_NAME in names or any(n.endswith(".safetensors") for n in names):
+        return None
+    indexes = sorted(n for n in names if n.endswith(".bin.index.json"))
+    if indexes:
+        index = "pytorch_model.bin.index.json" if "pytorch_model.bin.index.json" in indexes else indexes[0]
+        return "hf-bin", location, index
+    single, _ = torch_weights_file(names)
+    return None if single is None else ("torch-save", os.path.join(location, single), None)
+
+
+def _unchecked(location: str, doc: dict[str, Any], index: str | None) -> list[str]:
+    """The directory's files that are not the checkpoint's data, manifest or index."""
+    used = {f["name"] for f in doc["files"]} | {MANIFEST_NAME, index or ""}
+    used |= {index_name(c) for c in doc["components"]}
+    if doc["format"] == "hf-index":
+        indexes = sorted(n for n in os.listdir(location) if n.endswith(".safetensors.index.json"))
+        used.add("model.safetensors.index.json" if "model.safetensors.index.json" in indexes else indexes[0])
+    return sorted(n for n in os.listdir(location) if n not in used and not is_tmp(n))
+
+
+def describe_pickled(
+    location: str, kind: str, real: str, index: str | None, *, pattern: str | None, limit: int
+) -> dict[str, Any]:
+    """The --json object of torch.save weights, read as ``sp.load`` reads them (zip format,
+    ``weights_only=True``, mapped: shapes and dtypes only, no tensor data)."""
+    from .._stream_source import BinShardsSource, SourceSpec, TorchSaveSource
+
+    spec = SourceSpec(real, kind, trust_pickle=False, zip_only=True)
+    source = BinShardsSource(spec, []) if kind == "hf-bin" else TorchSaveSource(spec, [])
+    try:
+        file_of: dict[str, str] = getattr(source, "_file_of", {})
+        directory = real if kind == "hf-bin" else os.path.dirname(real)
+        files = sorted(set(file_of.values())) if kind == "hf-bin" else [os.path.basename(real)]
+        components: dict[str, Any] = {}
+        dtypes: dict[str, dict[str, int]] = {}
+        matched: list[dict[str, Any]] = []
+        for comp in source.components:
+            comp_bytes = 0
+            rows: dict[str, dict[str, Any]] = {}
+            for tname in comp.stored:
+                meta = comp.tensors[tname]
+                dtype = dtype_name(meta.dtype, key=tname)
+                nbytes = meta.numel() * meta.element_size()
+                comp_bytes += nbytes
+                stat = dtypes.setdefault(dtype, {"tensors": 0, "bytes": 0})
+                stat["tensors"] += 1
+                stat["bytes"] += nbytes
+                rows[tname] = {
+                    "name": tname,
+                    "component": comp.name,
+                    "dtype": dtype,
+                    "shape": list(meta.shape),
+                    "bytes": nbytes,
+                    "files": [file_of.get(tname, files[0])],
+                    "chunks": 1,
+                    "alias_of": None,
+                }
+            for alias, target in comp.aliases.items():
+                rows[alias] = {**rows[target], "name": alias, "alias_of": target}
+            for tname, row in rows.items():
+                if name_matches(tname if source.flat else f"{comp.name}/{tname}", pattern):
+                    matched.append(row)
+            components[comp.name] = {
+                "tensors": len(comp.stored),
+                "aliases": len(comp.aliases),
+                "bytes": comp_bytes,
+                "files": sorted({r["files"][0] for r in rows.values()}),
+            }
+    finally:
+        source.close()
+    sizes = {f: os.path.getsize(os.path.join(directory, f)) for f in files}
+    return {
+        "path": location,
+        "format": kind,
+        "format_version": None,
+        "library_version": None,
+        "created": None,
+        "save_id": None,
+        "layout": "hf",
+        "world_size": None,
+        "flat": source.flat,
+        "metadata": {},
+        "components": components,
+        "files": [{"name": f, "size": size} for f, size in sizes.items()],
+        "_index": index,
+        "total_size": sum(sizes.values()),
+        "tensor_count": sum(c["tensors"] for c in components.values()),
+        "alias_count": sum(c["aliases"] for c in components.values()),
+        "tensor_bytes": sum(c["bytes"] for c in components.values()),
+        "dtypes": dict(sorted(dtypes.items(), key=lambda kv: (-kv[1]["bytes"], kv[0]))),
+        "tensors_matched": len(matched),
+        "tensors": matched[:limit] if limit else matched,
+    }
+
+
 def name_matches(name: str, pattern: str | None) -> bool:
-    """Substring match, or a glob (``fnmatchcase``) when ``pattern`` has ``* ? [``."""
+    """True when ``pattern`` occurs anywhere in ``name`` (see the module docstring).
+
+    >>> name_matches("model.layers.0.mlp.up_proj.weight", "layers.*.weight")
+    True
+    >>> name_matches("model.layers.0.mlp.up_proj.weight_scale", ".weight$")
+    False
+    >>> name_matches("model.embed_tokens.weight", "^embed")
+    False
+    """
     if not pattern:
         return True
-    if any(c in pattern for c in "*?["):
-        return fnmatch.fnmatchcase(name, pattern)
-    return pattern in name
+    return _pattern_regex(pattern).search(name) is not None
+
+
+@lru_cache(maxsize=64)
+def _pattern_regex(pattern: str) -> re.Pattern[str]:
+    """The regular expression of a --filter pattern (an unclosed ``[`` is a plain character)."""
+    start = pattern.startswith("^")
+    end = pattern.endswith("$") and len(pattern) > int(start)
+    body = pattern[int(start) : len(pattern) - int(end)]
+    out, i = [], 0
+    while i < len(body):
+        ch = body[i]
+        if ch == "*":
+            out.append(".*")
+        elif ch == "?":
+            out.append(".")
+        elif ch == "[":
+            j = i + 1 + (body[i + 1 : i + 2] == "!")
+            close = body.find("]", j + 1)  # a "]" right after "[" or "[!" is a member
+            if close < 0:
+                out.append(re.escape(ch))
+                i += 1
+                continue
+            members = "".join("\\" + c if c in "\\[]^&~|" else c for c in body[j:close])
+            out.append("[" + ("^" if j > i + 1 else "") + members + "]")
+            i = close
+        else:
+            out.append(re.escape(ch))
+        i += 1
+    return re.compile(("^" if start else "") + "".join(out) + ("$" if end else ""), re.DOTALL)
 
 
 def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
@@ -188,6 +378,7 @@ def _plural(n: int, noun: str) -> str:
 
 
 def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
+    rows = [[printable(cell) for cell in row] for row in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return [
         (indent + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))).rstrip()
@@ -199,11 +390,14 @@ _FORMATS = {
     "shardpoint": "shardpoint",
     "hf-index": "hf-index (Hugging Face shards + index; no shardpoint manifest)",
     "hf-file": "hf-file (one safetensors file; no shardpoint manifest)",
+    "hf-bin": "hf-bin (Hugging Face .bin shards + index, read with torch.load(weights_only=True))",
+    "torch-save": "torch-save (one torch.save file, read with torch.load(weights_only=True))",
 }
 
 
-def render(doc: dict[str, Any], *, pattern: str | None = None) -> str:
-    """The human-readable report of ``describe``'s object."""
+def render(doc: dict[str, Any], *, pattern: str | None = None) -> list[str]:
+    """The human-readable report of ``describe``'s object, one item per line (``emit``
+    escapes them; table cells are escaped first so the columns stay aligned)."""
     out: list[str] = []
     fmt = _FORMATS.get(doc["format"], doc["format"])
     if doc["format_version"] is not None:
@@ -230,12 +424,15 @@ def render(doc: dict[str, Any], *, pattern: str | None = None) -> str:
         head.append(["components" if i == 0 else "", line])
     if doc["metadata"]:
         head.append(["metadata", json.dumps(doc["metadata"])])
+    out += [f"note: {n}" for n in doc.get("notes", [])]
     out += _table(head, indent="")
 
     out.append("")
     out.append(f"files: {_plural(len(doc['files']), 'file')}, {human_size(doc['total_size'])}")
     if doc["files"]:
         out += _table([[f["name"], human_size(f["size"])] for f in doc["files"]])
+    if doc.get("unchecked"):
+        out.append(f"other files (not read): {', '.join(doc['unchecked'])}")
 
     out.append("")
     out.append(
@@ -273,4 +470,4 @@ def render(doc: dict[str, Any], *, pattern: str | None = None) -> str:
         out.append(f"  ... {matched - shown} more (--limit 0 lists all)")
     elif not matched and pattern:
         out.append(f"  no tensor name matches {pattern!r}")
-    return "\n".join(out)
+    return out

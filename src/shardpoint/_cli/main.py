@@ -13,19 +13,28 @@ Modules are imported only when their subcommand runs (``--help`` imports them al
 Exit codes: 0 success; 1 the checkpoint is damaged (``verify``); 2 usage errors and errors
 that stop a command before it can judge the checkpoint (path not found, unreadable input).
 Errors are printed as one line, ``shardpoint: error: <message>``, never as a traceback.
+With ``--json`` (``inspect``, ``verify``, ``diff``) a failure also prints one JSON object on
+stdout, ``{"error": <exception class name>, "message": <text>, "path": <the path it is
+about, or null>}``, with the same exit code; usage errors too (``"error": "UsageError"``).
+
+Everything printed for people goes through :mod:`shardpoint._cli.output`, which escapes
+control and format characters coming from the checkpoint (see there).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Any, NoReturn
 
 from .. import __version__
 from ..errors import CheckpointError
+from . import output
 
 SUBCOMMANDS: dict[str, str] = {
     "inspect": "shardpoint._cli.inspect",
@@ -41,16 +50,52 @@ EXIT_DAMAGED = 1
 EXIT_USAGE = 2
 
 
-def error(message: object) -> None:
-    """Print ``shardpoint: error: <message>`` as one line on stderr."""
-    text = " ".join(str(message).split("\n"))
-    print(f"shardpoint: error: {text}", file=sys.stderr)
+error = output.error
+"""Print ``shardpoint: error: <message>`` as one escaped line on stderr."""
+
+
+class UsageError(Exception):
+    """A command line argparse refused: its message, the usage and the (sub)command's name."""
+
+    def __init__(self, message: str, usage: str, prog: str) -> None:
+        super().__init__(message)
+        self.usage = usage
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its messages escaped, and usage errors raised instead of printed."""
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if message:
+            stream = file if file is not None else sys.stdout
+            stream.write("\n".join(output.printable(line) for line in message.split("\n")))
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message, self.format_usage(), self.prog)
+
+
+def json_error(exc: BaseException, path: str | None) -> dict[str, object]:
+    """The ``--json`` object of a failure (see the module docstring)."""
+    message = str(exc)
+    if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
+        if exc.filename and exc.strerror:
+            message = f"{exc.filename}: {exc.strerror}"
+        path = os.fspath(exc.filename) if exc.filename else path
+    return {"error": type(exc).__name__, "message": message, "path": path}
+
+
+def _error_path(args: argparse.Namespace, message: str) -> str | None:
+    """The path argument a failure is about: the command's only one, or the one it names."""
+    paths = [p for p in (getattr(args, name, None) for name in ("path", "a", "b", "src")) if p]
+    if len(paths) == 1:
+        return str(paths[0])
+    named = [str(p) for p in paths if str(p) in message]
+    return max(named, key=len) if named else None
 
 
 def storage_options_arg(text: str) -> dict[str, object]:
     """``--storage-options '{"key": ..., "client_kwargs": {"endpoint_url": ...}}'`` (JSON)."""
-    import json
-
     try:
         value = json.loads(text)
     except ValueError as exc:
@@ -71,13 +116,32 @@ def add_storage_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_cache_dir(parser: argparse.ArgumentParser) -> None:
+    """``--cache-dir DIR``: the Hugging Face cache that ``hf://`` paths are looked up in."""
+    parser.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="Hugging Face cache holding hf://org/name[@revision] paths (default: HF_HUB_CACHE, "
+        "else $HF_HOME/hub); they are read from the cache only, never downloaded",
+    )
+
+
+def hub_storage_options(
+    path: str, storage_options: dict[str, object] | None, cache_dir: str | None
+) -> dict[str, object] | None:
+    """``storage_options`` with ``cache_dir`` added for an ``hf://`` path (else unchanged)."""
+    if cache_dir is None or not path.startswith("hf://"):
+        return storage_options
+    return {**(storage_options or {}), "cache_dir": cache_dir}
+
+
 def _command_module(name: str) -> ModuleType:
     return importlib.import_module(SUBCOMMANDS[name])
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every registered subcommand."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="shardpoint",
         description="Inspect and verify sharded safetensors checkpoints (shardpoint or Hugging Face).",
     )
@@ -100,32 +164,52 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``shardpoint`` command; return its exit code (see the module docstring).
 
-    >>> main(["--version"])  # doctest: +SKIP
-    shardpoint 0.1.0
+    >>> main(["--version"])  # doctest: +ELLIPSIS
+    shardpoint ...
     0
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    wants_json = "--json" in argv
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help, --version, usage errors: argparse already printed
+    except UsageError as exc:
+        if wants_json:
+            print(json.dumps({"error": "UsageError", "message": str(exc), "path": None}, indent=2))
+        output.emit(exc.usage.rstrip("\n").split("\n"), sys.stderr)
+        output.emit([f"{exc.prog}: error: {exc}"], sys.stderr)
+        return EXIT_USAGE
+    except SystemExit as exc:  # --help, --version: argparse already printed
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    stdout = sys.stdout
+    sys.stdout = output.GuardedStream(stdout)
     try:
         code: int = args._run(args)
         sys.stdout.flush()
         return code
     except BrokenPipeError:  # `shardpoint inspect ... | head`: the reader left; not an error
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        os.dup2(devnull, stdout.fileno())
         return EXIT_OK
-    except CheckpointError as exc:
-        error(exc)
-        return EXIT_USAGE
-    except OSError as exc:
-        error(f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else exc)
-        return EXIT_USAGE
+    except (CheckpointError, OSError) as exc:
+        return fail(args, exc, EXIT_USAGE)
     except KeyboardInterrupt:
         print("shardpoint: interrupted", file=sys.stderr)
         return 130
+    finally:
+        sys.stdout = stdout
+
+
+def fail(args: argparse.Namespace, exc: BaseException, code: int) -> int:
+    """Report a failure that stopped a command: one line on stderr, and with ``--json`` the
+    JSON object on stdout (see the module docstring); return ``code``."""
+    doc = json_error(exc, None)
+    if doc["path"] is None:
+        doc["path"] = _error_path(args, str(doc["message"]))
+    if getattr(args, "json", False):
+        print(json.dumps(doc, indent=2))
+    error(doc["message"])
+    return code
 
 
 if __name__ == "__main__":

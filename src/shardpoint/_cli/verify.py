@@ -4,27 +4,51 @@ Checks that the manifest (or HF index) parses; every data file it lists exists w
 recorded size and a valid safetensors header; every tensor sits in its file with the
 recorded dtype and shape; and, unless --quick, that the crc32c of every stored tensor
 matches the one recorded at save time (read in bounded buffers, never a whole file).
-Problems are collected for every file, not only the first. Files the checkpoint does not
-account for are reported as warnings. Foreign Hugging Face checkpoints record no crc32c:
-only their structure is verified, and the output says so.
+Problems are collected for every file, not only the first. Foreign Hugging Face
+safetensors checkpoints record no crc32c: only their structure is verified, and the
+output says so.
 
-Exit status: 0 whole, 1 damaged (every problem is listed), 2 usage error or no checkpoint
-at the path.
+Hugging Face .bin weights (pytorch_model.bin, or shards with pytorch_model.bin.index.json)
+and single .bin/.pt files are checked as sp.load reads them: the CRC-32 of every record of
+their zip archive (torch.save writes one), then the tensors' structure through
+torch.load(weights_only=True), memory-mapped; never a full unpickle.
 
-The --json object has the keys: path, format ("shardpoint", "hf-index", "hf-file"), ok,
-problems [str], warnings [str], files_checked, tensors_checked, bytes_checked (bytes
-compared against crc32c), checksums (true when stored bytes were checked against crc32c).
+Files that are not checkpoint data (config.json, tokenizer files, README.md,
+training_args.bin, optimizer.pt, ...) are listed as not checked. A file that looks like
+data of the checkpoint but that it does not reference (a model-00003-of-00003.safetensors
+missing from the index) is a warning.
+
+Exit status: 0 whole, 1 damaged (every problem is listed), 2 usage error, no checkpoint
+at the path, or a .bin/.pt file that cannot be read without a full unpickle (refused). With --json a failure prints {"error", "message", "path"} instead.
+
+The --json object has the keys: path, format ("shardpoint", "hf-index", "hf-file",
+"hf-bin", "torch-save"), ok, problems [str], warnings [str], notes [str], unchecked [file
+name], files_checked, tensors_checked, bytes_checked (bytes compared against a crc32c or
+CRC-32), checksums (true when stored bytes were checked against their checksums).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 
+from .._format.companions import role
 from .._sizes import human_size
 from .._verify import VerifyReport, verify_checkpoint
-from ..errors import CheckpointError, CheckpointNotFoundError
-from .main import EXIT_DAMAGED, EXIT_OK, add_storage_options, error
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    UnsafePickleError,
+    UnsupportedFormatError,
+)
+from .main import (
+    EXIT_DAMAGED,
+    EXIT_OK,
+    add_cache_dir,
+    add_storage_options,
+    fail,
+    hub_storage_options,
+)
+from .output import emit, emit_json
 
 HELP = "check that a checkpoint is whole: files, sizes, headers and crc32c of every tensor"
 
@@ -33,27 +57,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "path",
         help="checkpoint directory (shardpoint or Hugging Face) or .safetensors file, or an "
-        "fsspec URL of either (s3://bucket/run/step-100)",
+        "fsspec URL of either (s3://bucket/run/step-100), or hf://org/name[@revision]: a "
+        "repository in the local Hugging Face cache",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object (keys above)")
     parser.add_argument("--quick", action="store_true", help="check structure only; skip crc32c")
     add_storage_options(parser)
+    add_cache_dir(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        report = verify_checkpoint(
-            args.path, checksums=not args.quick, storage_options=args.storage_options
-        )
-    except CheckpointNotFoundError:
-        raise  # exit 2: nothing to verify at that path
+        options = hub_storage_options(args.path, args.storage_options, args.cache_dir)
+        report = verify_checkpoint(args.path, checksums=not args.quick, storage_options=options)
+    except (CheckpointNotFoundError, UnsafePickleError, UnsupportedFormatError):
+        raise  # exit 2: nothing to verify at that path, or a pickle it will not unpickle
     except CheckpointError as exc:
-        error(exc)
-        return EXIT_DAMAGED
+        return fail(args, exc, EXIT_DAMAGED)
     if args.json:
-        print(json.dumps(to_json(report), indent=2))
+        emit_json(to_json(report))
     else:
-        print(render(report, quick=args.quick))
+        emit(render(report, quick=args.quick))
     return EXIT_OK if report.ok else EXIT_DAMAGED
 
 
@@ -64,6 +88,8 @@ def to_json(report: VerifyReport) -> dict[str, object]:
         "ok": report.ok,
         "problems": report.problems,
         "warnings": report.warnings,
+        "notes": report.notes,
+        "unchecked": report.unchecked,
         "files_checked": report.files_checked,
         "tensors_checked": report.tensors_checked,
         "bytes_checked": report.bytes_checked,
@@ -75,21 +101,48 @@ def _plural(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-def render(report: VerifyReport, *, quick: bool) -> str:
+_PICKLED = ("hf-bin", "torch-save")
+
+
+def render(report: VerifyReport, *, quick: bool) -> list[str]:
+    """The human report, one item per line (``emit`` escapes them)."""
     lines = [
         f"{report.path}: {report.kind} checkpoint, {_plural(report.files_checked, 'data file')}"
     ]
-    if report.kind != "shardpoint":
+    if report.kind in _PICKLED:
+        lines[0] += " (torch.save files)"
+    elif report.kind != "shardpoint":
         lines[0] += " (foreign: no crc32c recorded, structure checked only)"
+    lines += [f"note: {n}" for n in report.notes]
     lines += [f"warning: {w}" for w in report.warnings]
     lines += [f"problem: {p}" for p in report.problems]
+    if report.unchecked:
+        names = [
+            f"{n} (weights in another format; load does not read it)"
+            if role(n, "pickle" if report.kind in _PICKLED else "safetensors") == "other-weights"
+            else n
+            for n in report.unchecked
+        ]
+        lines.append(f"not checked (not checkpoint data): {', '.join(names)}")
     if not report.ok:
         lines.append(
             f"FAILED: {_plural(len(report.problems), 'problem')}; the checkpoint is not whole"
         )
-        return "\n".join(lines)
+        return lines
     checked = f"{_plural(report.files_checked, 'file')}, {_plural(report.tensors_checked, 'stored tensor')}"
-    if report.kind != "shardpoint":
+    if report.kind in _PICKLED:
+        if quick:
+            lines.append(f"OK: structure is whole ({checked}); CRC-32 skipped (--quick)")
+        elif not report.checksums:
+            lines.append(
+                f"OK: structure is whole ({checked}); some files have no CRC-32 (see warnings)"
+            )
+        else:
+            lines.append(
+                f"OK: whole ({checked}); the zip archives' CRC-32 matched for "
+                f"{human_size(report.bytes_checked)}"
+            )
+    elif report.kind != "shardpoint":
         lines.append(f"OK: structure is whole ({checked}); stored bytes not checked (no crc32c)")
     elif quick:
         lines.append(f"OK: structure is whole ({checked}); crc32c skipped (--quick)")
@@ -101,4 +154,4 @@ def render(report: VerifyReport, *, quick: bool) -> str:
         lines.append(
             f"OK: whole ({checked}); crc32c matched for {human_size(report.bytes_checked)}"
         )
-    return "\n".join(lines)
+    return lines

@@ -409,7 +409,7 @@ def _hf_records(
     indexes = {}
     for comp in prepared.components:
         tensors = {}
-        total = 0
+        total = elements = 0
         for name, plan in order.get(comp.name, {}).items():
             nbytes = math.prod(plan.global_shape) * NAME_TO_DTYPE[plan.dtype].itemsize
             crc = combine_runs(runs.get((comp.name, name), []), nbytes, where=f"{comp.name}/{name}")
@@ -417,8 +417,11 @@ def _hf_records(
             shape = plan.global_shape
             tensors[name] = TensorRecord(plan.dtype, shape, (ChunkRef(fname, name, (0,) * len(shape), shape, crc),))
             total += nbytes
+            elements += math.prod(plan.global_shape)
         records[comp.name] = ComponentRecord(comp.tree, tensors, dict(comp.aliases))
         if len(set(weight_maps.get(comp.name, {}).values())) > 1:
-            indexes[index_name(comp.name)] = render_index(weight_maps[comp.name], total)
+            indexes[index_name(comp.name)] = render_index(
+                weight_maps[comp.name], total, elements if comp.parameters is None else comp.parameters
+            )
     files = {fname: size for fname, (_, size) in headers.items()}
     return records, files, indexes

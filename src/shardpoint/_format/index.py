@@ -22,10 +22,30 @@ def index_name(component: str) -> str:
     return f"{component}.safetensors.index.json"
 
 
-def render_index(weight_map: dict[str, str], total_size: int) -> bytes:
-    """The index as ``transformers`` writes it (``total_size`` = stored tensor bytes)."""
-    doc = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-    return json.dumps(doc, indent=2).encode("utf-8") + b"\n"
+def render_index(weight_map: dict[str, str], total_size: int, total_parameters: int) -> bytes:
+    """The index byte for byte as ``transformers`` 5's ``save_pretrained`` writes it: keys
+    sorted at every level, two-space indent, ASCII escapes, a final newline.
+
+    ``total_size`` is the bytes of tensor data stored; ``total_parameters`` the parameter
+    count (``model.num_parameters()`` in ``transformers``).
+
+    >>> print(render_index({"b": "m-2", "a": "m-1"}, 8, 2).decode(), end="")
+    {
+      "metadata": {
+        "total_parameters": 2,
+        "total_size": 8
+      },
+      "weight_map": {
+        "a": "m-1",
+        "b": "m-2"
+      }
+    }
+    """
+    doc = {
+        "metadata": {"total_parameters": total_parameters, "total_size": total_size},
+        "weight_map": weight_map,
+    }
+    return json.dumps(doc, indent=2, sort_keys=True).encode("utf-8") + b"\n"
 
 
 def parse_index(raw: bytes, *, where: str) -> HFIndex:

@@ -79,7 +79,7 @@ def plan_file(specs: Sequence[TensorSpec], metadata: dict[str, str]) -> FileLayo
 
     >>> layout = plan_file([TensorSpec("w", "F32", (2,), 8)], {"format": "pt"})
     >>> layout.size, layout.ranges["w"][1] - layout.ranges["w"][0]
-    (96, 8)
+    (104, 8)
     """
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
     offset = 0

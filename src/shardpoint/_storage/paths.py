@@ -15,9 +15,10 @@ files all go through :func:`member_path`.
 from __future__ import annotations
 
 import os
+import stat
 
 from .._format.names import check_file_name
-from ..errors import UnsafePathError
+from ..errors import CorruptCheckpointError, UnsafePathError
 
 _CACHE_REPO_PREFIXES = ("models--", "datasets--", "spaces--")
 
@@ -26,21 +27,23 @@ def cache_blobs_dir(real_directory: str) -> str | None:
     """The ``blobs`` folder of the cached repository holding this snapshot directory.
 
     ``real_directory`` is already resolved (``os.path.realpath``). Returns None unless it is
-    ``<repo>/snapshots/<revision>`` with ``<repo>`` named ``models--…`` (or ``datasets--…``,
-    ``spaces--…``), as ``huggingface_hub`` lays out its cache.
+    ``<repo>/snapshots/<revision>`` or a folder below it (``…/<revision>/subfolder``), with
+    ``<repo>`` named ``models--…``, ``datasets--…`` or ``spaces--…``, as ``huggingface_hub``
+    lays out its cache.
 
     >>> cache_blobs_dir("/home/u/.cache/huggingface/hub/models--gpt2/snapshots/abc123")
     '/home/u/.cache/huggingface/hub/models--gpt2/blobs'
+    >>> cache_blobs_dir("/hub/datasets--org--data/snapshots/abc123/part/a")
+    '/hub/datasets--org--data/blobs'
     >>> cache_blobs_dir("/data/ckpt/step-100") is None
     True
     """
-    snapshots, revision = os.path.split(real_directory)
-    repo, middle = os.path.split(snapshots)
-    if middle != "snapshots" or not revision:
-        return None
-    if not os.path.basename(repo).startswith(_CACHE_REPO_PREFIXES):
-        return None
-    return os.path.join(repo, "blobs")
+    parts = real_directory.split(os.sep)
+    # The innermost "snapshots" with a revision below it and a cached repository above it.
+    for i in range(len(parts) - 2, 0, -1):
+        if parts[i] == "snapshots" and parts[i + 1] and parts[i - 1].startswith(_CACHE_REPO_PREFIXES):
+            return os.path.join(os.sep.join(parts[:i]) or os.sep, "blobs")
+    return None
 
 
 def member_path(directory: str, name: str, *, where: str) -> str:
@@ -54,10 +57,13 @@ def member_path(directory: str, name: str, *, where: str) -> str:
     Returns:
         ``os.path.join(directory, name)``, once the name and its symlink target are
         known to stay inside the directory (or inside the cached repository's ``blobs``).
+        The directory itself may be reached through links (a symlinked ``HF_HOME``), and
+        the ``blobs`` folder may be a link to another disk: both are compared resolved.
 
     Raises:
         UnsafePathError: the name is not a plain basename, or it is a symlink whose
-            target leaves the directory (and is not a blob of the same cached repository).
+            target leaves the directory (and is not a blob of the same cached repository;
+            a blob that is itself a link to elsewhere is refused too).
     """
     check_file_name(name, where=where)
     path = os.path.join(directory, name)
@@ -67,10 +73,47 @@ def member_path(directory: str, name: str, *, where: str) -> str:
     if parent == real_dir:
         return path
     blobs = cache_blobs_dir(real_dir)
-    if blobs is not None and parent == blobs:
+    if blobs is not None and parent in (blobs, os.path.realpath(blobs)):
         return path
     raise UnsafePathError(
         f"{where}: {name!r} is a symlink that leaves the checkpoint directory (to {real}); "
         "refusing to read it. Only links inside the directory, or into the same Hugging Face "
         "cache repository's blobs/, are followed; copy the file into the directory instead"
     )
+
+
+def open_regular(path: str, *, where: str) -> int:
+    """Open ``path`` read-only, refusing anything but a regular file once links are followed.
+
+    FIFOs, sockets, devices (``/dev/zero``) and directories are refused with
+    :class:`~shardpoint.errors.CorruptCheckpointError`; the open never blocks (a FIFO with no
+    writer would wait forever without ``O_NONBLOCK``).
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptCheckpointError(
+            f"{where} is not a regular file (a FIFO, device, socket or directory); "
+            "the checkpoint is damaged or forged"
+        )
+    return fd
+
+
+def read_small_file(path: str, *, where: str, limit: int) -> bytes:
+    """The bytes of a small control file (JSON, ``latest``), at most ``limit`` of them.
+
+    Checked with :func:`open_regular` first; a file larger than ``limit`` is refused before
+    anything is read, so a huge or sparse file costs no memory.
+    """
+    fd = open_regular(path, where=where)
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise CorruptCheckpointError(
+                f"{where} is {size} bytes, over the {limit}-byte limit for this kind of file; "
+                "refusing to read it (the file is damaged or forged)"
+            )
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise CorruptCheckpointError(f"{where} grew past the {limit}-byte limit while being read")
+    return data

@@ -5,9 +5,11 @@
 >>> model = sp.integrations.transformers.from_pretrained(AutoModelForCausalLM, "out/llama")  # doctest: +SKIP
 
 ``save_pretrained`` writes what ``transformers``' own ``save_pretrained`` writes for a
-model's weights (``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` plus the
-index, tied weights stored once, ``"format": "pt"``), ``config.json`` and, for models that
-generate, ``generation_config.json``, all in one atomic commit: the directory appears at
+model's weights: the same ``model.safetensors`` or ``model-0000i-of-0000n.safetensors``
+files holding the same tensors (the tied names ``transformers`` keeps, ``"format": "pt"``)
+and the same index byte for byte (``total_parameters``, ``total_size``, sorted keys);
+``config.json`` and, for models that generate, ``generation_config.json``; all in one
+atomic commit: the directory appears at
 ``path`` only when every file is on disk, next to shardpoint's manifest (so ``shardpoint
 verify`` checks every byte, and ``sp.load_into`` reads it). Adapters (PEFT), quantized
 models and remote code are not handled: use ``transformers``' ``save_pretrained`` for those.
@@ -16,12 +18,13 @@ models and remote code are not handled: use ``transformers``' ``save_pretrained`
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 from typing import Any
 
 import torch
 
-from .._prepare import prepare_state
+from .._prepare import prepare_state, storage_key
 from .._sizes import parse_size
 from .._write import SaveInfo, json_metadata, write_checkpoint
 from ..errors import CheckpointError, InvalidStateError
@@ -30,33 +33,52 @@ __all__ = ["from_pretrained", "save_pretrained"]
 
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
+TRANSFORMERS_SHARD_SIZE = "50GB"
+"""``transformers`` 5's default ``max_shard_size``, where the model's own cannot be read."""
 _SAVE_KWARGS = ("durable", "metadata", "overwrite", "progress")
 
 
-def _weights_to_save(model: Any) -> dict[str, torch.Tensor]:
-    """The model's state dict as ``transformers`` would store it.
+def _weights_to_save(model: Any) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """The model's state dict as ``transformers``' ``save_pretrained`` stores it, plus the
+    names it keeps.
 
-    Keys listed in ``_keys_to_ignore_on_save`` are dropped; the names ``transformers``
-    keeps among tied weights come first, so shardpoint stores those and records the others
-    as aliases (absent from the files and the index, as in ``transformers``' output); weight
-    conversions applied at load time (``transformers`` 5) are reverted when there are any.
+    As there: keys listed in ``_keys_to_ignore_on_save`` are dropped; of tied weights the
+    name ``remove_tied_weights_from_state_dict`` keeps is stored (views that share a
+    storage without overlapping become copies of their own); weight conversions applied
+    at load time (``transformers`` 5) are reverted. Unlike there, the dropped names of
+    ties follow as aliases of the kept one (absent from the files and the index, as in
+    ``transformers``' output; recorded in shardpoint's manifest, so ``sp.load`` returns
+    them). A dropped name whose twin a conversion changed is left out, as there.
     """
     state = dict(model.state_dict())
     for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
         state.pop(key, None)
     try:
         from transformers.modeling_utils import remove_tied_weights_from_state_dict
-    except ImportError:  # pragma: no cover - older transformers: the first name of a tie is kept
-        kept: dict[str, Any] = state
-    else:
-        kept = remove_tied_weights_from_state_dict(dict(state), model)
-    ordered = {k: v for k, v in state.items() if k in kept}
-    ordered.update((k, v) for k, v in state.items() if k not in kept)
+    except ImportError:  # pragma: no cover - older transformers: shardpoint's own tie rule
+        return state, set()
+    kept = remove_tied_weights_from_state_dict(dict(state), model)
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # pragma: no cover - transformers 4 converts no weights
-        return ordered
-    return dict(revert_weight_conversion(model, ordered))
+        converted = dict(kept)
+    else:
+        converted = dict(revert_weight_conversion(model, kept))
+    stored = {storage_key(t) for t in converted.values()} - {None}
+    out = dict(converted)
+    for name, tensor in state.items():
+        if name not in kept and name not in out and storage_key(tensor) in stored:
+            out[name] = tensor
+    return out, set(converted)
+
+
+def _default_shard_size(model: Any) -> int | str:
+    """The ``max_shard_size`` default of the model's own ``save_pretrained``."""
+    try:
+        default = inspect.signature(type(model).save_pretrained).parameters["max_shard_size"].default
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return TRANSFORMERS_SHARD_SIZE
+    return default if isinstance(default, (int, str)) and not isinstance(default, bool) else TRANSFORMERS_SHARD_SIZE
 
 
 def _config_files(model: Any) -> dict[str, bytes]:
@@ -78,7 +100,7 @@ def save_pretrained(
     model: Any,
     path: str | os.PathLike[str],
     *,
-    max_shard_size: int | str = "5GB",
+    max_shard_size: int | str | None = None,
     **save_kwargs: Any,
 ) -> SaveInfo:
     """Save a ``transformers`` model as a directory ``from_pretrained`` loads, atomically.
@@ -86,7 +108,9 @@ def save_pretrained(
     Args:
         model: a ``PreTrainedModel``.
         path: the directory to create.
-        max_shard_size: largest weight file, e.g. ``"5GB"`` (10^9 bytes) or ``"5GiB"``.
+        max_shard_size: largest weight file, e.g. ``"5GB"`` (10^9 bytes) or ``"5GiB"``;
+            default: the installed ``transformers``' own default (``"50GB"`` in
+            ``transformers`` 5), so both write the same files.
         **save_kwargs: ``overwrite``, ``metadata``, ``durable``, ``progress``, as for
             :func:`shardpoint.save`.
 
@@ -99,10 +123,15 @@ def save_pretrained(
             meta device.
 
     Example:
-        >>> from transformers import LlamaConfig, LlamaForCausalLM  # doctest: +SKIP
-        >>> model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2))  # doctest: +SKIP
-        >>> save_pretrained(model, "out/llama", max_shard_size="2GB")  # doctest: +SKIP
-        >>> LlamaForCausalLM.from_pretrained("out/llama")  # doctest: +SKIP
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        ...                      num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
+        >>> model = LlamaForCausalLM(config)
+        >>> info = save_pretrained(model, "out/llama", max_shard_size="2GB")
+        >>> sorted(info.files)
+        ['model.safetensors']
+        >>> type(LlamaForCausalLM.from_pretrained("out/llama")).__name__
+        'LlamaForCausalLM'
     """
     unknown = sorted(set(save_kwargs) - set(_SAVE_KWARGS))
     if unknown:
@@ -115,9 +144,13 @@ def save_pretrained(
             f"save_pretrained() takes a transformers PreTrainedModel, not {type(model).__name__}; "
             "save other modules with sp.save(module.state_dict(), path)"
         )
-    max_bytes = parse_size(max_shard_size)
+    max_bytes = parse_size(_default_shard_size(model) if max_shard_size is None else max_shard_size)
     metadata = json_metadata(save_kwargs.get("metadata"))
-    prepared = prepare_state(_weights_to_save(model))
+    weights, kept = _weights_to_save(model)
+    prepared = prepare_state(weights, keep=kept)
+    num_parameters = getattr(model, "num_parameters", None)
+    if callable(num_parameters):
+        prepared.components[0].parameters = int(num_parameters())
     return write_checkpoint(
         prepared,
         path,
@@ -137,7 +170,12 @@ def from_pretrained(cls_or_auto: Any, path: str | os.PathLike[str], **kwargs: An
     directory, so ``LlamaForCausalLM``, ``AutoModelForCausalLM`` & co. load it as-is.
 
     Example:
-        >>> from transformers import AutoModelForCausalLM  # doctest: +SKIP
-        >>> model = from_pretrained(AutoModelForCausalLM, "out/llama")  # doctest: +SKIP
+        >>> from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+        >>> config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        ...                      num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
+        >>> _ = save_pretrained(LlamaForCausalLM(config), "out/tiny-llama")
+        >>> model = from_pretrained(AutoModelForCausalLM, "out/tiny-llama")
+        >>> model.config.num_hidden_layers
+        2
     """
     return cls_or_auto.from_pretrained(os.fspath(path), **kwargs)

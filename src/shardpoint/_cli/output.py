@@ -1,0 +1,68 @@
+"""Everything the ``shardpoint`` command prints goes through here, escaped.
+
+Tensor names, file names, manifest strings and error messages quoting them come from the
+checkpoint, i.e. from whoever wrote it. Printed raw, ``"\\x1b]0;pwned\\x07"`` retitles the
+terminal, ``"\\x1b[2J"`` clears it, ``"ok\\rFAKE"`` overwrites a line and ``"\\u202e"``
+reverses the text after it. So human output is written one line at a time through
+:func:`emit`, and every line is passed through :func:`printable`: each C0 control
+character (newline and tab included: a line we print never holds one), DEL, each C1
+control, each Unicode format character (bidi overrides and isolates, zero-width
+characters, ...), line and paragraph separators and lone surrogates is replaced by its
+Python escape (``\\x1b``, ``\\u202e``, ``\\n``). Other characters (accents, CJK, emoji) are kept.
+A backslash is not escaped, so the text stays readable; ``--json`` output is the exact
+value (``json.dumps`` escapes every non-ASCII character).
+
+While a subcommand runs, ``main`` also puts a guard around ``sys.stdout`` that escapes the
+same characters in anything printed directly (except the newline ending a line), so a
+command that forgets :func:`emit` still cannot send an escape sequence to the terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable
+from typing import IO, Any
+
+from .._printable import has_control, needs_escape, printable
+
+__all__ = ["GuardedStream", "emit", "emit_json", "error", "has_control", "needs_escape", "note", "printable"]
+
+def emit(lines: Iterable[str], stream: IO[str] | None = None) -> None:
+    """Print human output, one escaped line per item (an item never spans two lines)."""
+    out = stream if stream is not None else sys.stdout
+    out.write("".join(printable(line) + "\n" for line in lines))
+
+
+def emit_json(doc: Any) -> None:
+    """Print ``doc`` as indented JSON (exact: ``json.dumps`` escapes what needs it)."""
+    print(json.dumps(doc, indent=2))
+
+
+def error(message: object) -> None:
+    """Print ``shardpoint: error: <message>`` as one escaped line on stderr."""
+    text = " ".join(str(message).split("\n"))
+    print(f"shardpoint: error: {printable(text)}", file=sys.stderr)
+
+
+def note(message: object) -> None:
+    """Print ``shardpoint: note: <message>`` as one escaped line on stderr."""
+    text = " ".join(str(message).split("\n"))
+    print(f"shardpoint: note: {printable(text)}", file=sys.stderr)
+
+
+class GuardedStream:
+    """A text stream that escapes what :func:`printable` escapes, keeping newlines.
+
+    Installed over ``sys.stdout`` while a subcommand runs (see the module docstring).
+    """
+
+    def __init__(self, inner: IO[str]) -> None:
+        self.inner = inner
+
+    def write(self, text: str) -> int:
+        self.inner.write("\n".join(printable(part) for part in text.split("\n")))
+        return len(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)

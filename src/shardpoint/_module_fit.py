@@ -1,0 +1,265 @@
+"""How a checkpoint fits a module beyond matching names one to one.
+
+Three things ``from_pretrained`` does that ``load_into`` does the same way:
+
+* **Key prefixes.** A base model's checkpoint (``norm.weight``) loads into a model with a
+  head (``model.norm.weight``) and the other way round: :func:`match_prefix` finds the
+  prefix (the module's ``base_model_prefix``, or a leading component many keys share)
+  that makes more keys match than the names as they are.
+* **fp32-kept modules.** With ``dtype=torch.float16`` the keys matching a ``transformers``
+  model's ``_keep_in_fp32_modules`` stay float32 (and, for float16 or bfloat16, those of
+  ``_keep_in_fp32_modules_strict``): :func:`keep_fp32_pattern`.
+* **Non-persistent buffers.** They are in no state dict, so a module built on ``meta``
+  gets them from nowhere: :func:`rebuild_buffers` recomputes them through the model's own
+  initialization (``_init_weights`` of the nearest ancestor that has one, as
+  ``from_pretrained`` does after its own meta-device load) and proves every element was
+  written; a module with no such initializer, by running its constructor again where
+  every argument is one of its attributes (:func:`rebuild_by_constructor`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import re
+import sys
+from collections import Counter
+from collections.abc import Callable, Collection, Iterator, Mapping
+from typing import Any
+
+import torch
+
+
+def match_prefix(
+    target_keys: Collection[str], saved_keys: Collection[str], base_prefix: str | None = None
+) -> tuple[str, str] | None:
+    """The ``(saved prefix, target prefix)`` rename that matches the most keys, if it
+    matches more than the names as they are; else None.
+
+    Candidates are ``base_prefix`` and, on each side, the three leading components most
+    keys have; the rename must match strictly more keys than no rename. A saved key that matches as it is keeps its name
+    (see :func:`rename_keys`).
+
+    Example:
+        >>> match_prefix(["model.norm.weight", "lm_head.weight"], ["norm.weight"], "model")
+        ('', 'model.')
+        >>> match_prefix(["norm.weight"], ["model.norm.weight", "lm_head.weight"])
+        ('model.', '')
+        >>> match_prefix(["a.w"], ["a.w"]) is None
+        True
+    """
+    targets = set(target_keys)
+    saved = list(saved_keys)
+    candidates: set[str] = set()
+    if base_prefix:
+        candidates.add(base_prefix.rstrip(".") + ".")
+    for keys in (targets, saved):
+        heads = Counter(k.split(".", 1)[0] for k in keys if "." in k)
+        candidates.update(head + "." for head, _count in heads.most_common(3))
+    best = sum(1 for k in saved if k in targets)
+    choice: tuple[str, str] | None = None
+    for prefix in sorted(candidates):
+        for rename in (("", prefix), (prefix, "")):
+            count = len(rename_keys(targets, saved, rename))
+            if count > best:
+                best, choice = count, rename
+    return choice
+
+
+def rename_keys(
+    target_keys: Collection[str], saved_keys: Collection[str], rename: tuple[str, str] | None
+) -> dict[str, str]:
+    """target key -> saved key for every saved key that matches a target key, as it is or
+    renamed by ``rename`` = (saved prefix, target prefix); a target key is taken once."""
+    targets = set(target_keys)
+    out: dict[str, str] = {k: k for k in saved_keys if k in targets}
+    if rename is None:
+        return out
+    old, new = rename
+    for key in saved_keys:
+        if key in targets or not key.startswith(old):
+            continue
+        renamed = new + key[len(old):]
+        if renamed in targets and renamed not in out:
+            out[renamed] = key
+    return out
+
+
+def keep_fp32_pattern(module: torch.nn.Module, dtype: torch.dtype | None) -> re.Pattern[str] | None:
+    """The keys ``from_pretrained(dtype=dtype)`` keeps in float32, as one pattern (searched
+    in each key, ``*`` as any text), or None.
+
+    ``_keep_in_fp32_modules`` applies to float16 only, ``_keep_in_fp32_modules_strict`` to
+    float16 and bfloat16, exactly as ``transformers`` reads them.
+    """
+    if dtype not in (torch.float16, torch.bfloat16):
+        return None
+    names: list[str] = []
+    attrs = ["_keep_in_fp32_modules_strict"] + (["_keep_in_fp32_modules"] if dtype == torch.float16 else [])
+    for attr in attrs:
+        value = getattr(module, attr, None)
+        if isinstance(value, (list, tuple, set, frozenset)):
+            names.extend(str(v) for v in value)
+    if not names:
+        return None
+    return re.compile("|".join(f"(?:{n.replace('*', '.*')})" for n in sorted(set(names))))
+
+
+def declared_ties(module: torch.nn.Module) -> dict[str, str]:
+    """Tied key -> source key as the module declares them (``transformers``'
+    ``all_tied_weights_keys``, which ``from_pretrained`` ties after loading); else empty."""
+    ties = getattr(module, "all_tied_weights_keys", None)
+    if not isinstance(ties, Mapping):
+        return {}
+    return {k: v for k, v in ties.items() if isinstance(k, str) and isinstance(v, str)}
+
+
+def non_persistent_buffers(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, str, torch.Tensor]]:
+    """(full name, owning module, name in the owner, buffer) of every non-persistent buffer,
+    each owner once."""
+    for path, owner in module.named_modules():
+        for name in sorted(owner._non_persistent_buffers_set):
+            buffer = owner._buffers.get(name)
+            if buffer is not None:
+                yield (f"{path}.{name}" if path else name), owner, name, buffer
+
+
+def _initializer(root: torch.nn.Module, owner_path: str) -> Callable[[torch.nn.Module], Any] | None:
+    """``_init_weights`` of the nearest module on the path from ``root`` to the owner that
+    has one (a ``transformers`` model, a composite model's sub-model), or None."""
+    chain = [root]
+    node = root
+    for part in owner_path.split(".") if owner_path else []:
+        node = getattr(node, part)
+        chain.append(node)
+    for module in reversed(chain):
+        init = getattr(module, "_init_weights", None)
+        if callable(init):
+            return init
+    return None
+
+
+def _init_guard() -> contextlib.AbstractContextManager[Any]:
+    """``transformers``' guard that makes ``torch.nn.init`` skip tensors marked as
+    initialized (only when ``transformers`` is already imported: a model of it is here)."""
+    init_module = sys.modules.get("transformers.initialization")
+    guard = getattr(init_module, "guard_torch_init_functions", None)
+    return guard() if callable(guard) else contextlib.nullcontext()
+
+
+def rebuild_buffers(
+    root: torch.nn.Module, owner_path: str, owner: torch.nn.Module, names: list[str]
+) -> dict[str, torch.Tensor]:
+    """Recompute the meta non-persistent buffers ``names`` of ``owner`` on the CPU, through
+    the model's own ``_init_weights(owner)``; the ones it rebuilt, by name.
+
+    Every other tensor of ``owner`` is marked ``_is_hf_initialized`` for the call (so the
+    initializer leaves loaded weights alone, as in ``from_pretrained``), and the call runs
+    twice, the buffers filled first with 0 then with 1: a buffer counts as rebuilt only if
+    both runs give the same values (every element written, deterministically). The owner
+    is left as it was; the caller assigns the values.
+    """
+    init = _initializer(root, owner_path)
+    if init is None:
+        return {}
+    originals: dict[str, torch.Tensor] = {}
+    for name in names:
+        buffer = owner._buffers[name]
+        assert buffer is not None
+        originals[name] = buffer
+    marked: list[torch.Tensor] = []
+    others = [*owner._parameters.values(), *(b for n, b in owner._buffers.items() if n not in originals)]
+    for tensor in others:
+        if tensor is not None and not getattr(tensor, "_is_hf_initialized", False):
+            tensor._is_hf_initialized = True  # type: ignore[attr-defined]
+            marked.append(tensor)
+    runs: list[dict[str, torch.Tensor]] = []
+    try:
+        for fill in (0, 1):
+            for name, meta in originals.items():
+                owner._buffers[name] = torch.full(meta.shape, fill, dtype=meta.dtype)
+            with torch.no_grad(), _init_guard():
+                init(owner)
+            runs.append({n: b for n in names if (b := owner._buffers[n]) is not None})
+    except Exception:  # an initializer that cannot run on this module rebuilds nothing
+        runs = []
+    finally:
+        for name, meta in originals.items():
+            owner._buffers[name] = meta
+        for tensor in marked:
+            del tensor._is_hf_initialized  # type: ignore[attr-defined]
+    if len(runs) != 2:
+        return {}
+    first, second = runs
+    return {
+        name: second[name]
+        for name, meta in originals.items()
+        if isinstance(first.get(name), torch.Tensor)
+        and isinstance(second.get(name), torch.Tensor)
+        and not first[name].is_meta
+        and first[name].shape == meta.shape
+        and first[name].dtype == second[name].dtype
+        and torch.equal(first[name], second[name])
+    }
+
+
+_PLACEMENT_ARGS = frozenset({"device", "dtype"})
+
+
+def rebuild_by_constructor(owner: torch.nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
+    """Recompute the meta non-persistent buffers ``names`` of ``owner`` by running its
+    class's constructor again on the CPU (parameters straight to ``meta``), with each
+    constructor argument taken from the owner's attribute of the same name; the ones it
+    rebuilt, by name.
+
+    Only where every argument (but ``device`` / ``dtype``, left to their defaults) is such
+    an attribute: a default cannot be trusted, since the owner may have been built with
+    another value. The constructor runs twice, and a buffer counts only if both runs give
+    it the same values, shape and dtype as the meta one, non-persistent.
+    """
+    from ._stateful import empty_model
+
+    cls = type(owner)
+    try:
+        signature = inspect.signature(cls.__init__)
+    except (TypeError, ValueError):
+        return {}
+    kwargs: dict[str, Any] = {}
+    for name, param in list(signature.parameters.items())[1:]:
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) or name in _PLACEMENT_ARGS:
+            continue
+        if param.kind == param.POSITIONAL_ONLY or name not in vars(owner):
+            return {}
+        kwargs[name] = vars(owner)[name]
+    runs = []
+    try:
+        for _ in range(2):
+            with torch.device("cpu"):
+                runs.append(empty_model(cls, **kwargs))
+    except Exception:  # a constructor that cannot run again rebuilds nothing
+        return {}
+    out = {}
+    for name in names:
+        meta = owner._buffers[name]
+        values = [run._buffers.get(name) for run in runs]
+        first, second = values
+        if (
+            meta is not None and first is not None and second is not None
+            and all(name in run._non_persistent_buffers_set for run in runs)
+            and not first.is_meta
+            and first.shape == second.shape == meta.shape
+            and first.dtype == second.dtype == meta.dtype
+            and torch.equal(first, second)
+        ):
+            out[name] = first
+    return out
+
+
+def module_tensors(module: torch.nn.Module) -> Mapping[str, torch.Tensor]:
+    """Every parameter and buffer of ``module`` by name (tied ones under each name)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        out[name] = param
+    for name, buffer in module.named_buffers(remove_duplicate=False):
+        out[name] = buffer
+    return out

@@ -1,0 +1,366 @@
+"""``load_into`` gives the model ``from_pretrained`` gives, on ten ``transformers`` families.
+
+Each family is built from a tiny config (no download), saved three ways (``sp.save`` of the
+state dict, ``shardpoint.integrations.transformers.save_pretrained``, ``model.save_pretrained``)
+and loaded into models built three empty ways (``sp.empty_model``, ``torch.device("meta")``,
+``accelerate.init_empty_weights``), in float32 and with ``dtype=torch.bfloat16``: the
+logits must equal ``from_pretrained(..., dtype=...)``'s exactly, and no tensor may be left
+on ``meta``. Also: base-model prefixes mapped in both directions, a load that matches no
+key refused, and a meta tensor nothing can rebuild reported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardpoint as sp
+
+transformers = pytest.importorskip("transformers")
+accelerate = pytest.importorskip("accelerate")
+
+from shardpoint.integrations.transformers import save_pretrained  # noqa: E402
+
+V = 64
+
+
+def _families() -> dict[str, tuple[Any, Any]]:
+    tf = transformers
+    small = {"vocab_size": V}
+    decoder = {**small, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+               "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64}
+    return {
+        "gpt2": (tf.GPT2LMHeadModel, tf.GPT2Config(**small, n_embd=32, n_layer=2, n_head=2, n_positions=64,
+                                                   bos_token_id=0, eos_token_id=0)),
+        "t5": (tf.T5ForConditionalGeneration, tf.T5Config(**small, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                          num_heads=2, decoder_start_token_id=0)),
+        "bert": (tf.BertForMaskedLM, tf.BertConfig(**small, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                                   intermediate_size=64, max_position_embeddings=64)),
+        "llama": (tf.LlamaForCausalLM, tf.LlamaConfig(**decoder)),
+        "llama-tied": (tf.LlamaForCausalLM, tf.LlamaConfig(**decoder, tie_word_embeddings=True)),
+        "mistral": (tf.MistralForCausalLM, tf.MistralConfig(**decoder)),
+        "qwen2": (tf.Qwen2ForCausalLM, tf.Qwen2Config(**decoder)),
+        "opt": (tf.OPTForCausalLM, tf.OPTConfig(**small, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                                num_attention_heads=2, max_position_embeddings=64,
+                                                word_embed_proj_dim=32)),
+        "bart": (tf.BartForConditionalGeneration, tf.BartConfig(**small, d_model=32, encoder_layers=1, decoder_layers=1,
+                                                                encoder_attention_heads=2, decoder_attention_heads=2,
+                                                                encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                                                max_position_embeddings=64)),
+        "resnet": (tf.ResNetForImageClassification, tf.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16],
+                                                                    depths=[1, 1], num_labels=3)),
+    }
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers() -> Iterator[None]:
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    yield
+
+
+def _inputs(name: str) -> dict[str, torch.Tensor]:
+    if name == "resnet":
+        return {"pixel_values": torch.linspace(-2, 2, 3 * 16 * 16).reshape(1, 3, 16, 16)}
+    ids = torch.tensor([[1, 7, 42, 3, 63, 0, 17, 9]])
+    if name in ("t5", "bart"):
+        return {"input_ids": ids, "decoder_input_ids": torch.tensor([[0, 5, 11, 2]])}
+    return {"input_ids": ids}
+
+
+def _logits(model: torch.nn.Module, name: str, dtype: torch.dtype) -> torch.Tensor:
+    inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in _inputs(name).items()}
+    with torch.no_grad():
+        return model(**inputs).logits
+
+
+def _trained(cls: Any, config: Any) -> torch.nn.Module:
+    """A model whose buffers differ from a fresh one's (BatchNorm statistics moved)."""
+    torch.manual_seed(0)
+    model = cls(config)
+    with torch.no_grad():
+        for key, value in model.state_dict().items():
+            if value.is_floating_point() and key.endswith(("running_mean", "running_var", "final_logits_bias")):
+                value.add_(torch.rand_like(value))
+    return model.eval()
+
+
+def _build_empty(how: str, cls: Any, config: Any) -> torch.nn.Module:
+    if how == "empty_model":
+        return sp.empty_model(cls, config)
+    if how == "meta_device":
+        with torch.device("meta"):
+            return cls(config)
+    with accelerate.init_empty_weights():
+        return cls(config)
+
+
+WRITERS: dict[str, Callable[[torch.nn.Module, Path], None]] = {
+    "sp.save": lambda m, d: sp.save(m.state_dict(), d),
+    "sp.save_pretrained": lambda m, d: save_pretrained(m, d),
+    "save_pretrained": lambda m, d: m.save_pretrained(d),
+}
+
+
+@pytest.mark.parametrize("family", list(_families()))
+def test_empty_model_loads_give_from_pretrained_logits(family: str, tmp_path: Path) -> None:
+    cls, config = _families()[family]
+    source = _trained(cls, config)
+    folders = {}
+    for writer, write in WRITERS.items():
+        folders[writer] = tmp_path / writer
+        write(source, folders[writer])
+    for dtype in (torch.float32, torch.bfloat16):
+        reference = cls.from_pretrained(folders["save_pretrained"], dtype=dtype).eval()
+        expected = _logits(reference, family, dtype)
+        ref_dtypes = {k: v.dtype for k, v in reference.state_dict().items()}
+        for how in ("empty_model", "meta_device", "init_empty_weights"):
+            for writer, folder in folders.items():
+                case = f"{family}: {how} + load_into({writer}, dtype={dtype})"
+                model = _build_empty(how, cls, config).eval()
+                result = sp.load_into(model, folder, dtype=dtype)
+                assert result.ok, (case, result)
+                assert result.meta_keys == [] and result.prefix_mapping == {}, case
+                left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+                assert left == [], (case, left)
+                assert {k: v.dtype for k, v in model.state_dict().items()} == ref_dtypes, case
+                got = _logits(model, family, dtype)
+                assert got.dtype == expected.dtype and torch.equal(got, expected), case
+
+
+# ------------------------------------------------------------------------ prefixes
+
+
+def _llama_config() -> Any:
+    return transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+
+
+def test_base_checkpoint_loads_into_head_model_with_prefix_reported(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    base = transformers.LlamaModel(_llama_config())
+    sp.save(base.state_dict(), tmp_path / "base")
+    head = sp.empty_model(transformers.LlamaForCausalLM, _llama_config())
+    with pytest.raises(sp.LoadMismatchError) as info:
+        sp.load_into(head, tmp_path / "base")
+    message = str(info.value)
+    assert "keys renamed to match: checkpoint '<name>' -> target 'model.<name>'" in message
+    assert "missing from the checkpoint: 'lm_head.weight'\n" in message
+    result = sp.load_into(head, tmp_path / "base", strict=False)
+    assert result.prefix_mapping == {"": ("", "model.")}
+    assert result.missing_keys == ["lm_head.weight"]
+    assert result.unexpected_keys == [] and result.mismatched_keys == []
+    assert result.meta_keys == ["lm_head.weight"]
+    assert not result.ok
+    assert "left on the meta device (the model cannot run): 'lm_head.weight'" in result.summary()
+    for key, value in base.state_dict().items():
+        assert torch.equal(head.state_dict()[f"model.{key}"], value), key
+
+
+def test_head_checkpoint_loads_into_base_model_with_prefix_reported(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    head = transformers.LlamaForCausalLM(_llama_config())
+    head.save_pretrained(tmp_path / "head")
+    base = transformers.LlamaModel(_llama_config())
+    result = sp.load_into(base, tmp_path / "head", strict=False)
+    assert result.prefix_mapping == {"": ("model.", "")}
+    assert result.unexpected_keys == ["lm_head.weight"]
+    assert result.missing_keys == [] and result.meta_keys == []
+    assert result.summary().splitlines() == [
+        "keys renamed to match: checkpoint 'model.<name>' -> target '<name>'",
+        "unexpected (in the checkpoint, not the target): 'lm_head.weight'",
+    ]
+    for key, value in base.state_dict().items():
+        assert torch.equal(value, head.state_dict()[f"model.{key}"]), key
+
+
+def test_prefix_of_a_plain_module_is_found_from_the_keys(tmp_path: Path) -> None:
+    """No base_model_prefix: a leading component of the keys is the candidate."""
+    torch.manual_seed(0)
+    inner = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    outer = torch.nn.ModuleDict({"backbone": torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)),
+                                 "head": torch.nn.Linear(2, 1)})
+    sp.save(inner.state_dict(), tmp_path / "inner")
+    result = sp.load_into(outer, tmp_path / "inner", strict=False)
+    assert result.prefix_mapping == {"": ("", "backbone.")}
+    assert result.missing_keys == ["head.weight", "head.bias"]
+    assert torch.equal(outer["backbone"][1].weight, inner[1].weight)
+
+
+def test_load_that_matches_no_key_raises_even_when_not_strict(tmp_path: Path) -> None:
+    sp.save({"encoder.w": torch.ones(2), "encoder.b": torch.zeros(2)}, tmp_path / "ck")
+    model = torch.nn.Linear(2, 2)
+    before = model.weight.detach().clone()
+    with pytest.raises(sp.LoadMismatchError) as info:
+        sp.load_into(model, tmp_path / "ck", strict=False)
+    assert isinstance(info.value, sp.CheckpointError) and isinstance(info.value, ValueError)
+    assert str(info.value).startswith(
+        f"loading {tmp_path / 'ck'}: not one of its 2 keys matches the 2 keys of the target"
+    )
+    assert "checkpoint keys: 'encoder.b', 'encoder.w'" in str(info.value)
+    assert "target keys: 'bias', 'weight'" in str(info.value)
+    assert "rename them" in str(info.value)
+    assert torch.equal(model.weight, before)
+    with pytest.raises(sp.LoadMismatchError, match="not one of its 2 keys matches the 1 keys of the target"):
+        sp.load_into({"other": torch.zeros(2)}, tmp_path / "ck", strict=False)
+
+
+# ------------------------------------------------------------------------ meta left
+
+
+class _Scaled(torch.nn.Module):
+    """A non-persistent buffer only its constructor knows how to build."""
+
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 2)
+        self.register_buffer("scale", torch.full((2,), factor), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scale
+
+
+def test_meta_buffer_that_cannot_be_rebuilt_is_reported_and_strict_raises(tmp_path: Path) -> None:
+    sp.save(_Scaled(3.0).state_dict(), tmp_path / "ck")
+    with torch.device("meta"):
+        model = _Scaled(3.0)
+    with pytest.raises(sp.LoadMismatchError) as info:
+        sp.load_into(model, tmp_path / "ck")
+    assert "left on the meta device (the model cannot run): 'scale'" in str(info.value)
+    assert "build the model with sp.empty_model" in str(info.value)
+    assert model.linear.weight.is_meta  # refused before anything was loaded
+    result = sp.load_into(model, tmp_path / "ck", strict=False)
+    assert result.meta_keys == ["scale"] and not result.ok
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    assert model.scale.is_meta and not model.linear.weight.is_meta
+
+
+class _Rotary(torch.nn.Module):
+    """A non-persistent buffer computed from constructor arguments the module keeps."""
+
+    def __init__(self, dim: int, base: float = 10000.0, device: str | None = None) -> None:
+        super().__init__()
+        self.dim, self.base = dim, base
+        self.proj = torch.nn.Linear(dim, dim)
+        inv = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+
+class _Wrapper(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rotary = _Rotary(8, base=500.0)
+        self.llama_rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(_llama_config())
+
+
+def test_meta_buffer_rebuilt_by_its_module_constructor(tmp_path: Path) -> None:
+    """Outside a transformers model (no _init_weights), the owner's constructor runs again
+    with its own attributes as arguments: the non-default base=500 is kept."""
+    torch.manual_seed(0)
+    source = _Wrapper()
+    sp.save(source.state_dict(), tmp_path / "ck")
+    with torch.device("meta"):
+        model = _Wrapper()
+    result = sp.load_into(model, tmp_path / "ck")
+    assert result.ok and result.meta_keys == []
+    assert torch.equal(model.rotary.inv_freq, source.rotary.inv_freq)
+    assert model.rotary.inv_freq[1].item() == pytest.approx(500.0 ** -0.25)
+    assert torch.equal(model.llama_rotary.inv_freq, source.llama_rotary.inv_freq)
+    assert torch.equal(model.llama_rotary.original_inv_freq, source.llama_rotary.original_inv_freq)
+    assert torch.equal(model.rotary.proj.weight, source.rotary.proj.weight)
+
+
+def test_empty_model_keeps_non_persistent_buffers_real(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    source = _Scaled(3.0)
+    sp.save(source.state_dict(), tmp_path / "ck")
+    model = sp.empty_model(_Scaled, 3.0)
+    assert model.linear.weight.is_meta and model.scale.tolist() == [3.0, 3.0]
+    result = sp.load_into(model, tmp_path / "ck", dtype=torch.bfloat16)
+    assert result.ok and result.meta_keys == []
+    assert model.linear.weight.dtype == torch.bfloat16
+    assert model.scale.dtype == torch.float32  # non-persistent: the dtype its module built
+    x = torch.ones(1, 2)
+    assert torch.equal(model(x.bfloat16()), source.linear.bfloat16()(x.bfloat16()) * source.scale)
+
+
+def test_dtype_casts_real_floating_buffers_not_integer_ones(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    source = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3)).eval()
+    source[1].running_mean.add_(1.5)
+    source[1].num_batches_tracked.fill_(7)
+    sp.save(source.state_dict(), tmp_path / "ck")
+    with accelerate.init_empty_weights():
+        model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3)).eval()
+    assert model[1].running_mean.device.type == "cpu"  # accelerate keeps buffers real
+    assert sp.load_into(model, tmp_path / "ck", dtype=torch.bfloat16).ok
+    assert model[1].running_mean.dtype == torch.bfloat16
+    assert model[1].running_mean.tolist() == [1.5, 1.5, 1.5]
+    assert model[1].num_batches_tracked.dtype == torch.int64 and int(model[1].num_batches_tracked) == 7
+    assert model(torch.ones(4, 2, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_keep_in_fp32_modules_follow_from_pretrained(tmp_path: Path) -> None:
+    """T5 keeps its ``wo`` projections in float32 under float16, as from_pretrained does."""
+    cls, config = _families()["t5"]
+    torch.manual_seed(0)
+    cls(config).save_pretrained(tmp_path / "t5")
+    reference = cls.from_pretrained(tmp_path / "t5", dtype=torch.float16)
+    model = sp.empty_model(cls, config)
+    assert sp.load_into(model, tmp_path / "t5", dtype=torch.float16).ok
+    dtypes = {k: v.dtype for k, v in model.state_dict().items()}
+    assert dtypes == {k: v.dtype for k, v in reference.state_dict().items()}
+    assert dtypes["encoder.block.0.layer.1.DenseReluDense.wo.weight"] == torch.float32
+    assert dtypes["encoder.block.0.layer.1.DenseReluDense.wi.weight"] == torch.float16
+
+
+
+@pytest.mark.parametrize("family", ["bert", "llama-tied", "resnet"])
+def test_meta_model_from_bin_weights_gives_from_pretrained_logits(family: str, tmp_path: Path) -> None:
+    """``pytorch_model.bin`` folders go through the same planning: buffers rebuilt, dtype applied."""
+    cls, config = _families()[family]
+    source = _trained(cls, config)
+    (tmp_path / "bin").mkdir()
+    torch.save(source.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    source.save_pretrained(tmp_path / "st")
+    reference = cls.from_pretrained(tmp_path / "st", dtype=torch.bfloat16).eval()
+    with torch.device("meta"):
+        model = cls(config).eval()
+    result = sp.load_into(model, tmp_path / "bin", dtype=torch.bfloat16)
+    assert result.ok and result.meta_keys == []
+    assert {k: v.dtype for k, v in model.state_dict().items()} == {k: v.dtype for k, v in reference.state_dict().items()}
+    assert torch.equal(_logits(model, family, torch.bfloat16), _logits(reference, family, torch.bfloat16))
+
+
+def test_bin_weights_of_a_base_model_load_into_a_head_model(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    base = transformers.LlamaModel(_llama_config())
+    torch.save(base.state_dict(), tmp_path / "base.bin")
+    head = transformers.LlamaForCausalLM(_llama_config())
+    result = sp.load_into(head, tmp_path / "base.bin", strict=False)
+    assert result.prefix_mapping == {"": ("", "model.")}
+    assert result.missing_keys == ["lm_head.weight"] and result.unexpected_keys == []
+    assert torch.equal(head.model.norm.weight, base.norm.weight)
+    with pytest.raises(sp.LoadMismatchError, match="not one of its 1 keys matches the 2 keys of the target"):
+        torch.save({"x": torch.ones(2)}, tmp_path / "x.bin")
+        sp.load_into(torch.nn.Linear(2, 2), tmp_path / "x.bin", strict=False)
+
+
+def test_dtype_on_a_real_model_swaps_data_and_keeps_parameters(tmp_path: Path) -> None:
+    """A built model loaded with dtype= ends in that dtype; its Parameter objects (what an
+    optimizer holds) and its ties stay; non-persistent buffers keep the dtype they were built in."""
+    cls, config = _families()["llama-tied"]
+    source = _trained(cls, config)
+    source.save_pretrained(tmp_path / "st")
+    model = cls(config).eval()
+    params = dict(model.named_parameters())
+    assert sp.load_into(model, tmp_path / "st", dtype=torch.bfloat16).ok
+    assert [n for n, p in model.named_parameters() if p is not params[n] or p.dtype != torch.bfloat16] == []
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    reference = cls.from_pretrained(tmp_path / "st", dtype=torch.bfloat16).eval()
+    assert torch.equal(_logits(model, "llama-tied", torch.bfloat16), _logits(reference, "llama-tied", torch.bfloat16))
