@@ -113,11 +113,11 @@ def hf_storage(tensor: torch.Tensor) -> tuple[tuple[Any, ...] | None, int]:
     identity (so they go to one file, counted once), contiguous or not, as there;
     ``meta`` descriptors and DTensors count their (global) bytes and share nothing.
     """
-    nbytes = tensor.numel() * tensor.element_size()
-    if type(tensor).__name__ == "DTensor" or tensor.device.type == "meta":
-        return None, nbytes
+    if type(tensor).__name__ == "DTensor" or tensor.is_meta:
+        return None, tensor.numel() * tensor.element_size()
     storage = tensor.untyped_storage()
-    return (tensor.device, storage.data_ptr(), storage.nbytes()), storage.nbytes()
+    nbytes = storage.nbytes()
+    return (tensor.device, storage.data_ptr(), nbytes), nbytes
 
 
 def _end_ptr(tensor: torch.Tensor) -> int:
