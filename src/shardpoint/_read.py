@@ -533,8 +533,9 @@ class _Planner:
             else:
                 matched.append(key)
         first_with: dict[Any, str] = {}
+        ids = {m: identities(targets[m]) for m in matched}  # asked again below: once each
         for m in matched:
-            for ident in identities(targets[m]):
+            for ident in ids[m]:
                 first_with.setdefault(ident, m)
         tied: dict[str, str] = {}  # target key absent from the checkpoint -> matched key it is tied to
         to_tie: list[str] = []  # tied by the model's declaration only: made to share the twin's tensor
@@ -602,7 +603,7 @@ class _Planner:
 
                     self.post.append(put)
                 continue
-            idents = identities(tensor)
+            idents = ids[key]
             if any(i in filled for i in idents):
                 continue  # tied to a tensor already being filled
             filled.update(idents)
