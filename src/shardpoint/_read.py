@@ -211,14 +211,17 @@ class ReadBatch:
         entry = self.ckpt.entry(record.chunks[0], record.dtype, label)
         stored = entry.dtype
         want = dtype if (dtype is not None and stored.is_floating_point) else stored
-        dest = torch.empty(record.shape, dtype=want, device=device)
+        # (a CPU tensor without the device argument: parsing it costs as much as the rest)
+        dest = torch.empty(record.shape, dtype=want) if device.type == "cpu" else torch.empty(
+            record.shape, dtype=want, device=device
+        )
         chunk = record.chunks[0]
         if entry.nbytes and len(record.chunks) == 1 and chunk.shape == record.shape and not any(chunk.offsets):
             # The whole tensor into memory of its shape just allocated: _fill_whole's case,
             # without its checks (a state of 10^5 small tensors takes this 10^5 times).
             self.tasks.append(
                 ReadTask(self._name(chunk.file), self.ckpt.file_path(chunk.file), entry.start, entry.nbytes,
-                         dest.view(-1) if dest.dim() else dest.view(1), entry.dtype,
+                         dest if dest.dim() == 1 else dest.view(-1) if dest.dim() else dest.view(1), entry.dtype,
                          chunk.crc32c if self.verify else None, label)
             )
             return dest
