@@ -226,11 +226,17 @@ def test_overwrite_refused_then_atomic(tmp_path):
     sp.save({"w": torch.ones(3)}, path, overwrite=True)
     assert torch.equal(sp.load(path)["w"], torch.ones(3))
     assert sorted(os.listdir(tmp_path)) == ["ck"]  # no temp dirs left behind
+    # A folder of other files: overwrite=True adds the checkpoint and keeps every file.
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "notes.txt").write_text("precious")
-    with pytest.raises(sp.CheckpointExistsError, match=r"is not a shardpoint checkpoint"):
-        sp.save({"w": torch.ones(3)}, tmp_path / "data", overwrite=True)
+    sp.save({"w": torch.ones(3)}, tmp_path / "data", overwrite=True)
     assert (tmp_path / "data" / "notes.txt").read_text() == "precious"
+    assert sorted(os.listdir(tmp_path / "data")) == ["model.safetensors", "notes.txt", "shardpoint.json"]
+    # A plain file is not replaced, even with overwrite=True.
+    (tmp_path / "file").write_text("precious")
+    with pytest.raises(sp.CheckpointExistsError, match=r"file exists and is not a shardpoint checkpoint, nor a directory"):
+        sp.save({"w": torch.ones(3)}, tmp_path / "file", overwrite=True)
+    assert (tmp_path / "file").read_text() == "precious"
 
 
 def test_failed_save_leaves_nothing(tmp_path):

@@ -1379,7 +1379,7 @@ def test_save_refuses_existing_checkpoint(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("kind", ["file", "directory"])
-def test_save_refuses_existing_non_checkpoint_even_with_overwrite(
+def test_save_into_existing_non_checkpoint_refuses_a_file_and_keeps_a_folders_files(
     tmp_path: Path, kind: str
 ) -> None:
     target = tmp_path / "data"
@@ -1390,6 +1390,11 @@ def test_save_refuses_existing_non_checkpoint_even_with_overwrite(
         (target / "precious.txt").write_text("precious")
     with _raises(CheckpointExistsError, f"{target} already exists"):
         sp.save({"w": torch.zeros(1)}, target)
-    with _raises(CheckpointExistsError, f"{target} exists and is not a shardpoint checkpoint"):
+    if kind == "file":
+        with _raises(CheckpointExistsError, f"{target} exists and is not a shardpoint checkpoint"):
+            sp.save({"w": torch.zeros(1)}, target, overwrite=True)
+        assert target.read_text() == "precious"
+    else:  # overwrite=True writes the checkpoint into the folder and keeps the user's file
         sp.save({"w": torch.zeros(1)}, target, overwrite=True)
+        assert (target / "precious.txt").read_text() == "precious"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]

@@ -35,6 +35,7 @@ import shardpoint as sp
 from _helper_process import HelperProcess
 from shardpoint import _async as sp_async
 from shardpoint._io import transfer as sp_transfer
+from shardpoint._storage.local import marker_name
 
 # ------------------------------------------------------------------------- the training state
 
@@ -472,10 +473,11 @@ def test_stale_temp_dirs_are_ignored_by_restore_and_removed_by_the_next_save(
     _save_steps(mgr, [1, 2, 3])
     # A crashed save of step 5 that had written everything, manifest included, but was
     # never renamed into place; a half-deleted step; a crashed update of `latest`.
-    stale_save = tmp_path / ".step-000005.tmp-0123456789abcdef"
+    stale_save = tmp_path / ".step-000005.tmp-0123456789abcdef0123456789abcdef"
     model, opt, state = build(SMALL)
     fill(model, opt, state, 5)
     sp.save(state, stale_save, **FAST)
+    (stale_save / marker_name(str(stale_save))).write_bytes(b"")  # as a save marks its temp dir
     assert (stale_save / "shardpoint.json").is_file()
     half_deleted = tmp_path / ".step-000002.tmp-del-feedface"
     half_deleted.mkdir()
@@ -623,6 +625,120 @@ def test_async_error_in_the_middle_of_writing_commits_nothing(
     monkeypatch.undo()
     sp.save(state, tmp_path / "other")  # raised once; then saves work again
     assert sp.load(tmp_path / "other")["step"] == 2
+
+
+
+# ------------------------------------------------------------------ damage and company
+
+
+def _tiny(value: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((8,), value)}
+
+
+@pytest.mark.parametrize("damage", ["truncated", "deeply-nested", "huge"])
+def test_a_damaged_old_step_is_named_skipped_and_saves_go_on(tmp_path: Path, damage: str) -> None:
+    """keep_best/metric: an old step whose manifest is damaged no longer stops every save.
+    It is named in a warning, never chosen as best and never deleted by retention."""
+    mgr = sp.CheckpointManager(tmp_path, keep_last=1, keep_best=1, metric="loss", durable=False)
+    mgr.save(1, _tiny(1.0), metrics={"loss": 0.1})  # the best loss, then damaged
+    mgr.save(2, _tiny(2.0), metrics={"loss": 0.5})
+    manifest = tmp_path / "step-000001" / "shardpoint.json"
+    if damage == "truncated":
+        manifest.write_bytes(manifest.read_bytes()[:40])
+    elif damage == "deeply-nested":
+        manifest.write_text('{"metadata": {"metrics": ' + "[" * 100_000 + "]" * 100_000 + "}}")
+    else:
+        with open(manifest, "r+b") as f:
+            f.truncate(4 << 30)  # sparse: never read into memory
+    with pytest.raises(sp.CorruptCheckpointError, match=r"step-000001/shardpoint.json: cannot read the step's metrics"):
+        mgr.metrics(1)
+    for step in (3, 4):
+        with pytest.warns(UserWarning, match=r"step 1 under .* is damaged and is skipped \(never chosen as best, never deleted by retention\)"):
+            mgr.save(step, _tiny(float(step)), metrics={"loss": 1.0 / step})
+    assert mgr.steps() == [1, 4]  # 2 and 3 retired; the damaged step 1 kept, not counted
+    with pytest.warns(UserWarning, match=r"step 1 under"):
+        assert mgr.best_steps() == [4]
+    target = _tiny(0.0)
+    assert mgr.restore(target) == 4 and torch.equal(target["w"], torch.full((8,), 4.0))
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "sparse-2GiB", "directory"])
+def test_a_latest_that_is_no_small_regular_file_is_ignored(tmp_path: Path, kind: str) -> None:
+    """``latest`` as a FIFO (would block an open), a symlink to /dev/zero (endless), a 2 GiB
+    sparse file (4 GB to decode) or a directory: never waited on or read, latest_step()
+    falls back to the scan, within a second and without memory."""
+    mgr = sp.CheckpointManager(tmp_path, durable=False)
+    mgr.save(1, _tiny(1.0))
+    mgr.save(2, _tiny(2.0))
+    latest = tmp_path / "latest"
+    latest.unlink()
+    if kind == "fifo":
+        os.mkfifo(latest)
+    elif kind == "dev-zero":
+        latest.symlink_to("/dev/zero")
+    elif kind == "sparse-2GiB":
+        with open(latest, "wb") as f:
+            f.truncate(2 << 30)
+    else:
+        latest.mkdir()
+    results: list[Any] = []
+
+    def query() -> None:
+        fresh = sp.CheckpointManager(tmp_path)
+        target = _tiny(0.0)
+        results.extend([fresh.latest_step(), fresh.restore(target), target["w"][0].item()])
+
+    started = time.monotonic()
+    worker = threading.Thread(target=query, daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive(), f"latest as {kind} hangs latest_step()/restore()"
+    assert results == [2, 2, 2.0]
+    assert time.monotonic() - started < 10
+
+
+def test_no_renameat2_resave_killed_between_the_renames_is_put_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In process, the state a kill between the two renames leaves (old step moved aside,
+    the finished new copy in its temp dir): the manager puts the old copy back when
+    constructed, on steps(), restore() and save(); it never deletes a whole copy."""
+    from shardpoint._storage import local as sp_local
+
+    monkeypatch.setattr(sp_local, "_renameat2", None)
+    real = os.rename
+
+    class Killed(BaseException):
+        pass
+
+    def die_after_moving_aside(src: Any, dst: Any) -> None:
+        real(src, dst)
+        if ".tmp-old-" in os.fspath(dst):
+            raise Killed  # stands for the SIGKILL of test_overwrite's process test
+
+    for entry_point in ("constructor", "steps", "restore", "save"):
+        root = tmp_path / entry_point
+        mgr = sp.CheckpointManager(root, keep_last=1, durable=False)
+        mgr.save(1, _tiny(1.0))
+        monkeypatch.setattr(os, "rename", die_after_moving_aside)
+        with pytest.raises(Killed):
+            mgr.save(1, _tiny(2.0))
+        monkeypatch.setattr(os, "rename", real)
+        left = sorted(_tmp_entries(root))  # (the new copy's temp dir was aborted in process)
+        assert not (root / "step-000001").exists() and [n for n in left if ".tmp-old-" in n], left
+        if entry_point == "constructor":
+            sp.CheckpointManager(root)
+        elif entry_point == "steps":
+            assert mgr.steps() == [1]
+        elif entry_point == "restore":
+            target = _tiny(0.0)
+            assert mgr.restore(target) == 1 and target["w"][0].item() == 1.0
+        else:
+            mgr.save(2, _tiny(3.0))
+        steps = [1] if entry_point != "save" else [2]
+        assert sp.CheckpointManager(root).steps() == steps, entry_point
+        if entry_point != "save":
+            assert sp.load(root / "step-000001")["w"][0].item() == 1.0
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["helper"]:

@@ -27,28 +27,48 @@ writes, so crash after crash never piles up more than ``keep_last + 1`` steps.
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import math
 import os
 import re
 import shutil
 import threading
+import time
 import uuid
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from ._async import AsyncSave, async_save
 from ._distributed.group import Group
 from ._format.manifest import MANIFEST_NAME
+from ._knobs import knobs
 from ._read import load_into
-from ._storage.local import TMP_MARKER, fsync_dir, write_small_file
+from ._storage.local import (
+    TMP_MARKER,
+    fsync_dir,
+    moved_aside,
+    recover,
+    recover_all,
+    write_small_file,
+)
+from ._storage.paths import read_small_file
 from ._storage.remote import RemoteStore, store_for
 from ._write import SaveInfo
-from .errors import CheckpointError, CorruptCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, LoadMismatchError
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
 LATEST_NAME = "latest"
+_LATEST_LIMIT = 64
+"""``latest`` holds one step name; a larger file is not one (never read)."""
+_RESTORE_ATTEMPTS = 5
+"""How many times ``restore()`` picks the newest step again when retention retired the one
+it was loading."""
+_ROOT_LOCK_WAIT = 600.0
+"""Seconds a save waits for another process's manager to finish managing the same root."""
 
 
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -137,6 +157,10 @@ class CheckpointManager:
         self._pending: AsyncSave | None = None
         self._pending_step: int | None = None
         self._lock = threading.Lock()
+        self._sole_writer = False
+        """True where the root has no locks: this manager then takes every dead-looking
+        temporary directory of its root for a dead save's, as one writer per root."""
+        self._put_back_moved_aside()
 
     # ------------------------------------------------------------------ queries
 
@@ -152,6 +176,7 @@ class CheckpointManager:
             return _remote_steps(self._remote)
         if not self._dir.is_dir():
             return []
+        self._put_back_moved_aside()
         found = []
         for entry in os.scandir(self._dir):
             match = _STEP_RE.match(entry.name)
@@ -168,39 +193,85 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def _read_latest(self) -> int | None:
+        """The step ``latest`` names; None when it is missing, unreadable, larger than a step
+        name, or not a regular file (a FIFO or a link to a device is never opened to wait
+        or read from)."""
         try:
             if self._remote is not None:
-                raw = self._remote.get(LATEST_NAME, limit=64).decode("utf-8", errors="replace")
+                data = self._remote.get(LATEST_NAME, limit=_LATEST_LIMIT)
             else:
-                raw = (self._dir / LATEST_NAME).read_text(encoding="utf-8", errors="replace")[:64]
+                where = str(self._dir / LATEST_NAME)
+                data = read_small_file(where, where=where, limit=_LATEST_LIMIT)
+            raw = data.decode("utf-8", errors="replace")
         except (OSError, CheckpointError):
             return None
         match = _STEP_RE.match(raw.strip())
         return int(match.group(1)) if match else None
 
     def metrics(self, step: int) -> dict[str, Any]:
-        """The metrics recorded with ``step``."""
+        """The metrics recorded with ``step``.
+
+        Raises:
+            CorruptCheckpointError: the step's manifest cannot be read (missing, truncated,
+                too deeply nested, over the size limit, not a regular file).
+        """
+        try:
+            return self._read_metrics(step)
+        except OSError as exc:
+            raise CorruptCheckpointError(
+                f"{self.step_path(step)}/{MANIFEST_NAME}: cannot read the step's metrics ({exc})"
+            ) from None
+
+    def _read_metrics(self, step: int) -> dict[str, Any]:
+        """The step's metrics; OSError when the manifest cannot be read (the disk's error),
+        CorruptCheckpointError when what it reads is not a manifest."""
         path = f"{self.step_path(step)}/{MANIFEST_NAME}"
+        limit = knobs().max_json_bytes
         try:
             if self._remote is not None:
-                raw = self._remote.child(step_dir_name(step)).get(MANIFEST_NAME, limit=1 << 30)
+                raw = self._remote.child(step_dir_name(step)).get(MANIFEST_NAME, limit=limit)
             else:
-                raw = (self._dir / step_dir_name(step) / MANIFEST_NAME).read_bytes()
+                raw = read_small_file(path, where=path, limit=limit)
+        except CorruptCheckpointError as exc:  # not a regular file, over the size limit
+            raise CorruptCheckpointError(f"{path}: cannot read the step's metrics ({exc})") from None
+        try:
             doc = json.loads(raw)
             stored = dict(doc.get("metadata", {}).get("metrics", {}))
-        except (OSError, ValueError, TypeError, AttributeError) as exc:
+        except (ValueError, TypeError, AttributeError, RecursionError) as exc:
+            reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
             raise CorruptCheckpointError(
-                f"{path}: cannot read the step's metrics ({exc})"
+                f"{path}: cannot read the step's metrics ({reason}); the step's manifest is "
+                "damaged: restore another step, or check it with `shardpoint verify`"
             ) from None
         return {k: _NON_FINITE.get(v, v) if isinstance(v, str) else v for k, v in stored.items()}
 
+    def _readable_metrics(self, step: int) -> dict[str, Any] | None:
+        """The step's metrics, or None when its manifest is damaged (after a warning naming
+        the step: such a step is never ranked, and never retired as if it were whole) or
+        gone (retired by another manager meanwhile). A disk error is raised as it is."""
+        try:
+            return self._read_metrics(step)
+        except FileNotFoundError:
+            return None
+        except CorruptCheckpointError as exc:
+            warnings.warn(
+                f"step {step} under {self.root} is damaged and is skipped (never chosen as best, "
+                f"never deleted by retention): {exc}",
+                stacklevel=3,
+            )
+            return None
+
     def best_steps(self) -> list[int]:
-        """Steps ranked best first by ``metric`` (steps without it are not ranked)."""
+        """Steps ranked best first by ``metric`` (steps without it, or whose manifest is
+        damaged, are not ranked; a damaged one is named in a warning)."""
         if not self.metric:
             return []
         scored = []
         for step in self.steps():
-            value = self.metrics(step).get(self.metric)
+            metrics = self._readable_metrics(step)
+            if metrics is None:
+                continue
+            value = metrics.get(self.metric)
             if (
                 isinstance(value, (int, float))
                 and not isinstance(value, bool)
@@ -237,8 +308,9 @@ class CheckpointManager:
         if coordinator:  # in a process group only rank 0 manages the root
             if self._remote is None:
                 self._dir.mkdir(parents=True, exist_ok=True)
-            self._remove_stale_temps()
-            self._finish_interrupted_retention()
+            with self._root_lock():
+                self._remove_stale_temps()
+                self._finish_interrupted_retention()
         metadata = {"step": step, "metrics": _metrics_json(metrics)}
         kwargs = {"overwrite": True, "progress": False, **self.save_kwargs, "metadata": metadata}
         if self.storage_options is not None:
@@ -300,29 +372,116 @@ class CheckpointManager:
     def restore(self, target: Any, step: int | None = None, **load_kwargs: Any) -> int | None:
         """Load ``step`` (default: the newest committed) into ``target``; return the step.
 
-        Returns None when the root holds no committed step.
+        Returns None when the root holds no committed step. Without ``step``, when
+        retention (another process's manager saving into the same root) retires the step
+        while it is being loaded, the newest step is chosen again and loaded (a few times
+        at most).
+
+        Raises:
+            CheckpointError: ``step`` is not committed, or was retired (or replaced) while
+                it was being loaded, or every newest step chosen was retired in turn.
         """
         self.wait()
         group = self._group()
-        if step is None:
-            step = group.broadcast(self.latest_step())  # every rank restores the same step
-            if step is None:
-                return None
-        elif step not in self.steps():
-            raise CheckpointError(
-                f"{self.root} has no committed step {step}; it has {self.steps()}"
-            )
         if self.process_group is not None:
             load_kwargs.setdefault("process_group", self.process_group)
         if self.storage_options is not None:
             load_kwargs.setdefault("storage_options", self.storage_options)
-        load_into(target, self.step_path(step), **load_kwargs)
-        return step
+        chosen = step
+        retired: list[int] = []
+        while True:
+            if step is None:
+                chosen = group.broadcast(self.latest_step())  # every rank restores the same step
+                if chosen is None:
+                    if retired:
+                        break
+                    return None
+            elif step not in self.steps():
+                raise CheckpointError(
+                    f"{self.root} has no committed step {step}; it has {self.steps()}"
+                )
+            assert chosen is not None
+            before = self._identity(chosen)
+            try:
+                load_into(target, self.step_path(chosen), **load_kwargs)
+                return chosen
+            except (OSError, CheckpointError) as exc:
+                if isinstance(exc, LoadMismatchError) or self._remote is not None:
+                    raise
+                if before is not None and self._identity(chosen) == before:
+                    raise  # the step is still there, unchanged: a real error of the step
+                if step is not None or group.distributed:
+                    raise CheckpointError(
+                        f"step {chosen} under {self.root} was retired by retention (or replaced "
+                        "by another save) while it was being restored; another process is "
+                        f"saving into this root. Restore again (the steps now: {self.steps()})"
+                    ) from exc
+                retired.append(chosen)
+                if len(retired) >= _RESTORE_ATTEMPTS:
+                    break
+        raise CheckpointError(
+            f"restore() from {self.root} chose steps {retired} in turn and each was retired by "
+            "retention while it was being loaded (another process is saving into this root "
+            "with keep_last); restore again, or keep more steps"
+        )
+
+    def _identity(self, step: int) -> tuple[int, int] | None:
+        """(device, inode) of the step's manifest; None when the step is gone."""
+        try:
+            st = os.stat(self._dir / step_dir_name(step) / MANIFEST_NAME)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
 
     # ------------------------------------------------------------------ internals
 
+    @contextlib.contextmanager
+    def _root_lock(self) -> Iterator[None]:
+        """Hold an exclusive ``flock`` on the root directory: managers in other processes
+        (or other managers of this one) saving into the same root take turns to clean up,
+        update ``latest`` and apply retention, so none removes what another is writing."""
+        if self._remote is not None:
+            yield
+            return
+        fd = os.open(self._dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            deadline = time.monotonic() + _ROOT_LOCK_WAIT
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as exc:
+                    if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                        self._sole_writer = True  # no locks here: one writer per root is assumed
+                        break
+                    if time.monotonic() > deadline:
+                        raise CheckpointError(
+                            f"another process has held the lock on {self.root} for "
+                            f"{_ROOT_LOCK_WAIT:.0f} s (another CheckpointManager saving into "
+                            "this root, hung?); stop it, or give each run its own root"
+                        ) from None
+                    time.sleep(0.01)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _put_back_moved_aside(self) -> None:
+        """Put back a step that an overwrite without ``renameat2`` moved aside and never
+        moved the new copy in (a crash between the two renames): never lose a whole step."""
+        if self._remote is not None or not self._dir.is_dir():
+            return
+        try:
+            names = os.listdir(self._dir)
+        except OSError:
+            return
+        for name in names:
+            if name.startswith(".step-") and f"{TMP_MARKER}old-" in name:
+                final = self._dir / name[1:].partition(TMP_MARKER)[0]
+                if not os.path.lexists(final) and moved_aside(final):
+                    recover(final, no_locks_means_dead=True)  # a manager owns its root
+
     def _after_commit(self, step: int) -> None:
-        with self._lock:
+        with self._lock, self._root_lock():
             steps = self.steps()
             newest = max(steps) if steps else step
             pointer = (step_dir_name(newest) + "\n").encode()
@@ -348,9 +507,14 @@ class CheckpointManager:
                 self._apply_retention(steps[-1])
 
     def _apply_retention(self, latest: int) -> None:
+        """Delete the steps beyond ``keep_last`` that are not ``latest`` nor among the
+        ``keep_best``. On a local root a step whose manifest is damaged is not counted
+        and never deleted (a warning names it)."""
         if self.keep_last is None:
             return
         steps = self.steps()
+        if self._remote is None:
+            steps = [s for s in steps if self._readable_metrics(s) is not None]
         keep = set(steps[-self.keep_last :]) | {latest}
         if self.keep_best:
             keep |= set(self.best_steps()[: self.keep_best])
@@ -371,18 +535,26 @@ class CheckpointManager:
         shutil.rmtree(doomed, ignore_errors=True)
 
     def _remove_stale_temps(self) -> None:
-        """Remove temp dirs/files left by crashed saves (none of ours is in flight here)."""
+        """Tidy what crashed saves left (under the root lock: no other manager's retention
+        or ``latest`` update is in flight). Saves' temporary directories go through
+        :func:`~shardpoint._storage.local.recover_all`: those of saves still running (locked)
+        are left alone, dead ones removed, a step moved aside by an interrupted overwrite
+        without ``renameat2`` put back. Half-deleted steps (``.tmp-del-``) and dead
+        ``latest`` temp files are removed."""
         if self._remote is not None:
             for name in _remote_uncommitted(self._remote):
                 self._remote.child(name).delete_tree()
             return
+        recover_all(self._dir, no_locks_means_dead=self._sole_writer)
         for entry in os.scandir(self._dir):
-            if entry.name.startswith(".") and TMP_MARKER in entry.name:
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path, ignore_errors=True)
-                else:
-                    with contextlib.suppress(OSError):
-                        os.unlink(entry.path)
+            name = entry.name
+            if not (name.startswith(".") and TMP_MARKER in name):
+                continue
+            if name.startswith(f".{LATEST_NAME}{TMP_MARKER}") and not entry.is_dir(follow_symlinks=False):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+            elif f"{TMP_MARKER}del-" in name and entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------- object stores

@@ -26,7 +26,7 @@ from ._format.manifest import (
 from ._format.names import check_file_name
 from ._format.safetensors import HeaderEntry, SafetensorsHeader, read_header, read_header_with
 from ._knobs import knobs
-from ._storage.local import TMP_MARKER
+from ._storage.local import TMP_MARKER, hidden_sibling_message, missing_path_message
 from ._storage.paths import member_path, open_regular, read_small_file
 from ._storage.remote import PENDING_NAME, RemoteStore, header_reader, resolve
 from .errors import (
@@ -230,10 +230,7 @@ def open_checkpoint(
     location = os.fspath(path)
     base = os.path.basename(os.path.normpath(location))
     if TMP_MARKER in base and base.startswith("."):
-        raise IncompleteCheckpointError(
-            f"{location} is the temporary directory of a save that never committed; "
-            "it is not a checkpoint. Load the committed one beside it, or delete it"
-        )
+        raise IncompleteCheckpointError(hidden_sibling_message(location))
     if os.path.isfile(location):
         if not location.endswith(".safetensors"):
             raise CheckpointNotFoundError(
@@ -244,7 +241,7 @@ def open_checkpoint(
         directory, name = os.path.split(os.path.realpath(location))
         return _from_headers(location, directory, "hf-file", None, [name], single_file=True)
     if not os.path.isdir(location):
-        raise CheckpointNotFoundError(f"{location} does not exist; nothing to load")
+        raise CheckpointNotFoundError(missing_path_message(location))
     names = os.listdir(location)
     if MANIFEST_NAME in names:
         where = os.path.join(location, MANIFEST_NAME)

@@ -37,6 +37,7 @@ from ._io.transfer import reader_threads
 from ._knobs import knobs
 from ._progress import byte_progress
 from ._source import Checkpoint, _read_json_file, is_tmp, open_checkpoint
+from ._storage.local import hidden_sibling_message, missing_path_message
 from ._storage.paths import member_path, open_regular
 from ._storage.remote import PENDING_NAME, RemoteStore, resolve
 from .errors import (
@@ -161,13 +162,12 @@ def verify_checkpoint(
         return _verify_remote(store, storage_options, checksums=checksums, progress=progress)
     location = os.fspath(path)
     if not os.path.lexists(location):
-        raise CheckpointNotFoundError(f"{location} does not exist; nothing to verify")
+        raise CheckpointNotFoundError(
+            missing_path_message(location).replace("nothing to load", "nothing to verify")
+        )
     base = os.path.basename(os.path.normpath(location))
     if os.path.isdir(location) and is_tmp(base):
-        message = (
-            f"{location} is the temporary directory of a save that never committed; it is not a "
-            "checkpoint. Verify the committed one beside it, or delete it"
-        )
+        message = hidden_sibling_message(location)
         return VerifyReport(location, "shardpoint", [message], [], 0, 0, 0, False)
     if os.path.isfile(location):
         if location.endswith(PICKLE_WEIGHTS):

@@ -59,10 +59,13 @@ class UnsafePathError(CorruptCheckpointError):
 
 
 class StorageError(CheckpointError, OSError):
-    """A remote store (an fsspec URL such as ``s3://``) failed: after the bounded retries of
-    a transient error, or at once for a permanent one (access denied, no such bucket).
+    """The storage refused or failed a save or a load.
 
-    The message names the object and the operation.
+    On a remote store (an fsspec URL such as ``s3://``): after the bounded retries of a
+    transient error, or at once for a permanent one (access denied, no such bucket); the
+    message names the object and the operation. On a local filesystem (a full disk, a
+    read-only mount, no permission, a name too long): ``errno`` is the system's, and the
+    message names the checkpoint path, what the errno means and what to do.
     """
 
 

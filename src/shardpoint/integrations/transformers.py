@@ -107,7 +107,10 @@ def save_pretrained(
 
     Args:
         model: a ``PreTrainedModel``.
-        path: the directory to create.
+        path: the directory to create, or an existing one: one holding no weights (a
+            tokenizer saved there first) is written into; one holding weights needs
+            ``overwrite=True``. Either way the new weight files, index and config replace
+            the old ones (stale shards are removed) and every other file is kept.
         max_shard_size: largest weight file, e.g. ``"5GB"`` (10^9 bytes) or ``"5GiB"``;
             default: the installed ``transformers``' own default (``"50GB"`` in
             ``transformers`` 5), so both write the same files.
@@ -118,7 +121,7 @@ def save_pretrained(
         The :class:`~shardpoint.SaveInfo` of the weights.
 
     Raises:
-        CheckpointExistsError: ``path`` exists and ``overwrite`` is not set.
+        CheckpointExistsError: ``path`` holds weights and ``overwrite`` is not set.
         InvalidStateError: the model is not a ``transformers`` model, or has weights on the
             meta device.
 
@@ -151,15 +154,32 @@ def save_pretrained(
     num_parameters = getattr(model, "num_parameters", None)
     if callable(num_parameters):
         prepared.components[0].parameters = int(num_parameters())
+    overwrite = save_kwargs.get("overwrite")
+    if overwrite is None:  # not given: write into a folder holding no weights, as transformers does
+        overwrite = _holds_no_weights(path)
     return write_checkpoint(
         prepared,
         path,
         max_shard_bytes=max_bytes,
-        overwrite=bool(save_kwargs.get("overwrite", False)),
+        overwrite=bool(overwrite),
         metadata=metadata,
         durable=bool(save_kwargs.get("durable", True)),
         progress=save_kwargs.get("progress"),
         extra_files=_config_files(model),
+    )
+
+
+def _holds_no_weights(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a local directory with neither a checkpoint nor weight files in
+    it (say a tokenizer saved first): ``save_pretrained`` then writes into it without
+    ``overwrite=True``, keeping its files, as ``transformers``' own does."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return not os.path.islink(path) and not any(
+        n == "shardpoint.json" or n.endswith((".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json"))
+        for n in names
     )
 
 
