@@ -506,8 +506,10 @@ class _Planner:
         """Where a target tensor must be replaced by a new one (device, dtype), or None to
         fill it in place: a meta tensor; a floating-point one of another dtype than
         ``dtype=`` asks; a buffer of an empty model away from its placement."""
+        if fit is None and not tensor.is_meta:
+            return None  # a plain dict's tensor: filled where it is (asked per tensor: no placement)
         device, want = self.placement(key, tensor, fit.keep_fp32 if fit else None)
-        if tensor.device.type == "meta":
+        if tensor.is_meta:
             return device, want
         if fit is None or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
             return None  # a plain dict's tensor or a DTensor: filled where it is
