@@ -470,7 +470,7 @@ def format_section(title: str, result: SectionResult) -> str:
     """A table: median seconds, GB/s, ratio to the baseline, min-max over rounds, CPU seconds."""
     width = max(len(label) for label in result.labels.values())
     head = (
-        f"{'':{width}}  {'median s':>9} {'GB/s':>6} {'vs plain':>9}  {'min-max s':<11} {'cpu s':>6}"
+        f"{'':{width}}  {'median s':>9} {'GB/s':>6} {'vs ' + result.baseline:>9}  {'min-max s':<11} {'cpu s':>6}"
     )
     lines = [title, head, "-" * len(head)]
     for key, label in result.labels.items():

@@ -111,12 +111,12 @@ def test_sharded_layout_index_and_metadata(tmp_path):
             assert f.metadata()["format"] == "pt"
             assert f.metadata()["shardpoint.save_id"] == info.save_id
     manifest = json.loads((tmp_path / "ck" / "shardpoint.json").read_text())
-    assert manifest["format"] == "shardpoint" and manifest["format_version"] == 1
+    assert manifest["format"] == "shardpoint" and manifest["format_version"] == 2
     assert manifest["layout"] == "hf" and manifest["world_size"] == 1 and manifest["flat"] is True
     chunk = manifest["components"]["model"]["tensors"]["layer.3.weight"]["chunks"][0]
     data = torch.full((10, 10), 3.0).numpy().tobytes()
-    assert chunk == {"file": "model-00002-of-00003.safetensors", "key": "layer.3.weight",
-                     "offsets": [0, 0], "shape": [10, 10], "crc32c": crc32c(data)}
+    # a whole tensor under its own name: key, offsets and shape are implied (format 2)
+    assert chunk == {"file": "model-00002-of-00003.safetensors", "crc32c": crc32c(data)}
     assert manifest["files"]["model-00002-of-00003.safetensors"]["size"] == os.path.getsize(
         tmp_path / "ck" / "model-00002-of-00003.safetensors")
 

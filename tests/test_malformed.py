@@ -790,7 +790,7 @@ def test_tensor_present_in_two_files_of_manifest(tmp_path: Path, load_fn: Loader
 def test_one_stored_tensor_claimed_by_two_manifest_entries(tmp_path: Path, load_fn: Loader) -> None:
     ckpt = _two_shards(tmp_path)
     manifest = ckpt / "shardpoint.json"
-    doc = _read_json(manifest)
+    doc = _explicit_chunks(_read_json(manifest))
     tensors = doc["components"]["model"]["tensors"]
     tensors["b"]["chunks"] = [{**tensors["a"]["chunks"][0]}]
     _write_json(manifest, doc)
@@ -895,9 +895,21 @@ def test_shard_swapped_in_from_another_save(tmp_path: Path, load_fn: Loader) -> 
 # -------------------------------------------------------------------- the manifest itself
 
 
+def _explicit_chunks(doc: dict[str, Any]) -> dict[str, Any]:
+    """Write out the chunk fields format 2 implies (key, offsets, shape), so that a forgery
+    can change one of them."""
+    for comp in doc["components"].values():
+        for name, rec in comp["tensors"].items():
+            for chunk in rec["chunks"]:
+                chunk.setdefault("key", name)
+                if "offsets" not in chunk and "shape" not in chunk:
+                    chunk["offsets"], chunk["shape"] = [0] * len(rec["shape"]), list(rec["shape"])
+    return doc
+
+
 def _forge_manifest(ckpt: Path, edit: Callable[[dict[str, Any]], Any]) -> Path:
     manifest = ckpt / "shardpoint.json"
-    doc = _read_json(manifest)
+    doc = _explicit_chunks(_read_json(manifest))
     edit(doc)
     _write_json(manifest, doc)
     return manifest
@@ -923,10 +935,10 @@ _CHUNK = [*_W, "chunks", 0]
 # (edit, error class, message after "{manifest}")
 MANIFEST_CASES = [
     pytest.param(
-        _set(["format_version"], 2),
+        _set(["format_version"], 3),
         UnsupportedFormatError,
-        ": format_version 2 is not supported by this shardpoint",
-        id="format-version-2",
+        ": format_version 3 is not supported by this shardpoint (reads versions 1, 2)",
+        id="format-version-3",
     ),
     pytest.param(
         _set(["format_version"], "1"),

@@ -66,16 +66,22 @@ def flatten_state(
 
     def name_for(parts: list[str]) -> str:
         base = ".".join(parts)
+        if base not in tensors:
+            return base
         name, n = base, 1
         while name in tensors:
             n += 1
             name = f"{base}#{n}"
         return name
 
+    def where_of(parts: list[str]) -> str:
+        # Built only when needed (errors, objects to convert): a state of 10^5 tensors
+        # would otherwise spend more on naming paths than on everything else here.
+        return f"{path}" + "".join(f"[{p!r}]" for p in parts)
+
     def walk(obj: Any, parts: list[str], depth: int) -> Tree:
-        where = f"{path}" + "".join(f"[{p!r}]" for p in parts)
         if depth > _MAX_DEPTH:
-            raise InvalidStateError(f"state at {where} nests deeper than {_MAX_DEPTH} levels")
+            raise InvalidStateError(f"state at {where_of(parts)} nests deeper than {_MAX_DEPTH} levels")
         if _is_tensor(obj):
             name = name_for(parts)
             tensors[name] = obj
@@ -91,13 +97,23 @@ def flatten_state(
         if isinstance(obj, Mapping):
             items = []
             for key, child in obj.items():
-                if isinstance(key, bool) or not isinstance(key, (str, int)):
+                stored: str | int
+                if type(key) is str:
+                    kind, stored, part = "str", key, key
+                elif isinstance(key, bool) or not isinstance(key, (str, int)):
                     raise InvalidStateError(
-                        f"state at {where} has key {key!r} of type {type(key).__name__}; "
+                        f"state at {where_of(parts)} has key {key!r} of type {type(key).__name__}; "
                         "only str and int keys can be stored"
                     )
-                kind = "int" if isinstance(key, int) else "str"
-                items.append([kind, int(key) if kind == "int" else key, walk(child, [*parts, str(key)], depth + 1)])
+                else:
+                    kind = "int" if isinstance(key, int) else "str"
+                    stored, part = (int(key) if kind == "int" else key), str(key)
+                if _is_tensor(child):  # the common leaf, without a call of its own
+                    name = name_for([*parts, part])
+                    tensors[name] = child
+                    items.append([kind, stored, {"type": "tensor", "name": name}])
+                    continue
+                items.append([kind, stored, walk(child, [*parts, part], depth + 1)])
             return {"type": "dict", "items": items}
         if isinstance(obj, (list, tuple)):
             kind = "tuple" if isinstance(obj, tuple) else "list"
@@ -105,6 +121,7 @@ def flatten_state(
                 "type": kind,
                 "items": [walk(child, [*parts, str(i)], depth + 1) for i, child in enumerate(obj)],
             }
+        where = where_of(parts)
         if to_state is not None:
             converted = to_state(obj, where)
             if isinstance(converted, Tagged):

@@ -99,7 +99,7 @@ def check_tensor(name: str, component: str, tensor: torch.Tensor) -> None:
             f"{where} is a {tensor.layout} tensor; safetensors stores dense tensors only. "
             "Call `.to_dense()` on it before saving"
         )
-    if tensor.device.type == "meta":
+    if tensor.is_meta:
         raise InvalidStateError(
             f"{where} is on the meta device and holds no data; materialize the module "
             "(e.g. `module.to_empty(device='cpu')` and initialize it) before saving"
@@ -133,11 +133,11 @@ def hf_storage(tensor: torch.Tensor) -> tuple[tuple[Any, ...] | None, int]:
     identity (so they go to one file, counted once), contiguous or not, as there;
     ``meta`` descriptors and DTensors count their (global) bytes and share nothing.
     """
-    nbytes = tensor.numel() * tensor.element_size()
-    if type(tensor).__name__ == "DTensor" or tensor.device.type == "meta":
-        return None, nbytes
+    if type(tensor).__name__ == "DTensor" or tensor.is_meta:
+        return None, tensor.numel() * tensor.element_size()
     storage = tensor.untyped_storage()
-    return (tensor.device, storage.data_ptr(), storage.nbytes()), storage.nbytes()
+    nbytes = storage.nbytes()
+    return (tensor.device, storage.data_ptr(), nbytes), nbytes
 
 
 def _end_ptr(tensor: torch.Tensor) -> int:
@@ -204,16 +204,18 @@ def storage_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
     if type(tensor).__name__ == "DTensor":
         with torch.no_grad():  # the local tensor itself, not an autograd node (~70 us each)
             tensor = tensor.to_local()  # type: ignore[attr-defined]
-    if tensor.numel() == 0 or tensor.device.type == "meta":
+    if tensor.numel() == 0 or tensor.is_meta:
         return None
+    # The first element's address stands for (storage, offset): the same address, shape,
+    # strides and dtype are the same bytes, and it costs no storage object per tensor. A
+    # lazily conjugated or negated view of those bytes holds other values.
     return (
         tensor.device,
-        tensor.untyped_storage().data_ptr(),
-        tensor.storage_offset(),
+        tensor.data_ptr(),
         tuple(tensor.shape),
         tuple(tensor.stride()),
         tensor.dtype,
-        tensor.is_conj(),  # x.conj() shares x's memory but holds other values
+        tensor.is_conj(),
         tensor.is_neg(),
     )
 

@@ -101,6 +101,8 @@ class ReadBatch:
         self.threads = threads
         """Reader threads (default: ``reader_threads()``)."""
         self.tasks: list[ReadTask] = []
+        self._names: dict[str, str] = {}
+        """Data file -> how errors name it."""
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def fill(
@@ -120,6 +122,8 @@ class ReadBatch:
         if offsets is None:
             offsets = (0,) * dest.dim()
         if dest.numel() == 0:
+            return
+        if self._fill_whole(record, dest, label, offsets):
             return
         covered = 0
         for chunk in record.chunks:
@@ -143,7 +147,7 @@ class ReadBatch:
             item = entry.dtype.itemsize
             name = self.ckpt.location if self.ckpt.kind == "hf-file" else os.path.join(self.ckpt.location, chunk.file)
             path = self.ckpt.file_path(chunk.file)
-            fd = self.ckpt.fd(chunk.file) if self.ckpt.store is None else -1
+            fd = self._fd(chunk.file)
             pos = 0
             for start, length in byte_runs(chunk.shape, relative, box_shape, item):
                 count = length // item
@@ -168,6 +172,46 @@ class ReadBatch:
                 "the checkpoint is incomplete for this tensor"
             )
 
+    def _fd(self, file: str) -> int:
+        """The checkpoint's held descriptor of ``file`` (-1 on an object store)."""
+        return self.ckpt.fd(file) if self.ckpt.store is None else -1
+
+    def _name(self, file: str) -> str:
+        """How errors name data file ``file`` (worked out once per file)."""
+        name = self._names.get(file)
+        if name is None:
+            name = self._names[file] = (
+                self.ckpt.location if self.ckpt.kind == "hf-file" else os.path.join(self.ckpt.location, file)
+            )
+        return name
+
+    def _fill_whole(
+        self, record: TensorRecord, dest: torch.Tensor, label: str, offsets: tuple[int, ...], entry: Any = None
+    ) -> bool:
+        """The common case of :meth:`fill` without its box arithmetic: the record is one
+        chunk, the whole tensor, read whole into a contiguous ``dest``. False otherwise."""
+        chunk = record.chunks[0]
+        if len(record.chunks) != 1 or chunk.shape != record.shape or dest.shape != chunk.shape:
+            return False
+        if any(offsets) or any(chunk.offsets) or not dest.is_contiguous():
+            return False
+        if entry is None:
+            entry = self.ckpt.entry(chunk, record.dtype, label)
+        self.tasks.append(
+            ReadTask(
+                name=self._name(chunk.file),
+                path=self.ckpt.file_path(chunk.file),
+                start=entry.start,
+                nbytes=entry.nbytes,
+                dest=dest.view(-1) if dest.dim() else dest.view(1),
+                stored_dtype=entry.dtype,
+                crc32c=chunk.crc32c if self.verify else None,
+                label=label,
+                fd=self._fd(chunk.file),
+            )
+        )
+        return True
+
     @property
     def planned_bytes(self) -> int:
         return sum(t.nbytes for t in self.tasks)
@@ -186,10 +230,22 @@ class ReadBatch:
 
         Every chunk is checked against its file before the tensor is allocated.
         """
-        self.check(record, label)
-        stored = self.ckpt.entry(record.chunks[0], record.dtype, label).dtype
+        entry = self.ckpt.entry(record.chunks[0], record.dtype, label)
+        if len(record.chunks) > 1:
+            self.check(record, label)
+        stored = entry.dtype
         want = dtype if (dtype is not None and stored.is_floating_point) else stored
-        dest = allocate(record.shape, want, device, f"{self.ckpt.location}, tensor {label!r}")
+        dest = allocate(record.shape, want, device, self.ckpt.location, label)
+        chunk = record.chunks[0]
+        if entry.nbytes and len(record.chunks) == 1 and chunk.shape == record.shape and not any(chunk.offsets):
+            # The whole tensor into memory of its shape just allocated: _fill_whole's case,
+            # without its checks (a state of 10^5 small tensors takes this 10^5 times).
+            self.tasks.append(
+                ReadTask(self._name(chunk.file), self.ckpt.file_path(chunk.file), entry.start, entry.nbytes,
+                         dest if dest.dim() == 1 else dest.view(-1) if dest.dim() else dest.view(1), entry.dtype,
+                         chunk.crc32c if self.verify else None, label, self._fd(chunk.file))
+            )
+            return dest
         self.fill(record, dest, label)
         return dest
 
@@ -214,11 +270,15 @@ def _buffer_size(value: int | str | None) -> int | None:
     return size
 
 
-def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, what: str) -> torch.Tensor:
+def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, location: str,
+             label: str) -> torch.Tensor:
     """``torch.empty``, with the allocator's refusal as an :class:`InsufficientMemoryError`."""
     try:
-        return torch.empty(shape, dtype=dtype, device=device)
+        # (a CPU tensor without the device argument: parsing it costs as much as the rest)
+        return torch.empty(shape, dtype=dtype) if device.type == "cpu" else torch.empty(
+            shape, dtype=dtype, device=device)
     except (RuntimeError, MemoryError) as exc:
+        what = f"{location}, tensor {label!r}"
         if "alloc" not in str(exc).lower() and "memory" not in str(exc).lower():
             raise
         nbytes = math.prod(shape) * dtype.itemsize
@@ -557,8 +617,10 @@ class _Planner:
         """Where a target tensor must be replaced by a new one (device, dtype), or None to
         fill it in place: a meta tensor; a floating-point one of another dtype than
         ``dtype=`` asks; a buffer of an empty model away from its placement."""
+        if fit is None and not tensor.is_meta:
+            return None  # a plain dict's tensor: filled where it is (asked per tensor: no placement)
         device, want = self.placement(key, tensor, fit.keep_fp32 if fit else None)
-        if tensor.device.type == "meta":
+        if tensor.is_meta:
             return device, want
         if fit is None or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
             return None  # a plain dict's tensor or a DTensor: filled where it is
@@ -587,8 +649,9 @@ class _Planner:
             else:
                 matched.append(key)
         first_with: dict[Any, str] = {}
+        ids = {m: identities(targets[m]) for m in matched}  # asked again below: once each
         for m in matched:
-            for ident in identities(targets[m]):
+            for ident in ids[m]:
                 first_with.setdefault(ident, m)
         tied: dict[str, str] = {}  # target key absent from the checkpoint -> matched key it is tied to
         to_tie: list[str] = []  # tied by the model's declaration only: made to share the twin's tensor
@@ -635,7 +698,7 @@ class _Planner:
                         continue  # the device map keeps it off this process
                     if isinstance(self.batch, ReadBatch):
                         self.batch.check(record, stored)  # every chunk against its file, before allocating
-                    new = allocate(tuple(tensor.shape), dtype, device, f"{self.location}, tensor {stored!r}")
+                    new = allocate(tuple(tensor.shape), dtype, device, self.location, stored)
                     self.batch.fill(record, new, stored)
                     if isinstance(tensor, torch.nn.Parameter) and tensor.device.type != "meta":
                         # A real parameter keeps its identity (optimizers, hooks): new data only.
@@ -658,7 +721,7 @@ class _Planner:
 
                     self.post.append(put)
                 continue
-            idents = identities(tensor)
+            idents = ids[key]
             if any(i in filled for i in idents):
                 continue  # tied to a tensor already being filled
             filled.update(idents)

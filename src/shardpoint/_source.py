@@ -232,6 +232,9 @@ class Checkpoint:
 
     def header(self, name: str) -> SafetensorsHeader:
         """The validated header of data file ``name`` (read once, then cached)."""
+        cached = self._headers.get(name)  # a dict lookup is atomic: no lock once it is there
+        if cached is not None:
+            return cached
         with self._lock:
             cached = self._headers.get(name)
         if cached is not None:
@@ -301,14 +304,15 @@ class Checkpoint:
     def entry(self, chunk: ChunkRef, dtype: str, label: str) -> HeaderEntry:
         """The header entry holding ``chunk``, checked against what the manifest says."""
         header = self.header(chunk.file)
-        where = self.file_label(chunk.file)
         entry = header.entries.get(chunk.key)
         if entry is None:
+            where = self.file_label(chunk.file)
             raise CorruptCheckpointError(
                 f"{where}: tensor {label!r} (key {chunk.key!r}) is listed in the checkpoint's "
                 "index/manifest but absent from this file; the checkpoint is damaged"
             )
         if entry.dtype_name != dtype or entry.shape != chunk.shape:
+            where = self.file_label(chunk.file)
             raise CorruptCheckpointError(
                 f"{where}: tensor {label!r} is {entry.dtype_name}{list(entry.shape)} in the file "
                 f"but {dtype}{list(chunk.shape)} in the manifest; the checkpoint is damaged"

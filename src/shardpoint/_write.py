@@ -11,6 +11,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ._format.dtypes import dtype_name
 from ._format.index import index_name, render_index
 from ._format.manifest import MANIFEST_NAME, ChunkRef, ComponentRecord, Manifest, TensorRecord
@@ -55,6 +57,18 @@ def file_metadata(save_id: str) -> dict[str, str]:
     return {"format": "pt", "shardpoint.save_id": save_id}
 
 
+def describe_tensors(
+    tensors: Mapping[str, torch.Tensor], names: list[str]
+) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    """(safetensors dtype, shape, stored bytes) of each named tensor, worked out once: the
+    file plans and the manifest records both need them."""
+    out = {}
+    for name in names:
+        t = tensors[name]
+        out[name] = (dtype_name(t.dtype, key=name), tuple(t.shape), t.nbytes)
+    return out
+
+
 def write_checkpoint(
     prepared: PreparedState,
     path: str | os.PathLike[str],
@@ -87,17 +101,18 @@ def write_checkpoint(
     file_of: dict[tuple[str, str], str] = {}
     files: dict[str, int] = {}
     indexes: dict[str, bytes] = {}
+    described: dict[str, dict[str, tuple[str, tuple[int, ...], int]]] = {}
     for comp in prepared.components:
         if not comp.stored:
             continue  # a component of JSON values only lives in the manifest
+        info = described[comp.name] = describe_tensors(comp.tensors, comp.stored)
         sizes, storage = hf_sizes(comp)
         groups = plan_shards(sizes, max_shard_bytes, storage=storage)
         weight_map: dict[str, str] = {}
         for fname, group in zip(shard_file_names(comp.name, len(groups)), groups, strict=False):
             specs = []
             for key in group:
-                t = comp.tensors[key]
-                specs.append(TensorSpec(key, dtype_name(t.dtype, key=key), tuple(t.shape), t.numel() * t.element_size()))
+                specs.append(TensorSpec(key, *info[key]))
                 weight_map[key] = file_of[(comp.name, key)] = fname
             plan = plan_file(specs, file_meta)
             tensors = tuple((k, comp.tensors[k], plan.ranges[k][0]) for k in group)
@@ -122,12 +137,12 @@ def write_checkpoint(
         records: dict[str, ComponentRecord] = {}
         for comp in prepared.components:
             tensor_records = {}
+            info = described.get(comp.name, {})
             for name in comp.stored:
-                t = comp.tensors[name]
+                dtype, shape, _nbytes = info[name]
                 fname = file_of[(comp.name, name)]
-                shape = tuple(t.shape)
                 chunk = ChunkRef(fname, name, (0,) * len(shape), shape, crcs[(fname, name)])
-                tensor_records[name] = TensorRecord(dtype_name(t.dtype, key=name), shape, (chunk,))
+                tensor_records[name] = TensorRecord(dtype, shape, (chunk,))
             records[comp.name] = ComponentRecord(comp.tree, tensor_records, dict(comp.aliases))
         write_manifest(
             txn,

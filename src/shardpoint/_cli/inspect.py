@@ -59,7 +59,7 @@ from typing import Any
 from .._format.companions import PICKLE_WEIGHTS, torch_weights_file
 from .._format.dtypes import NAME_TO_DTYPE, dtype_name, itemsize
 from .._format.index import index_name
-from .._format.manifest import FORMAT_VERSION, MANIFEST_NAME
+from .._format.manifest import MANIFEST_NAME
 from .._hub import resolve_hub
 from .._sizes import human_size
 from .._source import Checkpoint, is_tmp, open_checkpoint
@@ -350,7 +350,7 @@ def describe(ckpt: Checkpoint, *, pattern: str | None = None, limit: int = 0) ->
     return {
         "path": ckpt.location,
         "format": ckpt.kind,
-        "format_version": FORMAT_VERSION if manifest is not None else None,
+        "format_version": manifest.format_version if manifest is not None else None,
         "library_version": manifest.library_version if manifest is not None else None,
         "created": manifest.created if manifest is not None else None,
         "save_id": manifest.save_id if manifest is not None else None,

@@ -55,4 +55,5 @@ def dtype_name(dtype: torch.dtype, *, key: str) -> str:
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    """Bytes per element of ``dtype``."""
+    return int(dtype.itemsize)

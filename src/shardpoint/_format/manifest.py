@@ -9,23 +9,27 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .._flatten import validate_tree
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from .dtypes import dtype_from_name, itemsize
 from .names import check_component_name, check_file_name
-from .safetensors import addressable, parse_json_object
+from .safetensors import addressable, parse_json_object, quick_shape
 
 MANIFEST_NAME = "shardpoint.json"
 FORMAT_NAME = "shardpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Written by this shardpoint. Version 2 lets a chunk that is its whole tensor leave out
+``offsets`` and ``shape``, and any chunk leave out a ``key`` equal to the tensor's name."""
+READ_VERSIONS = (1, 2)
+"""Versions this shardpoint reads (version 1 chunks give every field)."""
 LAYOUTS = ("hf", "chunked")
 
 
-@dataclass(frozen=True)
-class ChunkRef:
-    """Where one stored piece of a tensor lives."""
+class ChunkRef(NamedTuple):
+    """Where one stored piece of a tensor lives. (Named tuples, this and ``TensorRecord``:
+    a manifest holds one per tensor, and a state may hold 10^5 small ones.)"""
 
     file: str
     """Data file (a plain basename inside the checkpoint)."""
@@ -42,8 +46,7 @@ class ChunkRef:
         return math.prod(self.shape)
 
 
-@dataclass(frozen=True)
-class TensorRecord:
+class TensorRecord(NamedTuple):
     """A tensor of the saved state: global dtype and shape, and the chunks that hold it."""
 
     dtype: str
@@ -75,6 +78,8 @@ class Manifest:
     files: dict[str, int]
     """Data file name -> size in bytes."""
     metadata: dict[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+    """The version the manifest was read as (``to_json`` always writes ``FORMAT_VERSION``)."""
 
     def to_json(self) -> bytes:
         doc = {
@@ -95,16 +100,7 @@ class Manifest:
                         tname: {
                             "dtype": rec.dtype,
                             "shape": list(rec.shape),
-                            "chunks": [
-                                {
-                                    "file": c.file,
-                                    "key": c.key,
-                                    "offsets": list(c.offsets),
-                                    "shape": list(c.shape),
-                                    "crc32c": c.crc32c,
-                                }
-                                for c in rec.chunks
-                            ],
+                            "chunks": [chunk_json(c, tname, rec.shape) for c in rec.chunks],
                         }
                         for tname, rec in comp.tensors.items()
                     },
@@ -116,6 +112,21 @@ class Manifest:
         # Compact: the C encoder (``indent`` forces the pure-Python one, ~100x slower on the
         # manifest of a large sharded model). ``shardpoint inspect`` is the readable view.
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def chunk_json(chunk: ChunkRef, name: str, shape: tuple[int, ...]) -> dict[str, Any]:
+    """A chunk's manifest entry, leaving out what version 2 lets a reader infer: the
+    ``key`` when it is the tensor's ``name``, ``offsets`` and ``shape`` when the chunk is
+    the whole tensor (a state of many small tensors would otherwise spend most of its
+    manifest repeating them)."""
+    doc: dict[str, Any] = {"file": chunk.file}
+    if chunk.key != name:
+        doc["key"] = chunk.key
+    if chunk.shape != shape or any(chunk.offsets):
+        doc["offsets"] = list(chunk.offsets)
+        doc["shape"] = list(chunk.shape)
+    doc["crc32c"] = chunk.crc32c
+    return doc
 
 
 def _need(cond: bool, where: str, what: str) -> None:
@@ -138,17 +149,51 @@ def _shape(value: Any, where: str, what: str) -> tuple[int, ...]:
     return shape
 
 
+_ZEROS = [(0,) * n for n in range(65)]
+
+
+def _whole_tensor(
+    rec: Any, name: str, files: dict[str, int], used: set[tuple[str, str]], item_of: dict[str, int]
+) -> TensorRecord | None:
+    """The record of a tensor stored whole under its own name, as format 2 writes it
+    (``{"dtype", "shape", "chunks": [{"file", "crc32c"}]}``) when every check passes
+    plainly; None sends it through the full checks, which say what is wrong. A state of
+    10^5 small tensors is 10^5 of these."""
+    if type(rec) is not dict or len(rec) != 3:
+        return None
+    dtype, chunks = rec.get("dtype"), rec.get("chunks")
+    if type(dtype) is not str:
+        return None
+    item = item_of.get(dtype)
+    shape = quick_shape(rec.get("shape"))
+    if item is None or shape is None or type(chunks) is not list or len(chunks) != 1:
+        return None
+    chunk = chunks[0]
+    if type(chunk) is not dict or len(chunk) != 2 or "file" not in chunk or "crc32c" not in chunk:
+        return None
+    file, crc = chunk["file"], chunk["crc32c"]
+    if type(file) is not str or file not in files or (file, name) in used:
+        return None
+    if crc is not None and not (type(crc) is int and 0 <= crc < 2**32):
+        return None
+    if math.prod(shape) * item > files[file]:
+        return None
+    used.add((file, name))
+    return TensorRecord(dtype, shape, (ChunkRef(file, name, _ZEROS[len(shape)], shape, crc),))
+
+
 def parse_manifest(raw: bytes, *, where: str) -> Manifest:
     """Validate and decode a manifest; ``where`` names the file in errors."""
     doc = parse_json_object(raw, where=where)
     if doc.get("format") != FORMAT_NAME:
         raise UnsupportedFormatError(f"{where}: 'format' is {repr(doc.get('format'))[:80]}, not 'shardpoint'")
     version = doc.get("format_version")
-    if version != FORMAT_VERSION:
+    if type(version) is not int or version not in READ_VERSIONS:
         raise UnsupportedFormatError(
             f"{where}: format_version {repr(version)[:80]} is not supported by this shardpoint "
-            f"(reads version {FORMAT_VERSION}); upgrade shardpoint to read it"
+            f"(reads versions {', '.join(map(str, READ_VERSIONS))}); upgrade shardpoint to read it"
         )
+    compact = version >= 2
     layout = doc.get("layout")
     if layout not in LAYOUTS:
         raise UnsupportedFormatError(f"{where}: unknown layout {repr(layout)[:80]}; known: {', '.join(LAYOUTS)}")
@@ -180,6 +225,8 @@ def parse_manifest(raw: bytes, *, where: str) -> Manifest:
     # Each stored (file, key) backs one chunk of one tensor (tied weights are aliases), so
     # the tensors of a manifest can never need more memory than its files hold.
     used: set[tuple[str, str]] = set()
+    item_of: dict[str, int] = {}
+    """Bytes per element of each dtype string already checked."""
     for cname, craw in comps_raw.items():
         check_component_name(cname, where=where)
         cwhere = f"{where}, component {cname!r}"
@@ -196,18 +243,24 @@ def parse_manifest(raw: bytes, *, where: str) -> Manifest:
         _need(isinstance(traw, dict), cwhere, "'tensors' is missing")
         tensors: dict[str, TensorRecord] = {}
         for tname, rec in traw.items():
+            whole = _whole_tensor(rec, tname, files, used, item_of) if compact else None
+            if whole is not None:
+                tensors[tname] = whole
+                continue
             twhere = f"{cwhere}, tensor {tname!r}"
             _need(isinstance(rec, dict), twhere, "entry is not an object")
             dtype = rec.get("dtype")
-            item = itemsize(dtype_from_name(dtype, where=twhere))
-            shape = _shape(rec.get("shape"), twhere, "shape")
+            item = item_of.get(dtype) if type(dtype) is str else None
+            if item is None:
+                item = item_of[dtype] = itemsize(dtype_from_name(dtype, where=twhere))
+            shape = quick_shape(rec.get("shape")) or _shape(rec.get("shape"), twhere, "shape")
             chunks_raw: Any = rec.get("chunks")
             _need(isinstance(chunks_raw, list) and bool(chunks_raw), twhere, "'chunks' is missing or empty")
             chunks = []
             covered = 0
             for ch in chunks_raw:
                 _need(isinstance(ch, dict), twhere, "a chunk is not an object")
-                cfile, ckey = ch.get("file"), ch.get("key")
+                cfile, ckey = ch.get("file"), ch.get("key", tname) if compact else ch.get("key")
                 _need(isinstance(cfile, str) and cfile in files, twhere, f"chunk file {cfile!r} is not in 'files'")
                 _need(isinstance(ckey, str), twhere, "chunk key is not a string")
                 _need(
@@ -216,14 +269,17 @@ def parse_manifest(raw: bytes, *, where: str) -> Manifest:
                     f"chunk {ckey!r} of {cfile!r} is already used by another tensor",
                 )
                 used.add((cfile, ckey))
-                offs = _int_list(ch.get("offsets"), twhere, "chunk offsets")
-                cshape = _shape(ch.get("shape"), twhere, "chunk shape")
-                _need(
-                    len(offs) == len(shape) == len(cshape)
-                    and all(o + s <= d for o, s, d in zip(offs, cshape, shape, strict=False)),
-                    twhere,
-                    f"chunk at {list(offs)} of shape {list(cshape)} does not fit shape {list(shape)}",
-                )
+                if compact and "offsets" not in ch and "shape" not in ch:
+                    offs, cshape = (0,) * len(shape), shape  # the whole tensor
+                else:
+                    offs = _int_list(ch.get("offsets"), twhere, "chunk offsets")
+                    cshape = _shape(ch.get("shape"), twhere, "chunk shape")
+                    _need(
+                        len(offs) == len(shape) == len(cshape)
+                        and all(o + s <= d for o, s, d in zip(offs, cshape, shape, strict=False)),
+                        twhere,
+                        f"chunk at {list(offs)} of shape {list(cshape)} does not fit shape {list(shape)}",
+                    )
                 crc = ch.get("crc32c")
                 _need(crc is None or (type(crc) is int and 0 <= crc < 2**32), twhere, "bad crc32c")
                 _need(
@@ -255,4 +311,5 @@ def parse_manifest(raw: bytes, *, where: str) -> Manifest:
         components=components,
         files=files,
         metadata=metadata,
+        format_version=version,
     )

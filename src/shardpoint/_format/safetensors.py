@@ -13,7 +13,7 @@ import os
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -28,9 +28,9 @@ HEADER_ALIGN = 8
 """The JSON header is padded with spaces so tensor data starts 8-byte aligned."""
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """A tensor as the planner sees it: enough to lay out a file."""
+class TensorSpec(NamedTuple):
+    """A tensor as the planner sees it: enough to lay out a file. (A named tuple: plans
+    make one per tensor, and a state may hold 10^5 small ones.)"""
 
     key: str
     """Name of the tensor inside the file."""
@@ -42,9 +42,8 @@ class TensorSpec:
     """Stored bytes: numel x itemsize."""
 
 
-@dataclass(frozen=True)
-class HeaderEntry:
-    """One validated tensor entry of a safetensors header."""
+class HeaderEntry(NamedTuple):
+    """One validated tensor entry of a safetensors header (a named tuple: one per tensor)."""
 
     key: str
     dtype: torch.dtype
@@ -88,15 +87,13 @@ def plan_file(specs: Sequence[TensorSpec], metadata: dict[str, str]) -> FileLayo
     """
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
     offset = 0
-    for spec in specs:
-        header[spec.key] = {
-            "dtype": spec.dtype,
-            "shape": list(spec.shape),
-            "data_offsets": [offset, offset + spec.nbytes],
-        }
-        offset += spec.nbytes
-    for spec in specs:
-        check_tensor_name(spec.key, where="planning a safetensors file")
+    relative: list[tuple[str, int, int]] = []
+    for key, dtype, shape, nbytes in specs:
+        check_tensor_name(key, where="planning a safetensors file")
+        end = offset + nbytes
+        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, end]}
+        relative.append((key, offset, end))
+        offset = end
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     raw += b" " * (-(8 + len(raw)) % HEADER_ALIGN)
     if len(raw) > SAFETENSORS_MAX_HEADER:
@@ -108,19 +105,20 @@ def plan_file(specs: Sequence[TensorSpec], metadata: dict[str, str]) -> FileLayo
             "or save with a smaller max_shard_size"
         )
     data_start = 8 + len(raw)
-    ranges = {}
-    for spec in specs:
-        begin, end = header[spec.key]["data_offsets"]
-        ranges[spec.key] = (data_start + begin, data_start + end)
+    ranges = {key: (data_start + begin, data_start + end) for key, begin, end in relative}
     return FileLayout(struct.pack("<Q", len(raw)) + raw, ranges, data_start + offset)
 
 
 def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise _DuplicateKey(key)
-        result[key] = value
+    # Built in C, then compared: a header or manifest holds an object per tensor, and a
+    # Python loop over every pair of each cost more than the parse itself.
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        seen: set[str] = set()
+        for key, _value in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
     return result
 
 
@@ -144,7 +142,11 @@ def parse_json_object(raw: bytes, *, where: str) -> dict[str, Any]:
     except UnicodeDecodeError as exc:
         raise CorruptCheckpointError(f"{where} is not valid UTF-8 ({exc}); the file is damaged") from None
     try:
-        value = json.loads(text, object_pairs_hook=_reject_duplicates, parse_int=_parse_int)
+        # ``parse_int`` (a call per integer) only where a ``-0`` may be: a header of 10^5
+        # tensors has 5 x 10^5 integers.
+        value = json.loads(
+            text, object_pairs_hook=_reject_duplicates, parse_int=_parse_int if "-0" in text else None
+        )
     except _DuplicateKey as dup:
         raise CorruptCheckpointError(
             f"{where} has the key {dup.key!r} twice; the file is damaged or forged"
@@ -166,7 +168,20 @@ MAX_EXTENT = 2**63 - 1
 
 def addressable(shape: Sequence[int]) -> bool:
     """Whether torch can describe a tensor of ``shape`` (zero dims do not shrink the strides)."""
+    if len(shape) <= 1:
+        return not shape or shape[0] <= MAX_EXTENT
     return math.prod(max(dim, 1) for dim in shape) <= MAX_EXTENT
+
+
+def quick_shape(value: Any) -> tuple[int, ...] | None:
+    """``value`` as a shape when it plainly is one (at most 4 dims, each below 2**15, so no
+    extent can pass 2**63); None when it needs the full checks, which name what is wrong."""
+    if type(value) is not list or len(value) > 4:
+        return None
+    for dim in value:
+        if type(dim) is not int or not 0 <= dim < 32768:
+            return None
+    return tuple(value)
 
 
 def _as_shape(value: Any, *, where: str) -> tuple[int, ...]:
@@ -202,36 +217,45 @@ def validate_header(raw: bytes, file_size: int, *, name: str) -> SafetensorsHead
         metadata = metadata_raw
     spans: list[tuple[int, int, str]] = []
     entries: dict[str, HeaderEntry] = {}
+    known: dict[str, tuple[torch.dtype, int]] = {}
+    """Each dtype string already checked: its dtype and bytes per element."""
+    # One pass per tensor, which a header of 10^5 small tensors runs 10^5 times: the error
+    # paths build their messages, the common path only checks.
     for key, info in obj.items():
-        where = f"{name}, tensor {key!r}"
-        if not isinstance(info, dict):
-            raise CorruptCheckpointError(f"{where}: entry is not an object")
-        unknown = set(info) - {"dtype", "shape", "data_offsets"}
-        if unknown or len(info) != 3:
+        if type(info) is not dict or len(info) != 3 or not ("dtype" in info and "shape" in info and "data_offsets" in info):
+            where = f"{name}, tensor {key!r}"
+            if not isinstance(info, dict):
+                raise CorruptCheckpointError(f"{where}: entry is not an object")
             raise CorruptCheckpointError(
                 f"{where}: entry must have exactly dtype, shape and data_offsets, has {sorted(info)}"
             )
         dtype_str = info["dtype"]
-        dtype = dtype_from_name(dtype_str, where=where)
-        shape = _as_shape(info["shape"], where=where)
+        seen = known.get(dtype_str) if type(dtype_str) is str else None
+        if seen is None:
+            dtype = dtype_from_name(dtype_str, where=f"{name}, tensor {key!r}")
+            seen = known[dtype_str] = (dtype, itemsize(dtype))
+        dtype, item = seen
+        shape = quick_shape(info["shape"]) or _as_shape(info["shape"], where=f"{name}, tensor {key!r}")
         offsets = info["data_offsets"]
         if (
-            not isinstance(offsets, list)
+            type(offsets) is not list
             or len(offsets) != 2
-            or any(type(o) is not int or o < 0 for o in offsets)
-            or offsets[0] > offsets[1]
+            or type(offsets[0]) is not int
+            or type(offsets[1]) is not int
+            or not 0 <= offsets[0] <= offsets[1]
         ):
             raise CorruptCheckpointError(
-                f"{where}: data_offsets {offsets!r} must be two non-negative, ordered integers"
+                f"{name}, tensor {key!r}: data_offsets {offsets!r} must be two non-negative, ordered integers"
             )
         begin, end = offsets
         if end > data_size:
             raise CorruptCheckpointError(
-                f"{where}: data_offsets {offsets!r} run past the end of the data "
+                f"{name}, tensor {key!r}: data_offsets {offsets!r} run past the end of the data "
                 f"({data_size} bytes); the file is truncated or damaged"
             )
-        expected = math.prod(shape) * itemsize(dtype)
+        expected = math.prod(shape) * item
         if end - begin != expected:
+            where = f"{name}, tensor {key!r}"
             raise CorruptCheckpointError(
                 f"{where}: data_offsets {offsets!r} hold {end - begin} bytes but dtype {dtype_str} "
                 f"and shape {list(shape)} need {expected}; the file is damaged"

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -199,6 +199,85 @@ def _pieces(nbytes: int, piece: int) -> list[tuple[int, int]]:
     return [(start, min(start + piece, nbytes)) for start in range(0, nbytes, piece)]
 
 
+SMALL_TENSOR_BYTES = 64 << 10
+"""Tensors of at most this many bytes are written (and read) in runs of neighbours: one
+``pwrite`` / ``preadv`` per run through one buffer, instead of one call (and one work item
+of the thread pool) per tensor, whose fixed cost dwarfs copying a few bytes."""
+
+SMALL_RUN_BYTES = 4 << 20
+"""Largest run of small tensors moved by one call."""
+
+
+def small_runs(
+    entries: Sequence[tuple[int, int]], *, tensor_max: int = SMALL_TENSOR_BYTES, run_max: int = SMALL_RUN_BYTES
+) -> list[tuple[int, int]]:
+    """Group (offset, nbytes) entries, in order, into runs of adjacent small ones.
+
+    Returns (first index, one past the last index) per run of at least two entries whose
+    bytes follow each other in the file with no gap, each at most ``tensor_max`` bytes and
+    the run at most ``run_max``; every other entry is left out (moved on its own).
+
+    >>> small_runs([(0, 4), (4, 4), (8, 100), (108, 4), (112, 4), (200, 4)], tensor_max=8)
+    [(0, 2), (3, 5)]
+    """
+    runs: list[tuple[int, int]] = []
+    first = -1
+    end = total = 0
+    for i, (offset, nbytes) in enumerate(entries):
+        if nbytes > tensor_max:
+            if first >= 0 and i - first > 1:
+                runs.append((first, i))
+            first = -1
+            continue
+        if first >= 0 and offset == end and total + nbytes <= run_max:
+            end += nbytes
+            total += nbytes
+            continue
+        if first >= 0 and i - first > 1:
+            runs.append((first, i))
+        first, end, total = i, offset + nbytes, nbytes
+    if first >= 0 and len(entries) - first > 1:
+        runs.append((first, len(entries)))
+    return runs
+
+
+def _host_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself when its memory holds exactly its stored bytes (contiguous CPU, no
+    lazy conjugate or negative bit), else such a copy (:func:`contiguous_cpu`)."""
+    if tensor.is_contiguous() and tensor.device.type == "cpu" and not (tensor.is_conj() or tensor.is_neg()):
+        return tensor
+    return contiguous_cpu(tensor)
+
+
+def _write_small_run(
+    fd: int, items: Sequence[tuple[str, torch.Tensor, int]], start: int, nbytes: int
+) -> list[tuple[str, int]]:
+    """Pack the bytes of small tensors lying back to back from ``start`` into one buffer,
+    checksum each from it (still in cache) and write the buffer with one ``pwrite``.
+
+    Returns (key, crc32c) per tensor. ``items``: (key, tensor, byte count) in file order.
+    """
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf)) if nbytes else 0
+    crcs = []
+    pos = 0
+    memmove = ctypes.memmove
+    for key, tensor, size in items:
+        if size:
+            source = _host_bytes(tensor)
+            if source.numel() * source.element_size() != size:
+                raise AssertionError("tensor byte size changed during save")
+            memmove(base + pos, source.data_ptr(), size)
+            crcs.append((key, crc32c_update(view[pos : pos + size], 0)))
+            pos += size
+        else:
+            crcs.append((key, 0))
+    del view
+    _pwrite_all(fd, memoryview(buf), start)
+    return crcs
+
+
 @dataclass(frozen=True)
 class FileWrite:
     """One data file to write: its header and, in order, the tensors and their offsets."""
@@ -245,21 +324,49 @@ def write_files(
                     _pwrite_all(fd, memoryview(f.header), 0)
 
         # Work items, round-robin across files so concurrent threads mostly hit different inodes.
-        per_file: list[list[tuple[str, str, torch.Tensor, int, int, int]]] = []
+        # A run of small neighbouring tensors is one item (``small_runs``).
+        per_file: list[list[Any]] = []
         for f in files:
-            items = []
-            for key, tensor, offset in f.tensors:
-                nbytes = tensor.numel() * tensor.element_size()
+            items: list[Any] = []
+            sizes = [(offset, tensor.numel() * tensor.element_size()) for _key, tensor, offset in f.tensors]
+            runs = small_runs(sizes)
+            run_at = {first: stop for first, stop in runs}
+            i = 0
+            while i < len(f.tensors):
+                stop = run_at.get(i)
+                if stop is not None:
+                    members = tuple((k, t, sizes[j][1]) for j, (k, t, _o) in enumerate(f.tensors[i:stop], i))
+                    start = sizes[i][0]
+                    items.append((f.name, members, start, sizes[stop - 1][0] + sizes[stop - 1][1] - start))
+                    i = stop
+                    continue
+                key, tensor, offset = f.tensors[i]
+                nbytes = sizes[i][1]
                 simple = tensor.device.type == "cpu" and tensor.is_contiguous() and not tensor.is_conj()
                 spans = _pieces(nbytes, PIECE_BYTES) if simple else [(0, nbytes)]
                 for start, end in spans:
                     items.append((f.name, key, tensor, offset, start, end))
+                i += 1
             per_file.append(items)
-        work: list[tuple[str, str, torch.Tensor, int, int, int]] = []
+        work: list[Any] = []
         for i in range(max((len(x) for x in per_file), default=0)):
             work.extend(items[i] for items in per_file if i < len(items))
+        whole: dict[tuple[str, str], int] = {}
+        """crc32c of the tensors written in small runs (each whole, in one piece)."""
 
-        def run(item: tuple[str, str, torch.Tensor, int, int, int]) -> None:
+        def run(item: Any) -> None:
+            if len(item) == 4:
+                fname, members, at, nbytes = item
+                with naming(os.path.join(directory, fname)):
+                    crcs = _write_small_run(fds[fname], members, at, nbytes)
+                    if durable:
+                        start_writeback(fds[fname], at, nbytes)
+                if advance is not None:
+                    advance(nbytes)
+                with lock:
+                    for key, crc in crcs:
+                        whole[(fname, key)] = crc
+                return
             fname, key, tensor, offset, start, end = item
             data = byte_view(contiguous_cpu(tensor))
             if len(data) != tensor.numel() * tensor.element_size():
@@ -285,7 +392,8 @@ def write_files(
     finally:
         for fd in fds.values():
             os.close(fd)
-    return {k: _combine([(c, n) for _, c, n in sorted(v)]) for k, v in results.items()}
+    whole.update((k, _combine([(c, n) for _, c, n in sorted(v)])) for k, v in results.items())
+    return whole
 
 
 def _cpu_count() -> int:
@@ -366,13 +474,58 @@ def _run_all(fn: Callable[..., object], items: Sequence[object], threads: int) -
             raise errors[0]
 
 
-@dataclass(frozen=True)
-class ReadTask:
+def _same_file_runs(entries: Sequence[tuple[str, int, int]]) -> list[tuple[int, int]]:
+    """:func:`small_runs` over (file, offset, nbytes) entries: a run stays in one file.
+    An offset of -1 keeps an entry out of every run."""
+    runs: list[tuple[int, int]] = []
+    first = 0
+    for i in range(1, len(entries) + 1):
+        if i == len(entries) or entries[i][0] != entries[first][0]:
+            group = [(offset, nbytes) for _path, offset, nbytes in entries[first:i]]
+            runs.extend((first + a, first + b) for a, b in small_runs(group))
+            first = i
+    return runs
+
+
+def _read_small_run(fd: int, tasks: Sequence[ReadTask]) -> list[int]:
+    """Read the bytes of small tasks lying back to back in one file with one request into
+    one buffer, then checksum each task's slice (in cache) and copy it into its tensor.
+
+    Returns the crc32c of each task's bytes (0 where it carries no crc to check).
+    """
+    start = tasks[0].start
+    nbytes = tasks[-1].start + tasks[-1].nbytes - start
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    got = 0
+    while got < nbytes:
+        n = os.preadv(fd, [view[got:]], start + got)
+        if n == 0:
+            short = next(t for t in tasks if t.start + t.nbytes > start + got)
+            raise CorruptCheckpointError(
+                f"{short.name}: unexpected end of file at byte {start + got}; the file is truncated"
+            )
+        got += n
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf)) if nbytes else 0
+    memmove = ctypes.memmove
+    crcs = []
+    for task in tasks:
+        pos = task.start - start
+        size = task.nbytes
+        crcs.append(crc32c_update(view[pos : pos + size], 0) if task.crc32c is not None else 0)
+        if size:
+            memmove(task.dest.data_ptr(), base + pos, size)
+    del view
+    return crcs
+
+
+class ReadTask(NamedTuple):
     """Read ``nbytes`` at ``start`` of file ``name`` into ``dest``.
 
     ``dest`` is a contiguous tensor. When it is a CPU tensor of the stored dtype the bytes
     land in its memory directly; otherwise they pass through a staging buffer and are
     cast / copied into it. ``crc32c``, when given, is checked over the whole range.
+    (A named tuple: a load makes one per tensor, and a state may hold 10^5 small ones.)
     """
 
     name: str
@@ -498,12 +651,34 @@ def run_reads(
         with fd_lock:
             refused.add(task.path)
 
-    work: list[tuple[int, ReadTask, int, int]] = []
-    for i, task in enumerate(tasks):
-        direct = task.dest.device.type == "cpu" and task.dest.dtype == task.stored_dtype
+    work: list[Any] = []
+    # Small tasks reading neighbouring bytes of one file straight into CPU memory are read
+    # together: one request into one buffer, split by the run (``_read_small_run``).
+    candidates = [
+        (task.path, task.start, task.nbytes)
+        if task.dest.is_cpu
+        and task.dest.dtype == task.stored_dtype
+        and task.dest.is_contiguous()
+        and task.dest.nbytes == task.nbytes  # copied with memmove: exactly its bytes
+        else ("", -1, SMALL_TENSOR_BYTES + 1)
+        for task in tasks
+    ]
+    run_at = {first: stop for first, stop in _same_file_runs(candidates)}
+    small_crcs: dict[int, int] = {}
+    """crc32c of each task read in a small run (each whole, in one piece)."""
+    i = 0
+    while i < len(tasks):
+        stop = run_at.get(i)
+        if stop is not None:
+            work.append((i, stop))
+            i = stop
+            continue
+        task = tasks[i]
+        direct = task.dest.is_cpu and task.dest.dtype == task.stored_dtype
         piece = PIECE_BYTES if direct else max(staging_bytes // 64 * 64, 64)
         for start, end in _pieces(task.nbytes, piece):
             work.append((i, task, start, end))
+        i += 1
 
     segment = cfg.io_segment_bytes
     copy_cached = None
@@ -513,14 +688,24 @@ def run_reads(
     # only thrash (the read threads outnumber the cores for the disk's sake: cold reads wait).
     copy_slots = threading.Semaphore(_cpu_count())
 
-    def run(item: tuple[int, ReadTask, int, int]) -> None:
-        with read_errors_named(item[1].name):
+    def run(item: Any) -> None:
+        with read_errors_named((tasks[item[0]] if len(item) == 2 else item[1]).name):
             read_piece(item)
 
-    def read_piece(item: tuple[int, ReadTask, int, int]) -> None:
+    def read_piece(item: Any) -> None:
+        if len(item) == 2:
+            first, stop = item
+            members = tasks[first:stop]
+            with naming(members[0].path):
+                run_crcs = _read_small_run(fd_for(members[0]), members)
+            if advance is not None:
+                advance(sum(t.nbytes for t in members))
+            with crc_lock:
+                small_crcs.update(zip(range(first, stop), run_crcs, strict=True))
+            return
         i, task, start, end = item
         fd = fd_for(task)
-        direct = task.dest.device.type == "cpu" and task.dest.dtype == task.stored_dtype
+        direct = task.dest.is_cpu and task.dest.dtype == task.stored_dtype
         slot, buffer = -1, None
         if direct:
             view = byte_view(task.dest)[start:end]
@@ -595,7 +780,9 @@ def run_reads(
     for i, task in enumerate(tasks):
         if task.crc32c is None:
             continue
-        got = _combine([(c, n) for _, c, n in sorted(crcs.get(i, []))])
+        got = small_crcs.get(i)
+        if got is None:
+            got = _combine([(c, n) for _, c, n in sorted(crcs.get(i, []))])
         if got != task.crc32c:
             raise ChecksumMismatchError(
                 f"{task.name}, tensor {task.label!r}: crc32c of the stored bytes is {got:#010x}, "

@@ -1,0 +1,228 @@
+"""Many small tensors: the coalesced write and read runs, and the compact manifest (format 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import shardpoint as sp
+from shardpoint._checksum import crc32c
+from shardpoint._io.transfer import SMALL_TENSOR_BYTES, small_runs
+from shardpoint.errors import ChecksumMismatchError, CorruptCheckpointError
+
+
+def _state(count: int = 300) -> dict[str, torch.Tensor]:
+    """Small tensors of mixed dtypes and shapes, with one large tensor in the middle (it
+    splits the runs) and an empty one."""
+    state: dict[str, torch.Tensor] = {}
+    for i in range(count):
+        state[f"layers.{i}.w"] = torch.arange(4, dtype=torch.float32) + i
+        if i % 7 == 0:
+            state[f"layers.{i}.b"] = torch.tensor([i, -i], dtype=torch.int64)
+        if i % 11 == 0:
+            state[f"layers.{i}.h"] = torch.full((2, 3), i / 8, dtype=torch.bfloat16)
+    state["big"] = torch.arange(SMALL_TENSOR_BYTES // 4 + 1, dtype=torch.float32)
+    state["empty"] = torch.zeros(0)
+    state["scalar"] = torch.tensor(3.5)
+    return state
+
+
+def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for key, tensor in want.items():
+        assert got[key].dtype == tensor.dtype and got[key].shape == tensor.shape, key
+        assert torch.equal(got[key], tensor), key
+
+
+def test_small_runs_groups_adjacent_small_entries() -> None:
+    entries = [(0, 4), (4, 4), (8, 100), (108, 4), (112, 4), (116, 0), (200, 4), (204, 4)]
+    assert small_runs(entries, tensor_max=8) == [(0, 2), (3, 6), (6, 8)]
+    # the run limit cuts a run; a single leftover entry is not a run
+    assert small_runs([(0, 4), (4, 4), (8, 4)], tensor_max=8, run_max=8) == [(0, 2)]
+    assert small_runs([(0, 4)], tensor_max=8) == []
+
+
+def test_round_trip_of_many_small_tensors(tmp_path: Path) -> None:
+    state = _state()
+    sp.save(state, tmp_path / "ck")
+    _assert_same(sp.load(tmp_path / "ck"), state)
+    # the file is plain safetensors, and the recorded crcs are those of each tensor's bytes
+    _assert_same(load_file(str(tmp_path / "ck" / "model.safetensors")), state)
+    doc = json.loads((tmp_path / "ck" / "shardpoint.json").read_text())
+    record = doc["components"]["model"]["tensors"]["layers.3.w"]
+    assert record["chunks"] == [
+        {"file": "model.safetensors", "crc32c": crc32c(torch.tensor([3.0, 4, 5, 6]).numpy().tobytes())}
+    ]
+
+
+def test_load_into_many_small_tensors(tmp_path: Path) -> None:
+    state = _state()
+    sp.save(state, tmp_path / "ck")
+    target = {k: torch.full_like(v, 7) if v.dtype != torch.bool else v.clone() for k, v in state.items()}
+    kept = {k: v.data_ptr() for k, v in target.items() if v.numel()}
+    result = sp.load_into(target, tmp_path / "ck")
+    assert result.ok
+    _assert_same(target, state)
+    assert {k: v.data_ptr() for k, v in target.items() if v.numel()} == kept  # in place
+
+
+def test_keys_subset_reads_only_those(tmp_path: Path) -> None:
+    state = _state()
+    sp.save(state, tmp_path / "ck")
+    keys = ["layers.5.w", "layers.6.w", "layers.7.b", "layers.200.w", "scalar"]
+    got = sp.load(tmp_path / "ck", keys=keys)
+    assert list(got) == keys
+    _assert_same(got, {k: state[k] for k in keys})
+
+
+def test_sharded_small_tensors_round_trip(tmp_path: Path) -> None:
+    state = _state(120)
+    sp.save(state, tmp_path / "ck", max_shard_size=1000)
+    assert len([n for n in os.listdir(tmp_path / "ck") if n.endswith(".safetensors")]) > 3
+    _assert_same(sp.load(tmp_path / "ck"), state)
+
+
+def _flip_byte_of(ckpt: Path, key: str, index: int) -> None:
+    """Flip one byte of tensor ``key``'s data in its file."""
+    path = ckpt / "model.safetensors"
+    raw = bytearray(path.read_bytes())
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + length])
+    begin, _end = header[key]["data_offsets"]
+    raw[8 + length + begin + index] ^= 0x40
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("loader", ["load", "load_into"])
+def test_flipped_byte_inside_a_run_is_caught(tmp_path: Path, loader: str) -> None:
+    state = _state()
+    sp.save(state, tmp_path / "ck")
+    _flip_byte_of(tmp_path / "ck", "layers.150.w", 5)
+    expected = (
+        f"{tmp_path / 'ck' / 'model.safetensors'}, tensor 'layers.150.w': crc32c of the stored bytes is "
+    )
+    with pytest.raises(ChecksumMismatchError, match=re.escape(expected) + r".*the file is damaged"):
+        if loader == "load":
+            sp.load(tmp_path / "ck")
+        else:
+            sp.load_into({k: torch.empty_like(v) for k, v in state.items()}, tmp_path / "ck")
+    # the neighbours in the same run are fine: a subset without it loads
+    got = sp.load(tmp_path / "ck", keys=["layers.149.w", "layers.151.w"])
+    _assert_same(got, {k: state[k] for k in ["layers.149.w", "layers.151.w"]})
+    # and verify=False reads the damaged bytes as they are
+    damaged = sp.load(tmp_path / "ck", verify=False)["layers.150.w"]
+    assert not torch.equal(damaged, state["layers.150.w"])
+
+
+def test_truncated_file_inside_a_run_names_the_file(tmp_path: Path) -> None:
+    state = {f"t.{i}": torch.ones(4) * i for i in range(50)}
+    sp.save(state, tmp_path / "ck")
+    path = tmp_path / "ck" / "model.safetensors"
+    raw = path.read_bytes()
+    # Keep the size the manifest recorded: cut the tail, then pad in a way the header cannot
+    # see (a file shrunk under a reader would do the same); reading straight past the end
+    # must still be an error, not zeros.
+    doc = json.loads((tmp_path / "ck" / "shardpoint.json").read_text())
+    doc["files"]["model.safetensors"]["size"] = len(raw) - 16
+    (tmp_path / "ck" / "shardpoint.json").write_text(json.dumps(doc))
+    path.write_bytes(raw[:-16])
+    with pytest.raises(CorruptCheckpointError, match=re.escape(str(path))):
+        sp.load(tmp_path / "ck")
+
+
+def test_conjugate_view_is_not_stored_as_an_alias(tmp_path: Path) -> None:
+    """A lazily conjugated view shares its base's memory but holds other values."""
+    x = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    sp.save({"a": x, "b": x.conj()}, tmp_path / "ck")
+    got = sp.load(tmp_path / "ck")
+    assert got["b"].tolist() == [1 - 2j, 3 + 4j]
+    assert got["a"].tolist() == [1 + 2j, 3 - 4j]
+
+
+# ------------------------------------------------------------------- the compact manifest
+
+
+def test_manifest_is_compact(tmp_path: Path) -> None:
+    state = {f"t.{i}": torch.ones(4) for i in range(1000)}
+    sp.save(state, tmp_path / "ck")
+    doc = json.loads((tmp_path / "ck" / "shardpoint.json").read_text())
+    assert doc["format_version"] == 2
+    assert doc["components"]["model"]["tensors"]["t.7"] == {
+        "dtype": "F32",
+        "shape": [4],
+        "chunks": [{"file": "model.safetensors", "crc32c": crc32c(torch.ones(4).numpy().tobytes())}],
+    }
+    size = (tmp_path / "ck" / "shardpoint.json").stat().st_size
+    assert size < 160 * 1000  # was ~230 bytes per tensor with every chunk field written
+
+
+def _as_version_1(ckpt: Path) -> None:
+    """Rewrite a manifest as format version 1 wrote it: every chunk field explicit."""
+    path = ckpt / "shardpoint.json"
+    doc = json.loads(path.read_text())
+    doc["format_version"] = 1
+    for comp in doc["components"].values():
+        for name, rec in comp["tensors"].items():
+            rec["chunks"] = [
+                {
+                    "file": c["file"],
+                    "key": c.get("key", name),
+                    "offsets": c.get("offsets", [0] * len(rec["shape"])),
+                    "shape": c.get("shape", rec["shape"]),
+                    "crc32c": c["crc32c"],
+                }
+                for c in rec["chunks"]
+            ]
+    path.write_text(json.dumps(doc, indent=1))
+
+
+def test_version_1_manifest_still_loads(tmp_path: Path) -> None:
+    state = _state(40)
+    sp.save(state, tmp_path / "ck")
+    _as_version_1(tmp_path / "ck")
+    _assert_same(sp.load(tmp_path / "ck"), state)
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    assert sp.load_into(target, tmp_path / "ck").ok
+    _assert_same(target, state)
+
+
+def test_version_1_manifest_must_give_every_chunk_field(tmp_path: Path) -> None:
+    sp.save({"w": torch.ones(4)}, tmp_path / "ck")
+    path = tmp_path / "ck" / "shardpoint.json"
+    doc = json.loads(path.read_text())
+    doc["format_version"] = 1  # a version 1 manifest with a compact chunk: not what 1 wrote
+    path.write_text(json.dumps(doc))
+    with pytest.raises(CorruptCheckpointError, match=re.escape(f"{path}, component 'model', tensor 'w': chunk key is not a string")):
+        sp.load(tmp_path / "ck")
+
+
+def test_compact_chunk_needs_offsets_and_shape_together(tmp_path: Path) -> None:
+    sp.save({"w": torch.ones(4)}, tmp_path / "ck")
+    path = tmp_path / "ck" / "shardpoint.json"
+    doc = json.loads(path.read_text())
+    doc["components"]["model"]["tensors"]["w"]["chunks"][0]["offsets"] = [0]
+    path.write_text(json.dumps(doc))
+    expected = f"{path}, component 'model', tensor 'w': chunk shape None is not a list of non-negative integers"
+    with pytest.raises(CorruptCheckpointError, match=re.escape(expected)):
+        sp.load(tmp_path / "ck")
+
+
+def test_compact_chunk_key_defaults_to_the_tensor_name(tmp_path: Path) -> None:
+    """A chunk without ``key`` is the header entry named like the tensor: renaming the
+    tensor in the manifest alone points it at an entry the file does not have."""
+    sp.save({"w": torch.ones(4), "v": torch.zeros(4)}, tmp_path / "ck")
+    path = tmp_path / "ck" / "shardpoint.json"
+    doc = json.loads(path.read_text())
+    tensors = doc["components"]["model"]["tensors"]
+    tensors["u"] = tensors.pop("w")
+    doc["components"]["model"]["tree"]["items"][0] = ["str", "u", {"type": "tensor", "name": "u"}]
+    path.write_text(json.dumps(doc))
+    expected = f"{tmp_path / 'ck' / 'model.safetensors'}: tensor 'u' (key 'u') is listed in the checkpoint's"
+    with pytest.raises(CorruptCheckpointError, match=re.escape(expected)):
+        sp.load(tmp_path / "ck")
