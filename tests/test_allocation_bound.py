@@ -84,7 +84,7 @@ def _chunk_attack(tmp_path: Path, chunks: int) -> Path:
     (real,) = record["chunks"]
     record["shape"] = [chunks << 20]
     record["chunks"] = [
-        {**real, "key": real["key"] if i == 0 else f"forged.{i}", "offsets": [i << 20], "shape": [1 << 20]}
+        {**real, "key": real.get("key", "w") if i == 0 else f"forged.{i}", "offsets": [i << 20], "shape": [1 << 20]}
         for i in range(chunks)
     ]
     doc["components"]["model"]["tree"] = {"type": "dict", "items": [["str", "w", {"type": "tensor", "name": "w"}]]}
@@ -99,7 +99,7 @@ def _chunk_too_big(tmp_path: Path) -> Path:
     doc = json.loads((path / "shardpoint.json").read_bytes())
     record = doc["components"]["model"]["tensors"]["w"]
     record["shape"] = [1 << 32]
-    record["chunks"][0]["shape"] = [1 << 32]
+    record["chunks"][0].update(key="w", offsets=[0], shape=[1 << 32])
     (path / "shardpoint.json").write_text(json.dumps(doc))
     return path
 
