@@ -159,3 +159,18 @@ def test_every_reader_refuses_every_non_member_file(
         expected = f"{victim} is 2147483648 bytes, over the 268435456-byte limit"
     message = _read(reader, ckpt, tmp_path, capsys)
     assert expected in message, message
+
+
+@pytest.mark.parametrize("name", ["fifo.safetensors", "fifo"])
+def test_a_fifo_named_as_the_checkpoint_is_refused_as_such_not_as_missing(tmp_path, name):
+    fifo = tmp_path / name
+    os.mkfifo(fifo)
+    with pytest.raises(sp.CorruptCheckpointError) as err:
+        sp.load(fifo)
+    # Named as a data file or as a directory, it is refused by name, never called missing.
+    assert str(err.value) in (
+        f"{fifo} is neither a directory nor a regular file (a FIFO, device or socket); "
+        "shardpoint loads checkpoint directories and .safetensors files",
+        f"{fifo} is not a regular file (a FIFO, device, socket or directory); "
+        "the checkpoint is damaged or forged",
+    )

@@ -551,6 +551,11 @@ def _open_local_once(location: str, *, retry: bool) -> Checkpoint:
             raise _Replaced from None
         raise CheckpointNotFoundError(missing_path_message(location)) from None
     except NotADirectoryError:
+        if os.path.exists(location):  # a FIFO, socket or device, not a missing path
+            raise CorruptCheckpointError(
+                f"{location} is neither a directory nor a regular file (a FIFO, device or "
+                "socket); shardpoint loads checkpoint directories and .safetensors files"
+            ) from None
         raise CheckpointNotFoundError(missing_path_message(location)) from None
     ckpt = Checkpoint(location, location, "shardpoint", {}, flat=True)
     ckpt._adopt(dir_fd)
