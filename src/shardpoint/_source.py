@@ -431,13 +431,11 @@ def _changing(ckpt: Checkpoint, missing: str | None = None) -> bool:
 
 
 def _being_replaced(location: str) -> bool:
-    """Whether a save is moving a previous version of ``location`` aside right now."""
-    parent, base = os.path.split(os.path.normpath(location))
-    prefix = f".{base}{TMP_MARKER}"
-    try:
-        return any(n.startswith(prefix) for n in os.listdir(parent or "."))
-    except OSError:
-        return False
+    """Whether a save is moving a previous version of ``location`` aside right now (where
+    ``renameat2`` is missing, the path is absent between its two renames). The temporary
+    directory of a first save, running or dead, says nothing of the kind: the path never
+    existed, and the load is told so at once."""
+    return bool(moved_aside(location))
 
 
 def _from_headers(location: str, directory: str, kind: str, weight_map: dict[str, str] | None,
