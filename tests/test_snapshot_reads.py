@@ -53,6 +53,7 @@ _WRITER = textwrap.dedent(
             sp.save(state, path, max_shard_size="1MiB", overwrite=True)
         else:  # appear, then be deleted (retention)
             sp.save(state, path, max_shard_size="1MiB", overwrite=True)
+            time.sleep(0.02)  # a step lives a while before retention retires it
             import shutil; shutil.rmtree(path, ignore_errors=True)
     """
 )
