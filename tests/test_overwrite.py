@@ -680,3 +680,12 @@ def test_verify_of_a_moved_aside_copy_or_a_missing_path_never_advises_deleting_i
     message = str(err.value)
     assert f"{aside} beside it holds its whole previous version" in message
     assert "nothing to verify" not in message and "do not delete it" in message
+
+
+def test_overwrite_keeps_the_folders_permission_bits(tmp_path: Path) -> None:
+    folder = tmp_path / "model"
+    sp.save({"w": torch.ones(2)}, folder)
+    os.chmod(folder, 0o2750)
+    sp.save({"w": torch.zeros(2)}, folder, overwrite=True)
+    assert oct(os.stat(folder).st_mode & 0o7777) == oct(0o2750)
+    assert sp.load(folder)["w"].tolist() == [0.0, 0.0]

@@ -708,6 +708,9 @@ class LocalTransaction:
         fd = os.open(old, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         try:
             _lock(fd)
+            # The folder keeps its permission bits (a group-shared 2775 model folder stays so).
+            with contextlib.suppress(OSError):
+                os.chmod(self.directory, stat.S_IMODE(os.fstat(fd).st_mode))
             names = os.listdir(old)
             replaced = owned_names(old, names, components) | new_names
             carried = _carry_over(old, self.directory, replaced, durable=durable)
