@@ -226,3 +226,89 @@ def test_compact_chunk_key_defaults_to_the_tensor_name(tmp_path: Path) -> None:
     expected = f"{tmp_path / 'ck' / 'model.safetensors'}: tensor 'u' (key 'u') is listed in the checkpoint's"
     with pytest.raises(CorruptCheckpointError, match=re.escape(expected)):
         sp.load(tmp_path / "ck")
+
+
+# Duplicate keys are refused by counting: the header and manifest of many small tensors
+# are parsed without a per-object hook, and the keys and in-string colons of what was
+# validated are compared with the text's colons. Names, metadata and a timestamp holding
+# colons exercise that count; each forged duplicate below would otherwise be read silently
+# (the second value winning).
+
+_COLON_STATE = {"a:0": torch.arange(4, dtype=torch.float32), "b": torch.ones(2), "c::": torch.zeros(3)}
+
+
+def _colon_checkpoint(tmp_path: Path) -> Path:
+    ckpt = tmp_path / "ck"
+    sp.save(_COLON_STATE, ckpt, metadata={"when": "12:30", "notes": ["x:y", {"k:": "v:"}]})
+    return ckpt
+
+
+def test_names_and_metadata_with_colons_load(tmp_path: Path) -> None:
+    ckpt = _colon_checkpoint(tmp_path)
+    _assert_same(sp.load(ckpt), _COLON_STATE)
+    target = {k: torch.empty_like(v) for k, v in _COLON_STATE.items()}
+    sp.load_into(target, ckpt)
+    _assert_same(target, _COLON_STATE)
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "key"),
+    [
+        # a tensor record given twice, the second with another crc32c
+        ('"b":{"dtype"', '"b":{"dtype":"F32","shape":[2],"chunks":[{"file":"model.safetensors","crc32c":1}]},"b":{"dtype"', "b"),
+        # a chunk field given twice (the first value would be ignored)
+        ('"chunks":[{"file":"model.safetensors","crc32c"', '"chunks":[{"file":"model.safetensors","file":"model.safetensors","crc32c"', "file"),
+        # a top-level field given twice
+        ('"save_id":', '"save_id":"forged:1","save_id":', "save_id"),
+        # metadata and tree keys given twice
+        ('"when":"12:30"', '"when":"1:2","when":"12:30"', "when"),
+        ('"type":"dict"', '"type":"list","type":"dict"', "type"),
+        # a duplicate beside an escaped colon (the text's colons no longer tell; the full check runs)
+        ('"when":"12:30"', '"when":"\\u003a","when":"12:30"', "when"),
+    ],
+    ids=["tensor", "chunk-field", "top-level", "metadata", "tree", "escaped-colon"],
+)
+def test_duplicate_manifest_key_is_refused(tmp_path: Path, old: str, new: str, key: str) -> None:
+    ckpt = _colon_checkpoint(tmp_path)
+    path = ckpt / "shardpoint.json"
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new, 1))
+    with pytest.raises(CorruptCheckpointError) as info:
+        sp.load(ckpt)
+    assert f"shardpoint.json has the key {key!r} twice; the file is damaged or forged" in str(info.value)
+
+
+def _header(entries: str, metadata: str = '"__metadata__":{"format":"pt","t":"1:2"},') -> bytes:
+    return ("{" + metadata + entries + "}").encode()
+
+
+_ENTRY_A = '"a:0":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}'
+_ENTRY_B = '"b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}'
+
+
+@pytest.mark.parametrize(
+    ("raw", "key"),
+    [
+        (_header(_ENTRY_A + "," + _ENTRY_A.replace("a:0", "b") + "," + _ENTRY_B), "b"),
+        (_header(_ENTRY_A + "," + _ENTRY_B.replace('"dtype":"F32"', '"dtype":"F16","dtype":"F32"')), "dtype"),
+        (_header(_ENTRY_A + "," + _ENTRY_B, '"__metadata__":{"t":"x","t":"1:2"},'), "t"),
+        (_header(_ENTRY_A + "," + _ENTRY_B, '"__metadata__":{"u":"\\u003a","u":"1:2"},'), "u"),
+    ],
+    ids=["entry", "entry-field", "metadata", "escaped-colon"],
+)
+def test_duplicate_header_key_is_refused(raw: bytes, key: str) -> None:
+    from shardpoint._format.safetensors import validate_header
+
+    with pytest.raises(CorruptCheckpointError) as info:
+        validate_header(raw, 8 + len(raw) + 8, name="x.safetensors")
+    assert str(info.value) == f"safetensors header of x.safetensors has the key {key!r} twice; the file is damaged or forged"
+
+
+def test_header_with_colons_and_escapes_is_read() -> None:
+    from shardpoint._format.safetensors import validate_header
+
+    raw = _header(_ENTRY_A + "," + _ENTRY_B.replace('"b"', '"\\u0062:"'))
+    header = validate_header(raw, 8 + len(raw) + 8, name="x.safetensors")
+    assert list(header.entries) == ["a:0", "b:"]
+    assert header.metadata == {"format": "pt", "t": "1:2"}

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from .._flatten import validate_tree
-from ..errors import CorruptCheckpointError, UnsupportedFormatError
+from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedFormatError
 from .dtypes import dtype_from_name, itemsize
 from .names import check_component_name, check_file_name
-from .safetensors import addressable, parse_json_object, quick_shape
+from .safetensors import addressable, colons, parse_json_object, quick_shape, require_unique_keys
 
 MANIFEST_NAME = "shardpoint.json"
 FORMAT_NAME = "shardpoint"
@@ -152,6 +152,24 @@ def _shape(value: Any, where: str, what: str) -> tuple[int, ...]:
 _ZEROS = [(0,) * n for n in range(65)]
 
 
+def json_keys(value: Any) -> int:
+    """Keys of every object in the decoded JSON ``value`` plus the colons inside its
+    strings: the count :func:`~shardpoint._format.safetensors.require_unique_keys` checks."""
+    count = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        kind = type(item)
+        if kind is dict:
+            count += len(item) + colons(item)
+            stack.extend(item.values())
+        elif kind is list:
+            stack.extend(item)
+        elif kind is str:
+            count += item.count(":")
+    return count
+
+
 def _whole_tensor(
     rec: Any, name: str, files: dict[str, int], used: set[tuple[str, str]], item_of: dict[str, int]
 ) -> TensorRecord | None:
@@ -184,7 +202,22 @@ def _whole_tensor(
 
 def parse_manifest(raw: bytes, *, where: str) -> Manifest:
     """Validate and decode a manifest; ``where`` names the file in errors."""
-    doc = parse_json_object(raw, where=where)
+    try:
+        return _parse_manifest(raw, where=where)
+    except CheckpointError:
+        # A key given twice is what is wrong with a forged manifest, whatever its
+        # deduplicated value then failed: the full parse names it (and raises nothing
+        # without one, so the error found stands).
+        parse_json_object(raw, where=where)
+        raise
+
+
+def _parse_manifest(raw: bytes, *, where: str) -> Manifest:
+    doc = parse_json_object(raw, where=where, count_keys=True)
+    # Keys (and colons inside strings) of what is validated below, checked against the
+    # text at the end (see ``require_unique_keys``): the parts whose count is known from
+    # their validation are counted as such, the free-form ones (tree, metadata) walked.
+    counted = len(doc) + colons(doc) + json_keys([doc.get(k) for k in doc if k not in ("components", "files")])
     if doc.get("format") != FORMAT_NAME:
         raise UnsupportedFormatError(f"{where}: 'format' is {repr(doc.get('format'))[:80]}, not 'shardpoint'")
     version = doc.get("format_version")
@@ -213,6 +246,7 @@ def parse_manifest(raw: bytes, *, where: str) -> Manifest:
         size: Any = info.get("size") if isinstance(info, dict) else None
         _need(type(size) is int and size >= 8, where, f"file {fname!r} has invalid size {size!r}")
         files[fname] = size
+    counted += len(files) + colons(files) + sum(map(len, files_raw.values()))
 
     comps_raw: Any = doc.get("components")
     _need(isinstance(comps_raw, dict) and bool(comps_raw), where, "'components' is missing or empty")
@@ -221,6 +255,7 @@ def parse_manifest(raw: bytes, *, where: str) -> Manifest:
         where,
         "a flat checkpoint must have exactly the component 'model'",
     )
+    counted += len(comps_raw) + colons(comps_raw)
     components: dict[str, ComponentRecord] = {}
     # Each stored (file, key) backs one chunk of one tensor (tied weights are aliases), so
     # the tensors of a manifest can never need more memory than its files hold.
@@ -241,12 +276,16 @@ def parse_manifest(raw: bytes, *, where: str) -> Manifest:
         )
         traw = craw.get("tensors")
         _need(isinstance(traw, dict), cwhere, "'tensors' is missing")
+        counted += len(craw) + colons(craw) + json_keys(tree) + json_keys(aliases) + len(traw) + colons(traw)
         tensors: dict[str, TensorRecord] = {}
         for tname, rec in traw.items():
             whole = _whole_tensor(rec, tname, files, used, item_of) if compact else None
             if whole is not None:
                 tensors[tname] = whole
+                # The record's three keys, its chunk's two, the file name's colons.
+                counted += 5 + whole.chunks[0].file.count(":")
                 continue
+            counted += json_keys(rec)
             twhere = f"{cwhere}, tensor {tname!r}"
             _need(isinstance(rec, dict), twhere, "entry is not an object")
             dtype = rec.get("dtype")
@@ -301,6 +340,7 @@ def parse_manifest(raw: bytes, *, where: str) -> Manifest:
         # The one check of the tree that load, load_into, convert and diff all rely on.
         validate_tree(tree, tensors.keys() | aliases.keys(), where=cwhere)
         components[cname] = ComponentRecord(tree, tensors, dict(aliases))
+    require_unique_keys(raw, counted, where=where)
     return Manifest(
         save_id=doc["save_id"],
         created=doc["created"],

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..errors import CorruptCheckpointError, InvalidStateError, StorageError
+from ..errors import CheckpointError, CorruptCheckpointError, InvalidStateError, StorageError
 from .dtypes import dtype_from_name, itemsize
 from .names import check_tensor_name
 
@@ -135,17 +135,26 @@ class _DuplicateKey(Exception):
         self.key = key
 
 
-def parse_json_object(raw: bytes, *, where: str) -> dict[str, Any]:
-    """Decode untrusted JSON that must be an object; duplicate keys and bombs are errors."""
+def parse_json_object(raw: bytes, *, where: str, count_keys: bool = False) -> dict[str, Any]:
+    """Decode untrusted JSON that must be an object; duplicate keys and bombs are errors.
+
+    With ``count_keys``, text holding no backslash is parsed without the per-object
+    duplicate check (a hook call per object: 10^5 of them in the header of 10^5 small
+    tensors), and the caller must then count what it validated and call
+    :func:`require_unique_keys`, which refuses duplicates from that count.
+    """
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise CorruptCheckpointError(f"{where} is not valid UTF-8 ({exc}); the file is damaged") from None
+    quick = count_keys and "\\" not in text
     try:
         # ``parse_int`` (a call per integer) only where a ``-0`` may be: a header of 10^5
         # tensors has 5 x 10^5 integers.
         value = json.loads(
-            text, object_pairs_hook=_reject_duplicates, parse_int=_parse_int if "-0" in text else None
+            text,
+            object_pairs_hook=None if quick else _reject_duplicates,
+            parse_int=_parse_int if "-0" in text else None,
         )
     except _DuplicateKey as dup:
         raise CorruptCheckpointError(
@@ -160,6 +169,28 @@ def parse_json_object(raw: bytes, *, where: str) -> dict[str, Any]:
             f"{where} must be a JSON object, found {type(value).__name__}; the file is damaged"
         )
     return value
+
+
+def require_unique_keys(raw: bytes, counted: int, *, where: str) -> None:
+    """Refuse JSON ``raw`` that held a key twice in one object, after a
+    ``parse_json_object(raw, count_keys=True)`` whose caller validated the whole value and
+    ``counted`` its keys plus the colons inside its strings.
+
+    Every key in the text is followed by one colon, and any other colon lies inside a
+    string. With no backslash in the text (the only case parsed without the per-object
+    check) the decoded strings are the text's own, so a key dropped as a duplicate (its
+    colon, and any inside its value, gone from the decoded value) leaves ``counted`` below
+    the text's colons. Equal counts prove every key unique; otherwise the text is parsed
+    again with the per-object check, which names the duplicate (or finds none, when the
+    caller's count left out some string's colons).
+    """
+    if counted != raw.count(b":"):
+        parse_json_object(raw, where=where)
+
+
+def colons(strings: Any) -> int:
+    """Colons inside ``strings`` (an iterable of str), for :func:`require_unique_keys`."""
+    return "".join(strings).count(":")
 
 
 MAX_EXTENT = 2**63 - 1
@@ -202,9 +233,24 @@ def _as_shape(value: Any, *, where: str) -> tuple[int, ...]:
 
 def validate_header(raw: bytes, file_size: int, *, name: str) -> SafetensorsHeader:
     """Validate header JSON ``raw`` of a file of ``file_size`` bytes named ``name``."""
-    obj = parse_json_object(raw, where=f"safetensors header of {name}")
+    try:
+        return _validate_header(raw, file_size, name=name)
+    except CheckpointError:
+        # A key given twice is what is wrong with a forged header, whatever its
+        # deduplicated value then failed: the full parse names it.
+        parse_json_object(raw, where=f"safetensors header of {name}")
+        raise
+
+
+def _validate_header(raw: bytes, file_size: int, *, name: str) -> SafetensorsHeader:
+    where = f"safetensors header of {name}"
+    obj = parse_json_object(raw, where=where, count_keys=True)
     data_start = 8 + len(raw)
     data_size = file_size - data_start
+    # Keys (and colons inside strings) of the validated header, checked against the text
+    # at the end: each entry is a name and its three keys; dtype strings are known names
+    # (no colon); shapes and offsets are integers.
+    counted = colons(obj) + len(obj)
     metadata_raw = obj.pop("__metadata__", None)
     metadata: dict[str, str] = {}
     if metadata_raw is not None:
@@ -215,6 +261,8 @@ def validate_header(raw: bytes, file_size: int, *, name: str) -> SafetensorsHead
                 f"{name}: __metadata__ must map strings to strings; the file is damaged"
             )
         metadata = metadata_raw
+        counted += len(metadata) + colons(metadata) + colons(metadata.values())
+    counted += 3 * len(obj)
     spans: list[tuple[int, int, str]] = []
     entries: dict[str, HeaderEntry] = {}
     known: dict[str, tuple[torch.dtype, int]] = {}
@@ -279,6 +327,7 @@ def validate_header(raw: bytes, file_size: int, *, name: str) -> SafetensorsHead
             f"{name}: {data_size - cursor} trailing bytes after the last tensor; "
             "the file is damaged or was appended to"
         )
+    require_unique_keys(raw, counted, where=where)
     return SafetensorsHeader(entries, metadata, data_start, file_size)
 
 
