@@ -163,11 +163,15 @@ def test_manifest_is_compact(tmp_path: Path) -> None:
 
 
 def _as_version_1(ckpt: Path) -> None:
-    """Rewrite a manifest as format version 1 wrote it: every chunk field explicit."""
+    """Rewrite a manifest as format version 1 wrote it: every chunk field explicit, the
+    tree in full."""
     path = ckpt / "shardpoint.json"
     doc = json.loads(path.read_text())
     doc["format_version"] = 1
     for comp in doc["components"].values():
+        if "tensors" in comp["tree"]:
+            names = comp["tree"].pop("tensors")
+            comp["tree"]["items"] = [["str", n, {"type": "tensor", "name": n}] for n in names]
         for name, rec in comp["tensors"].items():
             rec["chunks"] = [
                 {
@@ -221,7 +225,7 @@ def test_compact_chunk_key_defaults_to_the_tensor_name(tmp_path: Path) -> None:
     doc = json.loads(path.read_text())
     tensors = doc["components"]["model"]["tensors"]
     tensors["u"] = tensors.pop("w")
-    doc["components"]["model"]["tree"]["items"][0] = ["str", "u", {"type": "tensor", "name": "u"}]
+    doc["components"]["model"]["tree"]["tensors"][0] = "u"
     path.write_text(json.dumps(doc))
     expected = f"{tmp_path / 'ck' / 'model.safetensors'}: tensor 'u' (key 'u') is listed in the checkpoint's"
     with pytest.raises(CorruptCheckpointError, match=re.escape(expected)):
@@ -312,3 +316,70 @@ def test_header_with_colons_and_escapes_is_read() -> None:
     header = validate_header(raw, 8 + len(raw) + 8, name="x.safetensors")
     assert list(header.entries) == ["a:0", "b:"]
     assert header.metadata == {"format": "pt", "t": "1:2"}
+
+
+def test_flat_tree_names_each_tensor_once(tmp_path: Path) -> None:
+    """A flat state dict's tree is written as its names in order (format 2 shorthand), and
+    comes back as the full tree, in that order, aliases included."""
+    state = {"z": torch.ones(2), "a:1": torch.zeros(3)}
+    state["tied"] = state["z"]
+    sp.save(state, tmp_path / "ck")
+    doc = json.loads((tmp_path / "ck" / "shardpoint.json").read_text())
+    assert doc["components"]["model"]["tree"] == {"type": "dict", "tensors": ["z", "a:1", "tied"]}
+    loaded = sp.load(tmp_path / "ck")
+    assert list(loaded) == ["z", "a:1", "tied"]
+    _assert_same(loaded, state)
+    from shardpoint._format.manifest import parse_manifest
+
+    raw = (tmp_path / "ck" / "shardpoint.json").read_bytes()
+    assert parse_manifest(raw, where="m").components["model"].tree == {
+        "type": "dict",
+        "items": [["str", n, {"type": "tensor", "name": n}] for n in ("z", "a:1", "tied")],
+    }
+
+
+def test_nested_state_tree_is_written_in_full(tmp_path: Path) -> None:
+    """Only a dict whose every value is the tensor named as its key takes the shorthand."""
+    state = {"model": {"layer": {"w": torch.ones(2)}, "b": torch.zeros(1)}, "opt": {"lr": 0.5, "m": torch.ones(1)}}
+    sp.save(state, tmp_path / "ck")
+    doc = json.loads((tmp_path / "ck" / "shardpoint.json").read_text())
+    trees = {name: comp["tree"] for name, comp in doc["components"].items()}
+    assert [tree["items"][0][1] for tree in trees.values()] == ["layer", "lr"]
+    loaded = sp.load(tmp_path / "ck")
+    assert loaded["opt"]["lr"] == 0.5
+    assert torch.equal(loaded["model"]["layer"]["w"], torch.ones(2))
+
+
+@pytest.mark.parametrize(
+    ("tree", "message"),
+    [
+        ({"type": "dict", "tensors": ["w", "w"]}, "the tree's 'tensors' list names 'w' twice"),
+        ({"type": "dict", "tensors": ["w", 1]}, "the tree's 'tensors' list holds a name that is not a string"),
+        ({"type": "dict", "tensors": ["w", "nope"]}, "the tree names 'nope', which is not a tensor of this component"),
+        ({"type": "dict", "tensors": "w"}, "the tree's 'tensors' form must be only a list of names"),
+        ({"type": "dict", "tensors": ["w"], "items": []}, "the tree's 'tensors' form must be only a list of names"),
+    ],
+    ids=["twice", "not-str", "unknown", "not-list", "extra-field"],
+)
+def test_forged_flat_tree_is_refused(tmp_path: Path, tree: dict, message: str) -> None:
+    sp.save({"w": torch.ones(2), "v": torch.ones(1)}, tmp_path / "ck")
+    path = tmp_path / "ck" / "shardpoint.json"
+    doc = json.loads(path.read_text())
+    doc["components"]["model"]["tree"] = tree
+    path.write_text(json.dumps(doc))
+    with pytest.raises(CorruptCheckpointError) as info:
+        sp.load(tmp_path / "ck")
+    assert str(info.value) == f"{path}, component 'model': {message}; the manifest is damaged or forged"
+
+
+def test_flat_tree_shorthand_is_not_read_in_version_1(tmp_path: Path) -> None:
+    sp.save({"w": torch.ones(2)}, tmp_path / "ck")
+    path = tmp_path / "ck" / "shardpoint.json"
+    doc = json.loads(path.read_text())
+    doc["format_version"] = 1
+    doc["components"]["model"]["tensors"]["w"]["chunks"] = [
+        {"file": "model.safetensors", "key": "w", "offsets": [0], "shape": [2], "crc32c": 0}
+    ]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(CorruptCheckpointError, match="dict node has no 'items' list"):
+        sp.load(tmp_path / "ck")

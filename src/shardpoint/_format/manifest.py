@@ -94,7 +94,7 @@ class Manifest:
             "metadata": self.metadata,
             "components": {
                 name: {
-                    "tree": comp.tree,
+                    "tree": tree_json(comp.tree),
                     "aliases": comp.aliases,
                     "tensors": {
                         tname: {
@@ -112,6 +112,44 @@ class Manifest:
         # Compact: the C encoder (``indent`` forces the pure-Python one, ~100x slower on the
         # manifest of a large sharded model). ``shardpoint inspect`` is the readable view.
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def tree_json(tree: dict[str, Any]) -> dict[str, Any]:
+    """A component's tree as format 2 writes it: a str-keyed dict whose every value is the
+    tensor named as its key (what a flat state dict is) becomes ``{"type": "dict",
+    "tensors": [names in order]}``, naming each tensor once instead of three times; any
+    other tree is written as it is. :func:`parse_manifest` expands it back."""
+    items = tree.get("items") if tree.get("type") == "dict" and len(tree) == 2 else None
+    if type(items) is not list:
+        return tree
+    names = []
+    for item in items:
+        kind, key, child = item
+        if kind != "str" or child != {"type": "tensor", "name": key}:
+            return tree
+        names.append(key)
+    return {"type": "dict", "tensors": names}
+
+
+def _tensor_dict(tree: dict[str, Any], known: Any, where: str) -> tuple[dict[str, Any], int] | None:
+    """The full tree of a ``{"type": "dict", "tensors": [...]}`` shorthand, once its names
+    are checked as ``validate_tree`` checks the full form (strings, none twice, each a
+    tensor or alias of the component), and the keys and in-string colons it held; None
+    for any other tree."""
+    if tree.get("type") != "dict" or "tensors" not in tree:
+        return None
+    names = tree["tensors"]
+    _need(len(tree) == 2 and type(names) is list, where, "the tree's 'tensors' form must be only a list of names")
+    _need(all(type(n) is str for n in names), where, "the tree's 'tensors' list holds a name that is not a string")
+    unique = set(names)
+    if len(unique) != len(names):
+        seen: set[str] = set()
+        twice = next(n for n in names if n in seen or seen.add(n))  # type: ignore[func-returns-value]
+        _need(False, where, f"the tree's 'tensors' list names {twice[:80]!r} twice")
+    missing = unique - known
+    _need(not missing, where, f"the tree names {str(min(missing, default=''))[:80]!r}, which is not a tensor of this component")
+    full = {"type": "dict", "items": [["str", n, {"type": "tensor", "name": n}] for n in names]}
+    return full, 2 + colons(tree) + colons(names)
 
 
 def chunk_json(chunk: ChunkRef, name: str, shape: tuple[int, ...]) -> dict[str, Any]:
@@ -276,7 +314,7 @@ def _parse_manifest(raw: bytes, *, where: str) -> Manifest:
         )
         traw = craw.get("tensors")
         _need(isinstance(traw, dict), cwhere, "'tensors' is missing")
-        counted += len(craw) + colons(craw) + json_keys(tree) + json_keys(aliases) + len(traw) + colons(traw)
+        counted += len(craw) + colons(craw) + json_keys(aliases) + len(traw) + colons(traw)
         tensors: dict[str, TensorRecord] = {}
         for tname, rec in traw.items():
             whole = _whole_tensor(rec, tname, files, used, item_of) if compact else None
@@ -337,8 +375,15 @@ def _parse_manifest(raw: bytes, *, where: str) -> Manifest:
         for alias, target in aliases.items():
             _need(alias not in tensors, cwhere, f"alias {alias!r} is also a stored tensor")
             _need(target in tensors, cwhere, f"alias {alias!r} points to unknown tensor {target!r}")
-        # The one check of the tree that load, load_into, convert and diff all rely on.
-        validate_tree(tree, tensors.keys() | aliases.keys(), where=cwhere)
+        known = tensors.keys() | aliases.keys()
+        shorthand = _tensor_dict(tree, known, cwhere) if compact else None
+        if shorthand is not None:
+            tree, tree_keys = shorthand
+            counted += tree_keys
+        else:
+            counted += json_keys(tree)
+            # The one check of the tree that load, load_into, convert and diff all rely on.
+            validate_tree(tree, known, where=cwhere)
         components[cname] = ComponentRecord(tree, tensors, dict(aliases))
     require_unique_keys(raw, counted, where=where)
     return Manifest(
