@@ -42,7 +42,6 @@ with ``ckpt_path``), or take the weights from
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import threading
@@ -119,9 +118,11 @@ def _component_for(key: Any) -> str:
 
 
 def _plain(value: Any) -> Any:
-    """``value`` with every ``argparse.Namespace`` replaced by the dict of its attributes."""
-    if isinstance(value, argparse.Namespace):
-        return {k: _plain(v) for k, v in vars(value).items()}
+    """``value`` with every mapping (Lightning's ``AttributeDict``) replaced by a dict.
+
+    Everything else is left to shardpoint's state tree, which keeps ``argparse.Namespace``,
+    paths, Enum members, dataclasses and datetime values as typed nodes (no pickle).
+    """
     if isinstance(value, Mapping) and not isinstance(value, torch.nn.Module):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -384,4 +385,72 @@ def _remove_path(location: str) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-__all__ = ["ShardpointCheckpointIO", "from_shardpoint_state", "to_shardpoint_state"]
+def _saving_module_for(cls: type) -> Any:
+    """Lightning's ``core.saving`` module of the flavour ``cls`` belongs to."""
+    import importlib
+
+    for package in ("lightning.pytorch", "pytorch_lightning"):
+        try:
+            pl = importlib.import_module(package)
+        except ImportError:
+            continue
+        if isinstance(cls, type) and issubclass(cls, (pl.LightningModule, pl.LightningDataModule)):
+            return importlib.import_module(f"{package}.core.saving"), pl
+    raise TypeError(
+        f"load_from_checkpoint needs a LightningModule or LightningDataModule class, got {cls!r}"
+    )
+
+
+def load_from_checkpoint(
+    cls: type,
+    checkpoint_path: Any,
+    map_location: Any | None = None,
+    strict: bool | None = None,
+    *,
+    allow_pickle: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """``cls.load_from_checkpoint(checkpoint_path)`` for a checkpoint saved by ``ShardpointCheckpointIO``.
+
+    Builds ``cls`` from the saved hyperparameters (``kwargs`` override them, as in Lightning),
+    calls its ``on_load_checkpoint`` and loads the weights, all through Lightning's own
+    loading code; only reading the checkpoint differs.
+
+    Args:
+        cls: the ``LightningModule`` (or ``LightningDataModule``) class.
+        checkpoint_path: the checkpoint directory (``….ckpt``) written through the plugin.
+        map_location: ``"cpu"``, ``"cuda:0"`` or a ``torch.device`` to put the weights (and so
+            the module) on; other forms (a dict, a function) load to CPU.
+        strict: as in Lightning: keys of the checkpoint and the module must match
+            (``None``: the module's ``strict_loading``, by default ``True``).
+        allow_pickle: unpickle values saved with ``ShardpointCheckpointIO(allow_pickle=True)``
+            (only for checkpoints you trust).
+        **kwargs: hyperparameters overriding the saved ones.
+
+    Returns:
+        The module (or data module), its weights on ``map_location``'s device.
+
+    Raises:
+        CheckpointNotFoundError: there is no checkpoint at ``checkpoint_path``.
+        LoadMismatchError: a saved Enum or dataclass class is not imported (import its module).
+        RuntimeError: ``strict`` and keys that do not match (Lightning's own error).
+
+    Example:
+        >>> from shardpoint.integrations.lightning import load_from_checkpoint  # doctest: +SKIP
+        >>> model = load_from_checkpoint(MyModel, "ckpts/last.ckpt", map_location="cpu")  # doctest: +SKIP
+    """
+    saving, pl = _saving_module_for(cls)
+    io = ShardpointCheckpointIO(allow_pickle=allow_pickle)
+    checkpoint = io.load_checkpoint(checkpoint_path, map_location=map_location)
+    hparams_key = cls.CHECKPOINT_HYPER_PARAMS_KEY  # type: ignore[attr-defined]
+    checkpoint.setdefault(hparams_key, {})
+    checkpoint[hparams_key].update(kwargs)
+    if issubclass(cls, pl.LightningDataModule):
+        return saving._load_state(cls, checkpoint, **kwargs)
+    model = saving._load_state(cls, checkpoint, strict=strict, **kwargs)
+    state_dict = checkpoint.get("state_dict") or {}
+    device = next((t.device for t in state_dict.values() if isinstance(t, torch.Tensor)), None)
+    return model if device is None else model.to(device)
+
+
+__all__ = ["ShardpointCheckpointIO", "from_shardpoint_state", "load_from_checkpoint", "to_shardpoint_state"]
