@@ -324,6 +324,21 @@ def _build_typed(kind: str, node: Tree, value: Any, where: str) -> Any:
     return made
 
 
+def typed_leaf_text(node: Tree) -> str:
+    """A ``path``, ``enum`` or ``datetime`` node as text (for diff), without importing anything.
+
+    >>> typed_leaf_text({"type": "enum", "class": "app.cfg:Color", "member": "RED"})
+    'app.cfg:Color.RED'
+    """
+    kind = node.get("type")
+    if kind == "enum":
+        return f"{node.get('class')}.{node.get('member')}"
+    value = node.get("value")
+    if isinstance(value, list):
+        value = ", ".join(map(str, value))
+    return f"{node.get('class')}({value})"
+
+
 def _class_for(node: Tree, where: str) -> type:
     try:
         return _resolve_class(node["class"])
