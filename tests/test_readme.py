@@ -13,6 +13,7 @@ suite cannot run are listed in ``NOT_RUN`` with the reason.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shlex
@@ -50,6 +51,7 @@ PYTHON_BLOCKS = {
     "distributed": "get_optimizer_state_dict",
     "hf cache": "hf://org/name",
     "object storage": "s3://bucket/",
+    "lightning": "load_from_checkpoint(Net, best",
 }
 """Every python block of the README, by a line it holds; each is run by a test below."""
 
@@ -227,3 +229,24 @@ def test_readme_hugging_face_cache_example_runs(
     for argv in commands:
         assert main(argv[1:]) == 0, capsys.readouterr()
         assert "model.safetensors" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # importing Lightning takes most of it
+def test_readme_lightning_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run as a user's script is: a module of its own (its Enum found again by name)."""
+    pytest.importorskip("lightning.pytorch")
+    import sys
+    import types
+    import warnings
+
+    monkeypatch.chdir(tmp_path)
+    module = types.ModuleType("readme_lightning_script")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exec(compile(python_block(PYTHON_BLOCKS["lightning"]), "README.md: lightning", "exec"), module.__dict__)
+    best = module.best
+    assert os.path.isfile(os.path.join(best, "shardpoint.json"))
+    manifest = Path(best, "shardpoint.json").read_text()
+    assert '"type":"enum","class":"readme_lightning_script:Act"' in manifest
+    assert module.model.hparams.args == argparse.Namespace(lr=0.1)

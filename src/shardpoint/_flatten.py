@@ -24,7 +24,13 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError, CorruptCheckpointError, InvalidStateError, LoadMismatchError, UnsafePickleError
+from .errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    InvalidStateError,
+    LoadMismatchError,
+    UnsafePickleError,
+)
 
 Tree = dict[str, Any]
 
@@ -93,10 +99,10 @@ def flatten_state(
             tensors[name] = obj
             return {"type": "tensor", "name": name}
         if isinstance(obj, enum.Enum):  # before str/int: a StrEnum/IntEnum keeps its type
-            typed = _enum_node(obj)
-            if isinstance(typed, dict):
-                return typed
-            return fallback(obj, parts, typed)
+            member = _enum_node(obj)
+            if isinstance(member, str):
+                return fallback(obj, parts, member)
+            return member
         if obj is None or isinstance(obj, (bool, str)):
             return {"type": "json", "value": obj}
         if isinstance(obj, int):
@@ -139,21 +145,18 @@ def flatten_state(
                 return {"type": converted.kind, **converted.attrs, "value": walk(converted.value, parts, depth + 1)}
             if converted is not NotImplemented:
                 return walk(converted, parts, depth + 1)
-        reason = ""
-        if isinstance(obj, argparse.Namespace) and type(obj) is argparse.Namespace:
+        if type(obj) is argparse.Namespace:
             return {"type": "namespace", "value": walk(dict(vars(obj)), parts, depth + 1)}
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            typed = _dataclass_fields(obj)
-            if isinstance(typed, tuple):
-                cls_name, fields = typed
-                return {"type": "dataclass", "class": cls_name, "value": walk(fields, parts, depth + 1)}
-            reason = typed
-        else:
-            leaf = _leaf_node(obj)
-            if isinstance(leaf, dict):
-                return leaf
-            reason = leaf
-        return fallback(obj, parts, reason)
+            described = _dataclass_fields(obj)
+            if isinstance(described, str):
+                return fallback(obj, parts, described)
+            cls_name, fields = described
+            return {"type": "dataclass", "class": cls_name, "value": walk(fields, parts, depth + 1)}
+        leaf = _leaf_node(obj)
+        if not isinstance(leaf, str):
+            return leaf
+        return fallback(obj, parts, leaf)
 
     def fallback(obj: Any, parts: list[str], reason: str) -> Tree:
         """Pickle ``obj`` (with ``allow_pickle``) or refuse it, naming its path and why."""

@@ -16,11 +16,15 @@ the dict Lightning saved: same keys, lists stay lists, integer keys (optimizer p
 ids) stay integers, tuples stay tuples, ``nan``/``inf`` survive.
 
 Values that are neither tensors, containers nor JSON: mappings (``AttributeDict``) are
-stored as dicts and ``argparse.Namespace`` as the dict of its attributes, which is how
-Lightning itself treats hyperparameters. Anything else (an ``Enum``, a ``Path``, a custom
-object in ``hyper_parameters``) is refused with the key named, unless the plugin is built
-with ``allow_pickle=True``: then such values are pickled into the checkpoint and unpickled
-on load (only load checkpoints you trust; Lightning's ``weights_only=True`` still refuses).
+stored as dicts; ``pathlib`` paths, ``Enum`` members, ``argparse.Namespace``, dataclasses and
+``datetime`` / ``date`` / ``time`` / ``timedelta`` values (what ``save_hyperparameters()``
+often holds) are stored without pickle as typed nodes of the manifest and come back equal,
+with their types. An Enum or dataclass is rebuilt only from a class whose module is already
+imported (shardpoint never imports a module a checkpoint names; import it first). Anything
+else (a custom object, a ``ZoneInfo`` datetime, a local class) is refused with the key and
+the reason named, unless the plugin is built with ``allow_pickle=True``: then such values
+are pickled into the checkpoint and unpickled on load (only load checkpoints you trust;
+Lightning's ``weights_only=True`` still refuses).
 
 ``last.ckpt`` without a second write: Lightning saves ``last`` right after the top-k
 checkpoint of the same step, through a second ``save_checkpoint`` call. When a save has
@@ -34,10 +38,15 @@ possible (another filesystem, the previous checkpoint removed meanwhile), it is 
 Works wrapped in Lightning's ``AsyncCheckpointIO`` (the write runs in its thread). Lightning
 calls ``CheckpointIO`` on global rank 0 with full state dicts; strategies that write
 sharded checkpoints themselves (FSDP ``state_dict_type="sharded"``, DeepSpeed) do not use
-it. ``LightningModule.load_from_checkpoint`` reads with ``torch.load`` and cannot open these
-directories: resume with ``trainer.fit(..., ckpt_path=...)`` (or ``validate`` / ``test``
-with ``ckpt_path``), or take the weights from
-``ShardpointCheckpointIO().load_checkpoint(path)["state_dict"]``.
+it.
+
+``LightningModule.load_from_checkpoint`` and a ``Trainer`` without this plugin read with
+``torch.load`` through fsspec, which fails on these directories with ``IsADirectoryError``
+before any code of Lightning or of shardpoint could tell the user more (Lightning has no
+hook between the path and the open; patching Lightning on import would be worse). Use
+:func:`load_from_checkpoint` (``load_from_checkpoint(MyModel, path, map_location=...,
+strict=...)``) in place of ``MyModel.load_from_checkpoint(path)``, and resume with the
+plugin and ``trainer.fit(..., ckpt_path=...)`` (or ``validate`` / ``test``).
 """
 
 from __future__ import annotations
@@ -202,9 +211,10 @@ class ShardpointCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
 
     Args:
         max_shard_size: largest data file, e.g. ``"5GB"`` (10^9 bytes) or ``"5GiB"``.
-        allow_pickle: store values that are not tensors, containers, mappings, Namespaces
-            or JSON (e.g. an ``Enum`` in ``hyper_parameters``) by pickling them, and unpickle
-            them on load. Off by default: such values are refused with the key named.
+        allow_pickle: store values that shardpoint cannot store as tensors, containers, JSON
+            or typed nodes (paths, Enum members, Namespaces, dataclasses, datetime values),
+            e.g. a custom object in ``hyper_parameters``, by pickling them, and unpickle them
+            on load. Off by default: such values are refused with the key named.
         link_unchanged: save a checkpoint whose tensors equal those of the previous save at
             the same epoch and step (``last.ckpt``) by hard-linking that save's files.
         durable: fsync files and directories before a save returns.
