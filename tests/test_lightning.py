@@ -360,6 +360,13 @@ def test_load_from_checkpoint_errors(tmp_path) -> None:
         load_from_checkpoint(TinyModule, tmp_path / "nothing.ckpt")
     with pytest.raises(TypeError, match=r"load_from_checkpoint needs a LightningModule or LightningDataModule class, got <class 'int'>"):
         load_from_checkpoint(int, tmp_path / "nothing.ckpt")
+    # A torch.save checkpoint (written without the plugin) is named as such, with what to use.
+    torch.save({"state_dict": TinyModule().state_dict(), "epoch": 0, "global_step": 1}, tmp_path / "plain.ckpt")
+    message = r"plain\.ckpt is a file, not a checkpoint directory written by ShardpointCheckpointIO .*MyModel\.load_from_checkpoint\(path\)"
+    with pytest.raises(sp.UnsupportedFormatError, match=message):
+        load_from_checkpoint(TinyModule, tmp_path / "plain.ckpt")
+    with pytest.raises(sp.UnsupportedFormatError, match=message):
+        _fit(ShardpointCheckpointIO(), tmp_path / "run", max_epochs=1, ckpt_path=str(tmp_path / "plain.ckpt"))
 
 
 def test_lightning_without_the_plugin_cannot_open_the_directory(tmp_path) -> None:

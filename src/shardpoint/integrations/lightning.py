@@ -68,7 +68,7 @@ from .._sizes import parse_size
 from .._source import open_checkpoint
 from .._storage.local import TMP_MARKER
 from .._write import json_metadata, write_checkpoint
-from ..errors import CheckpointError, InvalidStateError
+from ..errors import CheckpointError, InvalidStateError, UnsupportedFormatError
 
 
 def _checkpoint_io_bases() -> tuple[type, ...]:
@@ -345,11 +345,20 @@ class ShardpointCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
 
         Raises:
             CheckpointNotFoundError: there is no checkpoint at ``path`` (a ``FileNotFoundError``).
+            UnsupportedFormatError: ``path`` is a file (a ``torch.save`` checkpoint), not a
+                directory this plugin wrote.
         """
         device: str | torch.device = "cpu"
         if isinstance(map_location, (str, torch.device)):
             device = map_location
         location = os.fspath(path)
+        if os.path.isfile(location) and not location.endswith(".safetensors"):
+            raise UnsupportedFormatError(
+                f"{location} is a file, not a checkpoint directory written by ShardpointCheckpointIO "
+                "(a torch.save checkpoint, written without the plugin?): load it with Lightning's own "
+                "`MyModel.load_from_checkpoint(path)`, or resume from it with a Trainer without "
+                "ShardpointCheckpointIO"
+            )
         allow = self.allow_pickle and weights_only is not True
         ckpt = open_checkpoint(location)
         metadata = ckpt.manifest.metadata if ckpt.manifest is not None else {}
@@ -442,6 +451,7 @@ def load_from_checkpoint(
 
     Raises:
         CheckpointNotFoundError: there is no checkpoint at ``checkpoint_path``.
+        UnsupportedFormatError: ``checkpoint_path`` is a ``torch.save`` file (use Lightning's own).
         LoadMismatchError: a saved Enum or dataclass class is not imported (import its module).
         RuntimeError: ``strict`` and keys that do not match (Lightning's own error).
 
