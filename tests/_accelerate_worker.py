@@ -65,6 +65,7 @@ def train(run_dir: str, total_steps: int, save_every: int, die_at: int | None = 
     if checkpoint_dirs(accelerator):
         load_state(accelerator)
     step = progress.step
+    pending = None
     while step < total_steps:
         epoch, skip = divmod(step, len(dl))  # resumed mid-epoch: skip the batches trained on
         dl.set_epoch(epoch)
@@ -80,12 +81,14 @@ def train(run_dir: str, total_steps: int, save_every: int, die_at: int | None = 
             step += 1
             progress.step = step
             if step % save_every == 0:
-                save_state(accelerator, async_save=async_save)
+                pending = save_state(accelerator, async_save=async_save)
             if step == die_at:
                 sys.stdout.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
             if step >= total_steps:
                 break
+    if async_save and pending is not None:
+        pending.result()  # the last save committed (and old ones rotated) before the end
     accelerator.wait_for_everyone()
     if out is not None and accelerator.is_main_process:
         inner = getattr(opt, "optimizer", opt)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import threading
 import uuid
 import warnings
 from collections.abc import Mapping
@@ -57,7 +58,7 @@ from .._async import AsyncSave
 from .._format.manifest import MANIFEST_NAME
 from .._read import LoadResult, load_into
 from .._stateful import RNGState
-from .._storage.local import TMP_MARKER
+from .._storage.local import TMP_MARKER, recover_all
 from .._write import SaveInfo
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
 
@@ -248,11 +249,34 @@ def _gathered(accelerator: Any) -> list[dict[str, Any]]:
     return out
 
 
+_root_lock = threading.Lock()
+"""Retention runs on the training thread (before a save) and an async save's thread."""
+
+
+def _tidy(root: Path, accelerator: Any) -> None:
+    """Before a save (rank 0): remove what dead saves and cut-short deletions left under
+    ``root`` (a save still running holds its lock and is left alone), and finish the
+    retention a crash may have cut short."""
+    with _root_lock:
+        recover_all(root)
+        for entry in os.scandir(root):
+            if (entry.name.startswith(".checkpoint_") and f"{TMP_MARKER}del-" in entry.name
+                    and entry.is_dir(follow_symlinks=False)):
+                shutil.rmtree(entry.path, ignore_errors=True)
+    _rotate(root, accelerator.project_configuration.total_limit, accelerator)
+
+
 def _rotate(root: Path, total_limit: int | None, accelerator: Any) -> None:
-    """Delete the oldest committed checkpoints beyond ``total_limit`` (rank 0, after a commit)."""
+    """Delete the oldest committed checkpoints beyond ``total_limit`` (rank 0)."""
     if total_limit is None:
         return
-    doomed = checkpoint_dirs(accelerator)[: -total_limit] if total_limit > 0 else []
+    with _root_lock:
+        _delete_oldest(root, total_limit, accelerator)
+
+
+def _delete_oldest(root: Path, total_limit: int, accelerator: Any) -> None:
+    keep = max(total_limit, 1)  # Accelerate's total_limit=0 still keeps the newest save
+    doomed = checkpoint_dirs(accelerator)[:-keep]
     for path in doomed:
         hidden = root / f".{path.name}{TMP_MARKER}del-{uuid.uuid4().hex}"
         try:
@@ -319,6 +343,7 @@ def save_state(
     main = accelerator.is_main_process
     if root is not None and main:
         root.mkdir(parents=True, exist_ok=True)
+        _tidy(root, accelerator)
     kwargs = {"process_group": group, **save_kwargs}
 
     def after_commit(info: SaveInfo) -> None:
