@@ -50,6 +50,7 @@ PYTHON_BLOCKS = {
     "distributed": "get_optimizer_state_dict",
     "hf cache": "hf://org/name",
     "object storage": "s3://bucket/",
+    "accelerate": "shardpoint.integrations.accelerate",  # run by tests/test_accelerate.py
 }
 """Every python block of the README, by a line it holds; each is run by a test below."""
 

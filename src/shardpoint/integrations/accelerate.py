@@ -296,9 +296,9 @@ def save_state(
     """Save everything ``accelerator.save_state`` saves, as one atomic shardpoint checkpoint.
 
     Every process calls it. With ``automatic_checkpoint_naming`` the checkpoint goes to
-    ``<project_dir>/checkpoints/checkpoint_<iteration>`` (``output_dir`` is ignored, as
-    Accelerate ignores it), ``iteration`` goes up by one, and once the new checkpoint is
-    committed the oldest beyond ``total_limit`` are deleted.
+    ``<project_dir>/checkpoints/checkpoint_<iteration>`` (an ``output_dir`` is refused:
+    Accelerate silently ignores it), ``iteration`` goes up by one, and once the new
+    checkpoint is committed the oldest beyond ``total_limit`` are deleted.
 
     Args:
         accelerator: the ``accelerate.Accelerator`` that prepared the objects.
@@ -314,7 +314,7 @@ def save_state(
 
     Raises:
         CheckpointExistsError: the checkpoint directory exists (and ``overwrite`` is not set).
-        CheckpointError: no ``output_dir`` without automatic naming; an FSDP / DeepSpeed /
+        CheckpointError: no ``output_dir`` without automatic naming, or one with it; an FSDP / DeepSpeed /
             Megatron / XLA accelerator (their sharded states are not handled here).
 
     Example:
@@ -323,6 +323,12 @@ def save_state(
     config = accelerator.project_configuration
     automatic = bool(config.automatic_checkpoint_naming)
     root = _checkpoints_root(accelerator) if automatic else None
+    if root is not None and output_dir is not None:
+        raise CheckpointError(
+            f"save_state(output_dir={os.fspath(output_dir)!r}): with automatic_checkpoint_naming "
+            f"every checkpoint goes to {root}/checkpoint_<iteration>; call save_state without "
+            "output_dir, or turn automatic_checkpoint_naming off to choose the directory"
+        )
     if root is not None:
         path: str | os.PathLike[str] = root / f"checkpoint_{config.iteration}"
         if os.path.lexists(path) and not save_kwargs.get("overwrite"):
