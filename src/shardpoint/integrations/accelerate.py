@@ -52,8 +52,8 @@ from typing import Any
 
 import torch
 
-from .._api import save
 from .. import _async
+from .._api import save
 from .._async import AsyncSave
 from .._format.manifest import MANIFEST_NAME
 from .._read import LoadResult, load_into
