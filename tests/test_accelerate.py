@@ -216,7 +216,15 @@ def test_errors_name_what_to_do(tmp_path: Path) -> None:
     AcceleratorState._reset_state(True)
     accelerator, *_ = _prepared(tmp_path, automatic=False)
     save_state(accelerator, tmp_path / "one")
-    # A checkpoint of a run with another registered object does not load silently.
+    # A checkpoint of a run with other dataloaders or registered objects does not load silently.
+    AcceleratorState._reset_state(True)
+    accelerator, *_ = _prepared(tmp_path, automatic=False)
+    accelerator.prepare(torch.utils.data.DataLoader(torch.zeros(4, 1)))
+    with pytest.raises(sp.CheckpointError, match=r"the checkpoint holds the states of 0 prepared "
+                       r"dataloader\(s\), the Accelerator has 1; prepare the same dataloaders"):
+        load_state(accelerator, tmp_path / "one")
+    AcceleratorState._reset_state(True)
+    accelerator, *_ = _prepared(tmp_path, automatic=False)
     accelerator.register_for_checkpointing(Counter())
     with pytest.raises(sp.LoadMismatchError, match="custom_checkpoint_1"):
         load_state(accelerator, tmp_path / "one")
