@@ -236,3 +236,18 @@ def test_readme_accelerate_example_runs(tmp_path: Path, monkeypatch: pytest.Monk
     exec(compile(python_block("shardpoint.integrations.accelerate"), "README.md: accelerate", "exec"), scope)
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["checkpoint_1", "checkpoint_2"]
     assert scope["accelerator"].project_configuration.iteration == 3
+
+
+def test_a_process_the_checkpoint_has_no_state_for_keeps_its_generators() -> None:
+    from types import SimpleNamespace
+
+    from shardpoint.integrations.accelerate import _PerRank
+
+    saved = {"ranks": [{"rng": sp.RNGState().state_dict(), "dataloaders": []}]}
+    torch.manual_seed(5)
+    expected = torch.rand(1)
+    torch.manual_seed(5)
+    with pytest.warns(UserWarning, match=r"this checkpoint holds the RNG and dataloader states of 1 "
+                      r"process\(es\); process 1 keeps its own"):
+        _PerRank(SimpleNamespace(process_index=1, _dataloaders=[])).load_state_dict(saved)
+    assert torch.equal(torch.rand(1), expected)

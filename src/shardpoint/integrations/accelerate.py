@@ -36,6 +36,13 @@ deleted (never before the new one is committed, so a crash never leaves fewer; f
 are not shardpoint checkpoints, e.g. Accelerate's own, are never counted nor deleted).
 ``load_state`` without a path loads the newest committed ``checkpoint_<i>`` and, unlike
 Accelerate's, sets ``iteration`` to ``i + 1`` so the next save does not collide.
+
+A resume mid-epoch replays the same batches and random draws as the uninterrupted run
+when the order of the batches does not depend on generator draws made before the save
+(``DataLoaderConfiguration(use_seedable_sampler=True)``, the loop's ``set_epoch`` and
+skipping the batches already trained on) and the ``DataLoader`` has a ``generator`` of its
+own: PyTorch draws one number from it (from the global generator without one) whenever an
+iterator starts, which the resumed run does mid-epoch and the uninterrupted run did not.
 """
 
 from __future__ import annotations
