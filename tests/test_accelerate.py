@@ -142,7 +142,7 @@ def _step(accelerator: Any, model: Any, opt: Any, sched: Any) -> None:
     opt.zero_grad()
 
 
-def test_saves_every_prepared_object_and_restores_them(tmp_path: Path) -> None:
+def test_saves_every_prepared_object_and_restores_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     accelerator, model, opt, sched, counter = _prepared(tmp_path, automatic=False)
     _step(accelerator, model, opt, sched)
     counter.n = 7
@@ -153,6 +153,11 @@ def test_saves_every_prepared_object_and_restores_them(tmp_path: Path) -> None:
     assert saved["custom_checkpoint_0"] == {"n": 7}
     assert saved["scheduler"]["last_epoch"] == 1
     assert sorted(saved["optimizer"]["state"]) == ["bias", "weight"]  # keyed by parameter name
+    from shardpoint._cli.main import main
+
+    assert main(["verify", str(tmp_path / "ckpt")]) == 0
+    out = capsys.readouterr().out
+    assert "OK: whole" in out and "warning" not in out.lower(), out
     weights, state = model.weight.detach().clone(), opt.state_dict()
     # The weights file is the plain module's: safetensors opens it as-is.
     from safetensors.torch import load_file
