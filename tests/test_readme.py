@@ -52,6 +52,7 @@ PYTHON_BLOCKS = {
     "hf cache": "hf://org/name",
     "object storage": "s3://bucket/",
     "lightning": "load_from_checkpoint(Net, best",
+    "accelerate": "shardpoint.integrations.accelerate",  # run by tests/test_accelerate.py
 }
 """Every python block of the README, by a line it holds; each is run by a test below."""
 
