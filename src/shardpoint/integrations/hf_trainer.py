@@ -50,7 +50,7 @@ from .._read import load_into
 from .._sizes import parse_size
 from .._stateful import RNGState
 from .._write import SaveInfo, write_checkpoint
-from ..errors import CheckpointError
+from ..errors import CheckpointError, LoadMismatchError
 from .transformers import _config_files, _default_shard_size
 
 __all__ = ["TESTED_TRANSFORMERS", "ShardpointTrainer", "ShardpointTrainerMixin", "is_shardpoint_checkpoint"]
@@ -209,7 +209,7 @@ class ShardpointTrainerMixin:
         if not is_shardpoint_checkpoint(resume_from_checkpoint):
             super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
             return
-        load_into({"model": self.model if model is None else model}, resume_from_checkpoint, strict=True)
+        _load_components({"model": self.model if model is None else model}, resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if not is_shardpoint_checkpoint(checkpoint):
@@ -223,7 +223,7 @@ class ShardpointTrainerMixin:
         if "sched" in components:
             target["sched"] = self.lr_scheduler
         if len(target) > 1:
-            load_into(target, checkpoint, strict=True)
+            _load_components(target, checkpoint)
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         if not is_shardpoint_checkpoint(checkpoint):
@@ -232,7 +232,7 @@ class ShardpointTrainerMixin:
         assert checkpoint is not None
         scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None and "scaler" in _components(checkpoint):
-            load_into({"scaler": scaler}, checkpoint, strict=True)
+            _load_components({"scaler": scaler}, checkpoint)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         if not is_shardpoint_checkpoint(checkpoint):
@@ -240,7 +240,7 @@ class ShardpointTrainerMixin:
             return
         assert checkpoint is not None
         if "rng" in _components(checkpoint):
-            load_into({"rng": RNGState()}, checkpoint, strict=True)
+            _load_components({"rng": RNGState()}, checkpoint)
 
     def _load_best_model(self) -> None:
         self._wait_for_checkpoint()
@@ -248,7 +248,23 @@ class ShardpointTrainerMixin:
         if not is_shardpoint_checkpoint(best):
             super()._load_best_model()  # type: ignore[misc]
             return
-        load_into({"model": self.model}, best, strict=True)
+        _load_components({"model": self.model}, best)
+
+
+def _load_components(target: dict[str, Any], path: str) -> None:
+    """Load the named components of the checkpoint at ``path`` into ``target``; the
+    checkpoint's other components are left alone, anything else amiss raises."""
+    others = _components(path) - set(target)
+    result = load_into(target, path, strict=False)
+    unexpected = [k for k in result.unexpected_keys if k not in others]
+    if result.missing_keys or unexpected or result.mismatched_keys or result.meta_keys:
+        raise LoadMismatchError(
+            f"resuming the Trainer from {path}: the checkpoint does not match this run's "
+            f"{', '.join(sorted(target))} (missing {result.missing_keys[:10]}, unexpected {unexpected[:10]}, "
+            f"mismatched {[k for k, *_ in result.mismatched_keys[:10]]}); resume with the model and "
+            "optimizer the checkpoint was saved from",
+            result,
+        )
 
 
 def _components(path: str) -> set[str]:
