@@ -15,15 +15,13 @@ import torch
 
 pytest.importorskip("transformers")
 
-import transformers  # noqa: E402
-from transformers import GPT2LMHeadModel  # noqa: E402
+import transformers
+from transformers import GPT2LMHeadModel
 
-import shardpoint as sp  # noqa: E402
-from shardpoint._cli.main import main as cli_main  # noqa: E402
-from shardpoint.integrations import hf_trainer  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(__file__))
-from _hf_trainer_worker import dataset, tiny_gpt2, trainer  # noqa: E402
+import shardpoint as sp
+from _hf_trainer_worker import dataset, tiny_gpt2, trainer
+from shardpoint._cli.main import main as cli_main
+from shardpoint.integrations import hf_trainer
 
 WORKER = os.path.join(os.path.dirname(__file__), "_hf_trainer_worker.py")
 
@@ -171,3 +169,22 @@ def test_sigkill_and_resume_equals_uninterrupted_run(tmp_path, capsys, use_async
     assert _verify_json(final, capsys)["warnings"] == []
     loaded = GPT2LMHeadModel.from_pretrained(final)
     _assert_bitwise_equal(dict(loaded.state_dict()), dict(reference.model.state_dict()))
+
+
+def test_push_to_hub_is_refused_with_what_to_do(tmp_path) -> None:
+    args = transformers.TrainingArguments(str(tmp_path / "run"), push_to_hub=True, report_to=[], use_cpu=True)
+    with pytest.raises(sp.CheckpointError, match=r"push_to_hub=True in TrainingArguments.*trainer\.push_to_hub\(\)"):
+        hf_trainer.ShardpointTrainer(model=tiny_gpt2(), args=args, train_dataset=dataset())
+
+
+def test_resume_into_another_model_names_the_checkpoint(tmp_path) -> None:
+    out = str(tmp_path / "run")
+    trainer(out, 2).train()
+    other = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=8, n_layer=2, n_head=2, vocab_size=64,
+                                                                 n_positions=16))
+    t = hf_trainer.ShardpointTrainer(model=other, args=transformers.TrainingArguments(
+        out, max_steps=4, report_to=[], use_cpu=True, per_device_train_batch_size=2), train_dataset=dataset())
+    ckpt = os.path.join(out, "checkpoint-2")
+    with pytest.raises(sp.LoadMismatchError, match=rf"resuming the Trainer from {ckpt}: the checkpoint does not "
+                       r"match this run's model \(missing \[\], unexpected \[\], mismatched \['model/transformer\.wte\.weight'"):
+        t.train(resume_from_checkpoint=ckpt)

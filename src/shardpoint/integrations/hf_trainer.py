@@ -92,12 +92,26 @@ class ShardpointTrainerMixin:
     control: Any
     callback_handler: Any
     hp_search_backend: Any
+    _get_output_dir: Any
+    store_flos: Any
 
     def __init__(
         self, *args: Any, shardpoint_async: bool = False, shardpoint_max_shard_size: int | str | None = None,
         **kwargs: Any,
     ) -> None:
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if getattr(training_args, "push_to_hub", False):
+            raise CheckpointError(
+                "ShardpointTrainer does not push checkpoints to the Hub during training "
+                "(push_to_hub=True in TrainingArguments); train with push_to_hub=False and call "
+                "trainer.push_to_hub() afterwards, or use the plain transformers Trainer"
+            )
         super().__init__(*args, **kwargs)
+        if self.args.world_size > 1:
+            raise CheckpointError(
+                f"ShardpointTrainer saves from one process; this run has world_size={self.args.world_size}. "
+                "Use the plain transformers Trainer for distributed (DDP, FSDP, DeepSpeed) runs"
+            )
         self.shardpoint_async = bool(shardpoint_async)
         self.shardpoint_max_shard_size = shardpoint_max_shard_size
         self._shardpoint_pending: AsyncSave | None = None
@@ -105,14 +119,9 @@ class ShardpointTrainerMixin:
     # ---- saving ----
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        if self.args.world_size > 1:
-            raise CheckpointError(
-                f"ShardpointTrainer saves from one process; this run has world_size={self.args.world_size}. "
-                "Use the plain transformers Trainer for distributed runs"
-            )
         output_dir = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if self.hp_search_backend is None and trial is None:
-            self.store_flos()  # type: ignore[attr-defined]
+            self.store_flos()
         run_dir = self._get_output_dir(trial=trial)
         if self.state.best_global_step:
             best_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
@@ -199,9 +208,15 @@ class ShardpointTrainerMixin:
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            return super().train(*args, **kwargs)  # type: ignore[misc]
-        finally:
-            self._wait_for_checkpoint()
+            output = super().train(*args, **kwargs)  # type: ignore[misc]
+        except BaseException:
+            # training failed: still let a pending checkpoint commit, but raise the training error
+            pending, self._shardpoint_pending = self._shardpoint_pending, None
+            if pending is not None:
+                pending.exception()
+            raise
+        self._wait_for_checkpoint()
+        return output
 
     # ---- loading ----
 
