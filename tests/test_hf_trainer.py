@@ -165,6 +165,9 @@ def test_sigkill_and_resume_equals_uninterrupted_run(tmp_path, capsys, use_async
     reference.train()
     for got, want in zip(_final_state(resumed), _final_state(reference), strict=True):
         _assert_bitwise_equal(got, want)
+    # a save the kill cut short left only its hidden temporary directory, which the resumed
+    # run's save of the same step removed
+    assert [n for n in os.listdir(out) if ".tmp-" in n] == []
     final = os.path.join(out, "checkpoint-8")
     assert _verify_json(final, capsys)["warnings"] == []
     loaded = GPT2LMHeadModel.from_pretrained(final)
