@@ -191,3 +191,23 @@ def test_resume_into_another_model_names_the_checkpoint(tmp_path) -> None:
     with pytest.raises(sp.LoadMismatchError, match=rf"resuming the Trainer from {ckpt}: the checkpoint does not "
                        r"match this run's model \(missing \[\], unexpected \[\], mismatched \['model/transformer\.wte\.weight'"):
         t.train(resume_from_checkpoint=ckpt)
+
+
+def test_processing_class_files_are_in_the_commit(tmp_path, capsys) -> None:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(63)} | {"[UNK]": 63}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="[UNK]")), unk_token="[UNK]",
+                                  pad_token="[UNK]")
+    out = str(tmp_path / "run")
+    t = hf_trainer.ShardpointTrainer(model=tiny_gpt2(), args=transformers.TrainingArguments(
+        out, max_steps=2, save_steps=2, report_to=[], use_cpu=True, per_device_train_batch_size=2),
+        train_dataset=dataset(), processing_class=tok)
+    t.train()
+    ckpt = os.path.join(out, "checkpoint-2")
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(ckpt))
+    assert AutoTokenizer.from_pretrained(ckpt)("w5")["input_ids"] == [5]
+    report = _verify_json(ckpt, capsys)
+    assert report["warnings"] == [] and "tokenizer.json" in report["unchecked"]
