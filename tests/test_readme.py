@@ -49,6 +49,7 @@ def python_block(marker: str) -> str:
 PYTHON_BLOCKS = {
     "five things": 'sp.save(model.state_dict(), "out/my-model"',
     "distributed": "get_optimizer_state_dict",
+    "hf trainer": "ShardpointTrainer(model=gpt2",
     "hf cache": "hf://org/name",
     "object storage": "s3://bucket/",
     "lightning": "load_from_checkpoint(Net, best",
@@ -165,6 +166,17 @@ def test_readme_python_and_cli_examples_run(
     exec(compile(block, "README.md: distributed", "exec"), scope)
     assert sorted(sp.load("ckpt/step-100")) == ["model", "optim"]
     assert scope["save_pretrained"] is sp.integrations.transformers.save_pretrained
+
+
+def test_readme_hf_trainer_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    scope: dict[str, Any] = {"sp": sp}
+    exec(compile(python_block(PYTHON_BLOCKS["hf trainer"]), "README.md: hf trainer", "exec"), scope)
+    assert sorted(os.listdir("runs/gpt2")) == ["checkpoint-2", "checkpoint-4"]
+    assert scope["trainer"].state.global_step == 4
+    assert sorted(sp.load("runs/gpt2/checkpoint-4")) == ["model", "optim", "rng", "sched"]
+    loaded, trained = scope["model"].state_dict(), scope["gpt2"].state_dict()
+    assert [k for k in trained if not torch.equal(loaded[k], trained[k])] == []
 
 
 def test_readme_object_storage_example_runs(opts: dict[str, Any], url: str) -> None:

@@ -5,6 +5,9 @@
   of ``accelerate`` itself).
 - :mod:`shardpoint.integrations.lightning`: ``ShardpointCheckpointIO``, a ``CheckpointIO``
   plugin for Lightning's ``Trainer`` (needs ``lightning`` or ``pytorch_lightning``).
+- :mod:`shardpoint.integrations.hf_trainer`: ``ShardpointTrainer`` /
+  ``ShardpointTrainerMixin``, every ``transformers`` ``Trainer`` checkpoint a shardpoint
+  save (needs ``transformers``).
 - :mod:`shardpoint.integrations.transformers`: ``save_pretrained`` / ``from_pretrained``
   for ``transformers`` models (needs ``transformers``).
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["accelerate", "lightning", "transformers"]
+__all__ = ["accelerate", "hf_trainer", "lightning", "transformers"]
 
 
 def __getattr__(name: str) -> ModuleType:
