@@ -9,11 +9,15 @@ atheris as its custom mutator.
 
 from __future__ import annotations
 
+import argparse
 import copy
+import dataclasses
+import datetime
+import enum
 import json
 import random
 import struct
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 from typing import Any
 
 import torch
@@ -21,6 +25,34 @@ import torch
 import shardpoint as sp
 
 # ------------------------------------------------------------------------------ fixtures
+
+
+class SeedColor(enum.Enum):
+    """An Enum stored as a typed ``enum`` node in the fixtures."""
+
+    RED = "red"
+
+
+@dataclasses.dataclass
+class SeedConfig:
+    """A dataclass (with a tensor field) stored as a typed ``dataclass`` node."""
+
+    lr: float
+    root: Path
+    scale: torch.Tensor
+
+
+def typed_values() -> dict[str, Any]:
+    """One value of every typed JSON node (path, enum, namespace, dataclass, datetime)."""
+    return {
+        "dir": Path("/data/run 1"),
+        "win": PureWindowsPath("C:/x"),
+        "color": SeedColor.RED,
+        "args": argparse.Namespace(seed=3, tags=["a"]),
+        "cfg": SeedConfig(0.5, Path("out"), torch.ones(2)),
+        "when": datetime.datetime(2024, 5, 6, 7, 8, 9, 10, tzinfo=datetime.timezone.utc),
+        "span": datetime.timedelta(days=1, seconds=2),
+    }
 
 
 def fixture_tensors(kind: str) -> dict[str, torch.Tensor]:
@@ -40,7 +72,8 @@ def nested_state() -> dict[str, Any]:
         "model": {"w": weight, "tied": weight, "b": torch.ones(3, dtype=torch.bfloat16)},
         "optim": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(2, 3)}},
                   "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0], "nan": float("nan")}]},
-        "extra": {"step": 12, "names": ["a", "b"], "flag": True, "none": None, "pair": (1, "x")},
+        "extra": {"step": 12, "names": ["a", "b"], "flag": True, "none": None, "pair": (1, "x"),
+                  "typed": typed_values()},
     }
 
 
@@ -51,7 +84,8 @@ def trained_target() -> dict[str, Any]:
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.LayerNorm(2))
     optim = torch.optim.Adam(model.parameters(), lr=0.01)
     return {"model": model, "optim": optim, "extra": {"step": 5, "names": ["a", "b"], "lr": 0.5,
-                                                      "best": float("inf"), "pair": (1, "x")}}
+                                                      "best": float("inf"), "pair": (1, "x"),
+                                                      "typed": typed_values()}}
 
 
 def write_trained(root: Path) -> None:

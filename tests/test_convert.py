@@ -183,19 +183,31 @@ def test_pickle_needing_full_unpickle_is_refused_naming_the_file(
     assert err.startswith("shardpoint: error: ") and str(src) in err and "--trust-pickle" in err
 
 
+class _Opaque:
+    """An object shardpoint can store only pickled."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Opaque) and other.n == self.n
+
+
 def test_trust_pickle_converts_and_stores_other_objects_pickled(tmp_path: Path) -> None:
     src = tmp_path / "lightning.ckpt"
     hparams = argparse.Namespace(lr=0.1, layers=2)
-    torch.save({"state_dict": {"w": torch.arange(4.0)}, "hparams": hparams, "epoch": 2}, src)
+    torch.save({"state_dict": {"w": torch.arange(4.0)}, "hparams": hparams, "epoch": 2, "obj": _Opaque(3)}, src)
     with pytest.raises(sp.UnsafePickleError, match=r"argparse\.Namespace"):
         sp.convert(src, tmp_path / "out")
     sp.convert(src, tmp_path / "out", trust_pickle=True)
-    # the Namespace was stored pickled: loading it needs the opt-in too
-    with pytest.raises(sp.UnsafePickleError):
+    # the custom object was stored pickled: loading it needs the opt-in too
+    with pytest.raises(sp.UnsafePickleError, match=r"component 'obj': value '' \(a (tests\.)?test_convert\._Opaque\) was pickled at save time"):
         sp.load(tmp_path / "out")
     back = sp.load(tmp_path / "out", allow_pickle=True)
-    assert back["hparams"] == hparams and back["epoch"] == 2
+    assert back["hparams"] == hparams and back["epoch"] == 2 and back["obj"] == _Opaque(3)
     assert torch.equal(back["state_dict"]["w"], torch.arange(4.0))
+    # the Namespace is a typed node: it loads without the opt-in
+    assert sp.load(tmp_path / "out", keys=["hparams"])["hparams"] == hparams
 
 
 def test_safetensors_sibling_is_preferred_with_a_note(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import datetime
+import enum
 import json
 import math
 from pathlib import Path
@@ -185,6 +187,28 @@ def test_nested_states_compare_tensors_and_plain_values(tmp_path: Path) -> None:
     assert not report.differences
     assert [(v.key, v.a, v.b) for v in report.values] == [("epoch", 3, 4)]
     assert not report.equal
+
+
+class Shade(enum.Enum):
+    DARK = 1
+    LIGHT = 2
+
+
+def test_typed_values_are_compared(tmp_path: Path) -> None:
+    """Paths, Enum members, datetimes and the fields of Namespaces and dataclasses are values too."""
+    base = {"p": Path("a"), "ns": argparse.Namespace(n=1), "t": datetime.date(2024, 1, 1), "c": Shade.DARK}
+    sp.save({"hp": base}, tmp_path / "a")
+    sp.save({"hp": {**base, "p": Path("b"), "ns": argparse.Namespace(n=2)}}, tmp_path / "b")
+    sp.save({"hp": {**base, "c": Shade.LIGHT, "t": datetime.date(2025, 1, 1)}}, tmp_path / "c")
+    report = sp.diff(tmp_path / "a", tmp_path / "b")
+    assert [(v.key, v.a, v.b) for v in report.values] == [("hp.p", "Path(a)", "Path(b)"), ("hp.ns.n", 1, 2)]
+    report = sp.diff(tmp_path / "a", tmp_path / "c")
+    assert [(v.key, v.a, v.b) for v in report.values] == [
+        ("hp.t", "date(2024-01-01)", "date(2025-01-01)"),
+        ("hp.c", f"{__name__}:Shade.DARK", f"{__name__}:Shade.LIGHT"),
+    ]
+    same = sp.diff(tmp_path / "a", tmp_path / "a")
+    assert same.equal and not same.values
 
 
 def test_errors_exit_2(tmp_path: Path, base: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -151,6 +151,8 @@ def test_import_shardpoint_imports_no_framework() -> None:
     code = (
         "import sys, shardpoint as sp\n"
         "sp.integrations.transformers.save_pretrained\n"
+        "import shardpoint.integrations.accelerate\n"
         "assert 'transformers' not in sys.modules and 'lightning' not in sys.modules, sorted(sys.modules)\n"
+        "assert 'accelerate' not in sys.modules, sorted(sys.modules)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

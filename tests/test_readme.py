@@ -13,6 +13,7 @@ suite cannot run are listed in ``NOT_RUN`` with the reason.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shlex
@@ -48,8 +49,11 @@ def python_block(marker: str) -> str:
 PYTHON_BLOCKS = {
     "five things": 'sp.save(model.state_dict(), "out/my-model"',
     "distributed": "get_optimizer_state_dict",
+    "hf trainer": "ShardpointTrainer(model=gpt2",
     "hf cache": "hf://org/name",
     "object storage": "s3://bucket/",
+    "lightning": "load_from_checkpoint(Net, best",
+    "accelerate": "shardpoint.integrations.accelerate",  # run by tests/test_accelerate.py
 }
 """Every python block of the README, by a line it holds; each is run by a test below."""
 
@@ -164,6 +168,17 @@ def test_readme_python_and_cli_examples_run(
     assert scope["save_pretrained"] is sp.integrations.transformers.save_pretrained
 
 
+def test_readme_hf_trainer_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    scope: dict[str, Any] = {"sp": sp}
+    exec(compile(python_block(PYTHON_BLOCKS["hf trainer"]), "README.md: hf trainer", "exec"), scope)
+    assert sorted(os.listdir("runs/gpt2")) == ["checkpoint-2", "checkpoint-4"]
+    assert scope["trainer"].state.global_step == 4
+    assert sorted(sp.load("runs/gpt2/checkpoint-4")) == ["model", "optim", "rng", "sched"]
+    loaded, trained = scope["model"].state_dict(), scope["gpt2"].state_dict()
+    assert [k for k in trained if not torch.equal(loaded[k], trained[k])] == []
+
+
 def test_readme_object_storage_example_runs(opts: dict[str, Any], url: str) -> None:
     block = python_block(PYTHON_BLOCKS["object storage"])
     placeholder = re.search(r"^opts = \{.*\}$", block, flags=re.M)
@@ -227,3 +242,24 @@ def test_readme_hugging_face_cache_example_runs(
     for argv in commands:
         assert main(argv[1:]) == 0, capsys.readouterr()
         assert "model.safetensors" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # importing Lightning takes most of it
+def test_readme_lightning_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run as a user's script is: a module of its own (its Enum found again by name)."""
+    pytest.importorskip("lightning.pytorch")
+    import sys
+    import types
+    import warnings
+
+    monkeypatch.chdir(tmp_path)
+    module = types.ModuleType("readme_lightning_script")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exec(compile(python_block(PYTHON_BLOCKS["lightning"]), "README.md: lightning", "exec"), module.__dict__)
+    best = module.best
+    assert os.path.isfile(os.path.join(best, "shardpoint.json"))
+    manifest = Path(best, "shardpoint.json").read_text()
+    assert '"type":"enum","class":"readme_lightning_script:Act"' in manifest
+    assert module.model.hparams.args == argparse.Namespace(lr=0.1)

@@ -205,37 +205,50 @@ def async_save(
         >>> handle.result().tensor_bytes
         12
     """
-    global _last
     started = time.perf_counter()
     max_bytes = parse_size(max_shard_size)
     check_options(layout, storage_options)
     meta = json_metadata(metadata)
     prepared = prepare_state(state, allow_pickle=allow_pickle)
+    target = os.fspath(path)
+    # created here, on the caller's thread: making the twin group is a collective
+    group = background_group(resolve_group(process_group, prepared.all_tensors()))
+
+    def persist(staged: PreparedState) -> SaveInfo:
+        info = write_prepared(
+            staged,
+            target,
+            group=group,
+            layout=layout,
+            max_shard_bytes=max_bytes,
+            overwrite=overwrite,
+            metadata=meta,
+            durable=durable,
+            progress=progress,
+            storage_options=storage_options,
+        )
+        if on_commit is not None:
+            on_commit(info)
+        return info
+
+    return submit_prepared(prepared, target, persist, started=started)
+
+
+def submit_prepared(
+    prepared: PreparedState,
+    target: str,
+    persist: Callable[[PreparedState], SaveInfo],
+    *,
+    started: float,
+) -> AsyncSave:
+    """Wait for the previous async save, stage ``prepared``, and run ``persist(staged)``
+    on the background thread; the one queue every async save goes through (the
+    ``transformers`` Trainer integration writes its extra files this way)."""
+    global _last
     with _lock:
         wait_previous()
         staged = stage(prepared, _pool)
-        target = os.fspath(path)
-
-        group = background_group(resolve_group(process_group, prepared.all_tensors()))
-
-        def persist() -> SaveInfo:
-            info = write_prepared(
-                staged,
-                target,
-                group=group,
-                layout=layout,
-                max_shard_bytes=max_bytes,
-                overwrite=overwrite,
-                metadata=meta,
-                durable=durable,
-                progress=progress,
-                storage_options=storage_options,
-            )
-            if on_commit is not None:
-                on_commit(info)
-            return info
-
-        handle = AsyncSave(target, _executor.submit(persist), time.perf_counter() - started)
+        handle = AsyncSave(target, _executor.submit(persist, staged), time.perf_counter() - started)
         _last = handle
     return handle
 

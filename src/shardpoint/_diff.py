@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ._flatten import WRAPPER_TYPES
+from ._flatten import TYPED_VALUE_NODES, WRAPPER_TYPES, typed_leaf_text
 from ._format.dtypes import DTYPE_TO_NAME
 from ._hub import local_path
 from ._stream_source import BATCH_BYTES, Ref, TensorSource, batches, open_source
@@ -215,8 +215,10 @@ def _json_leaves(source: TensorSource) -> dict[str, Any]:
         elif kind in ("list", "tuple"):
             for i, child in enumerate(node.get("items", [])):
                 walk(child, f"{path}.{i}" if path else str(i))
-        elif kind in WRAPPER_TYPES:
+        elif kind in WRAPPER_TYPES or kind in TYPED_VALUE_NODES:
             walk(node.get("value"), path)
+        elif kind in ("path", "enum", "datetime"):
+            out[path] = typed_leaf_text(node)
 
     for comp in source.components:
         walk(comp.tree, "" if source.flat else comp.name)

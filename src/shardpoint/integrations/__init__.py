@@ -1,7 +1,13 @@
 """Integrations with the frameworks people already train and serve with.
 
+- :mod:`shardpoint.integrations.accelerate`: ``save_state`` / ``load_state`` of an
+  ``accelerate.Accelerator``'s prepared objects (takes the ``Accelerator``; imports nothing
+  of ``accelerate`` itself).
 - :mod:`shardpoint.integrations.lightning`: ``ShardpointCheckpointIO``, a ``CheckpointIO``
   plugin for Lightning's ``Trainer`` (needs ``lightning`` or ``pytorch_lightning``).
+- :mod:`shardpoint.integrations.hf_trainer`: ``ShardpointTrainer`` /
+  ``ShardpointTrainerMixin``, every ``transformers`` ``Trainer`` checkpoint a shardpoint
+  save (needs ``transformers``).
 - :mod:`shardpoint.integrations.transformers`: ``save_pretrained`` / ``from_pretrained``
   for ``transformers`` models (needs ``transformers``).
 
@@ -17,7 +23,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["lightning", "transformers"]
+__all__ = ["accelerate", "hf_trainer", "lightning", "transformers"]
 
 
 def __getattr__(name: str) -> ModuleType:

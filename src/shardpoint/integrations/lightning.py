@@ -16,11 +16,15 @@ the dict Lightning saved: same keys, lists stay lists, integer keys (optimizer p
 ids) stay integers, tuples stay tuples, ``nan``/``inf`` survive.
 
 Values that are neither tensors, containers nor JSON: mappings (``AttributeDict``) are
-stored as dicts and ``argparse.Namespace`` as the dict of its attributes, which is how
-Lightning itself treats hyperparameters. Anything else (an ``Enum``, a ``Path``, a custom
-object in ``hyper_parameters``) is refused with the key named, unless the plugin is built
-with ``allow_pickle=True``: then such values are pickled into the checkpoint and unpickled
-on load (only load checkpoints you trust; Lightning's ``weights_only=True`` still refuses).
+stored as dicts; ``pathlib`` paths, ``Enum`` members, ``argparse.Namespace``, dataclasses and
+``datetime`` / ``date`` / ``time`` / ``timedelta`` values (what ``save_hyperparameters()``
+often holds) are stored without pickle as typed nodes of the manifest and come back equal,
+with their types. An Enum or dataclass is rebuilt only from a class whose module is already
+imported (shardpoint never imports a module a checkpoint names; import it first). Anything
+else (a custom object, a ``ZoneInfo`` datetime, a local class) is refused with the key and
+the reason named, unless the plugin is built with ``allow_pickle=True``: then such values
+are pickled into the checkpoint and unpickled on load (only load checkpoints you trust;
+Lightning's ``weights_only=True`` still refuses).
 
 ``last.ckpt`` without a second write: Lightning saves ``last`` right after the top-k
 checkpoint of the same step, through a second ``save_checkpoint`` call. When a save has
@@ -34,15 +38,19 @@ possible (another filesystem, the previous checkpoint removed meanwhile), it is 
 Works wrapped in Lightning's ``AsyncCheckpointIO`` (the write runs in its thread). Lightning
 calls ``CheckpointIO`` on global rank 0 with full state dicts; strategies that write
 sharded checkpoints themselves (FSDP ``state_dict_type="sharded"``, DeepSpeed) do not use
-it. ``LightningModule.load_from_checkpoint`` reads with ``torch.load`` and cannot open these
-directories: resume with ``trainer.fit(..., ckpt_path=...)`` (or ``validate`` / ``test``
-with ``ckpt_path``), or take the weights from
-``ShardpointCheckpointIO().load_checkpoint(path)["state_dict"]``.
+it.
+
+``LightningModule.load_from_checkpoint`` and a ``Trainer`` without this plugin read with
+``torch.load`` through fsspec, which fails on these directories with ``IsADirectoryError``
+before any code of Lightning or of shardpoint could tell the user more (Lightning has no
+hook between the path and the open; patching Lightning on import would be worse). Use
+:func:`load_from_checkpoint` (``load_from_checkpoint(MyModel, path, map_location=...,
+strict=...)``) in place of ``MyModel.load_from_checkpoint(path)``, and resume with the
+plugin and ``trainer.fit(..., ckpt_path=...)`` (or ``validate`` / ``test``).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import threading
@@ -60,7 +68,7 @@ from .._sizes import parse_size
 from .._source import open_checkpoint
 from .._storage.local import TMP_MARKER
 from .._write import json_metadata, write_checkpoint
-from ..errors import CheckpointError, InvalidStateError
+from ..errors import CheckpointError, InvalidStateError, UnsupportedFormatError
 
 
 def _checkpoint_io_bases() -> tuple[type, ...]:
@@ -119,9 +127,11 @@ def _component_for(key: Any) -> str:
 
 
 def _plain(value: Any) -> Any:
-    """``value`` with every ``argparse.Namespace`` replaced by the dict of its attributes."""
-    if isinstance(value, argparse.Namespace):
-        return {k: _plain(v) for k, v in vars(value).items()}
+    """``value`` with every mapping (Lightning's ``AttributeDict``) replaced by a dict.
+
+    Everything else is left to shardpoint's state tree, which keeps ``argparse.Namespace``,
+    paths, Enum members, dataclasses and datetime values as typed nodes (no pickle).
+    """
     if isinstance(value, Mapping) and not isinstance(value, torch.nn.Module):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -201,9 +211,10 @@ class ShardpointCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
 
     Args:
         max_shard_size: largest data file, e.g. ``"5GB"`` (10^9 bytes) or ``"5GiB"``.
-        allow_pickle: store values that are not tensors, containers, mappings, Namespaces
-            or JSON (e.g. an ``Enum`` in ``hyper_parameters``) by pickling them, and unpickle
-            them on load. Off by default: such values are refused with the key named.
+        allow_pickle: store values that shardpoint cannot store as tensors, containers, JSON
+            or typed nodes (paths, Enum members, Namespaces, dataclasses, datetime values),
+            e.g. a custom object in ``hyper_parameters``, by pickling them, and unpickle them
+            on load. Off by default: such values are refused with the key named.
         link_unchanged: save a checkpoint whose tensors equal those of the previous save at
             the same epoch and step (``last.ckpt``) by hard-linking that save's files.
         durable: fsync files and directories before a save returns.
@@ -334,11 +345,20 @@ class ShardpointCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
 
         Raises:
             CheckpointNotFoundError: there is no checkpoint at ``path`` (a ``FileNotFoundError``).
+            UnsupportedFormatError: ``path`` is a file (a ``torch.save`` checkpoint), not a
+                directory this plugin wrote.
         """
         device: str | torch.device = "cpu"
         if isinstance(map_location, (str, torch.device)):
             device = map_location
         location = os.fspath(path)
+        if os.path.isfile(location) and not location.endswith(".safetensors"):
+            raise UnsupportedFormatError(
+                f"{location} is a file, not a checkpoint directory written by ShardpointCheckpointIO "
+                "(a torch.save checkpoint, written without the plugin?): load it with Lightning's own "
+                "`MyModel.load_from_checkpoint(path)`, or resume from it with a Trainer without "
+                "ShardpointCheckpointIO"
+            )
         allow = self.allow_pickle and weights_only is not True
         ckpt = open_checkpoint(location)
         metadata = ckpt.manifest.metadata if ckpt.manifest is not None else {}
@@ -384,4 +404,73 @@ def _remove_path(location: str) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-__all__ = ["ShardpointCheckpointIO", "from_shardpoint_state", "to_shardpoint_state"]
+def _saving_module_for(cls: type) -> Any:
+    """Lightning's ``core.saving`` module of the flavour ``cls`` belongs to."""
+    import importlib
+
+    for package in ("lightning.pytorch", "pytorch_lightning"):
+        try:
+            pl = importlib.import_module(package)
+        except ImportError:
+            continue
+        if isinstance(cls, type) and issubclass(cls, (pl.LightningModule, pl.LightningDataModule)):
+            return importlib.import_module(f"{package}.core.saving"), pl
+    raise TypeError(
+        f"load_from_checkpoint needs a LightningModule or LightningDataModule class, got {cls!r}"
+    )
+
+
+def load_from_checkpoint(
+    cls: type,
+    checkpoint_path: Any,
+    map_location: Any | None = None,
+    strict: bool | None = None,
+    *,
+    allow_pickle: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """``cls.load_from_checkpoint(checkpoint_path)`` for a checkpoint saved by ``ShardpointCheckpointIO``.
+
+    Builds ``cls`` from the saved hyperparameters (``kwargs`` override them, as in Lightning),
+    calls its ``on_load_checkpoint`` and loads the weights, all through Lightning's own
+    loading code; only reading the checkpoint differs.
+
+    Args:
+        cls: the ``LightningModule`` (or ``LightningDataModule``) class.
+        checkpoint_path: the checkpoint directory (``….ckpt``) written through the plugin.
+        map_location: ``"cpu"``, ``"cuda:0"`` or a ``torch.device`` to put the weights (and so
+            the module) on; other forms (a dict, a function) load to CPU.
+        strict: as in Lightning: keys of the checkpoint and the module must match
+            (``None``: the module's ``strict_loading``, by default ``True``).
+        allow_pickle: unpickle values saved with ``ShardpointCheckpointIO(allow_pickle=True)``
+            (only for checkpoints you trust).
+        **kwargs: hyperparameters overriding the saved ones.
+
+    Returns:
+        The module (or data module), its weights on ``map_location``'s device.
+
+    Raises:
+        CheckpointNotFoundError: there is no checkpoint at ``checkpoint_path``.
+        UnsupportedFormatError: ``checkpoint_path`` is a ``torch.save`` file (use Lightning's own).
+        LoadMismatchError: a saved Enum or dataclass class is not imported (import its module).
+        RuntimeError: ``strict`` and keys that do not match (Lightning's own error).
+
+    Example:
+        >>> from shardpoint.integrations.lightning import load_from_checkpoint  # doctest: +SKIP
+        >>> model = load_from_checkpoint(MyModel, "ckpts/last.ckpt", map_location="cpu")  # doctest: +SKIP
+    """
+    saving, pl = _saving_module_for(cls)
+    io = ShardpointCheckpointIO(allow_pickle=allow_pickle)
+    checkpoint = io.load_checkpoint(checkpoint_path, map_location=map_location)
+    hparams_key = cls.CHECKPOINT_HYPER_PARAMS_KEY  # type: ignore[attr-defined]
+    checkpoint.setdefault(hparams_key, {})
+    checkpoint[hparams_key].update(kwargs)
+    if issubclass(cls, pl.LightningDataModule):
+        return saving._load_state(cls, checkpoint, **kwargs)
+    model = saving._load_state(cls, checkpoint, strict=strict, **kwargs)
+    state_dict = checkpoint.get("state_dict") or {}
+    device = next((t.device for t in state_dict.values() if isinstance(t, torch.Tensor)), None)
+    return model if device is None else model.to(device)
+
+
+__all__ = ["ShardpointCheckpointIO", "from_shardpoint_state", "load_from_checkpoint", "to_shardpoint_state"]
