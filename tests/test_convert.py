@@ -431,6 +431,95 @@ def test_dcp_refused_without_trust_and_converted_with_it(tmp_path: Path) -> None
     assert back["optim"]["param_groups"][0]["lr"] == osd["param_groups"][0]["lr"]
 
 
+def _torchtitan_dcp(tmp_path: Path) -> tuple[LlamaForCausalLM, dict[str, Any], Path]:
+    """A DCP checkpoint in torchtitan's layout: model keys at the top level, beside nested
+    ``optimizer`` / ``lr_scheduler`` / ``train_state`` entries."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    model = _llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(INPUT_IDS).logits.sum().backward()
+    opt.step()
+    state: dict[str, Any] = {
+        **model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "lr_scheduler": {"last_epoch": 1, "base_lrs": [1e-3]},
+        "train_state": {"step": torch.tensor(7, dtype=torch.int32), "losses": [2.5, 2.0]},
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(tmp_path / "titan"))
+    return model, state, tmp_path / "titan"
+
+
+def test_dcp_torchtitan_layout_model_is_hf_files_and_nested_entries_are_components(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model, state, src = _torchtitan_dcp(tmp_path)
+    code, _, err = run_cli(
+        capsys, "convert", src, tmp_path / "out", "--trust-pickle", "--max-shard-size", "20KB"
+    )
+    assert code == 0, err
+    assert "torchtitan's layout" in err and "'optimizer', 'lr_scheduler', 'train_state'" in err
+    names = sorted(p.name for p in (tmp_path / "out").iterdir())
+    shards = [n for n in names if n.startswith("model-") and n.endswith(".safetensors")]
+    assert len(shards) > 1 and "model.safetensors.index.json" in names
+    assert not any(n.startswith(("embed", "layers", "lm_head")) for n in names), names
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(model.state_dict())
+
+    model.config.save_pretrained(tmp_path / "out")
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert_same(loaded.state_dict(), model.state_dict())
+    with torch.no_grad():
+        assert torch.equal(loaded(INPUT_IDS).logits, model(INPUT_IDS).logits)
+
+    back = sp.load(tmp_path / "out")
+    assert list(back) == ["model", "optimizer", "lr_scheduler", "train_state"]
+    assert_same(back["model"], model.state_dict())
+    osd = state["optimizer"]
+    assert len(osd["state"]) == 21  # one AdamW state per parameter of the tiny Llama
+    # DCP stores the int keys of nested dicts as strings
+    assert_same(back["optimizer"]["state"], {str(i): v for i, v in osd["state"].items()})
+    assert back["optimizer"]["param_groups"][0]["lr"] == 1e-3
+    assert back["lr_scheduler"] == {"last_epoch": 1, "base_lrs": [1e-3]}
+    assert back["train_state"]["losses"] == [2.5, 2.0]
+    assert_same(back["train_state"]["step"], torch.tensor(7, dtype=torch.int32))
+    # diff reads the DCP source with the same grouping: the two are equal.
+    code, out, err = run_cli(capsys, "diff", src, tmp_path / "out", "--trust-pickle")
+    assert code == 0, (out, err)
+
+
+def test_dcp_torchtitan_convert_selected_components(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model, _, src = _torchtitan_dcp(tmp_path)
+    # The model alone, for publishing: a flat checkpoint of HF files, nothing else.
+    code, _, err = run_cli(
+        capsys, "convert", src, tmp_path / "pub", "--trust-pickle", "--component", "model"
+    )
+    assert code == 0, err
+    names = sorted(p.name for p in (tmp_path / "pub").iterdir())
+    assert names == ["model.safetensors", "shardpoint.json"]
+    assert_same(sp.load(tmp_path / "pub"), model.state_dict())  # flat: the state dict itself
+
+    sp.convert(src, tmp_path / "two", trust_pickle=True, components=["train_state", "optimizer"])
+    back = sp.load(tmp_path / "two")
+    assert list(back) == ["train_state", "optimizer"]
+    assert back["train_state"]["losses"] == [2.5, 2.0]
+    assert not (tmp_path / "two" / "model.safetensors").exists()
+
+    with pytest.raises(sp.CheckpointError) as info:
+        sp.convert(src, tmp_path / "bad", trust_pickle=True, components=["model", "optim"])
+    assert str(info.value) == (
+        f"{src} has no component named 'optim'; it has 'model', 'optimizer', 'lr_scheduler', "
+        "'train_state': name one or more of these (CLI: --component NAME, repeatable)"
+    )
+    assert not (tmp_path / "bad").exists()
+
+
 # -------------------------------------------------------------------------------- CLI
 
 

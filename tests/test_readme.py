@@ -54,6 +54,7 @@ PYTHON_BLOCKS = {
     "object storage": "s3://bucket/",
     "lightning": "load_from_checkpoint(Net, best",
     "accelerate": "shardpoint.integrations.accelerate",  # run by tests/test_accelerate.py
+    "dcp reader": "ShardpointStorageReader",
 }
 """Every python block of the README, by a line it holds; each is run by a test below."""
 
@@ -96,6 +97,41 @@ def shell_commands(block: str) -> list[list[str]]:
     ]
 
 
+def _torchtitan_dcp(model: Any, path: str) -> None:
+    """A DCP checkpoint in torchtitan's layout (model keys at the top level)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    state = {**model.state_dict(), "train_state": {"step": torch.tensor(1000)}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=path)
+
+
+def test_readme_dcp_reader_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import warnings
+
+    monkeypatch.chdir(tmp_path)
+    saved = _names()
+    sp.save({"model": saved["model"].state_dict(), "optim": saved["optimizer"].state_dict()}, "ckpt/step-100")
+    model = _tiny_llama()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    opt = torch.optim.AdamW(model.parameters(), lr=5.0)
+    scope = {"model": model, "opt": opt}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP: "torch.distributed is ... uninitialized"
+        exec(compile(python_block(PYTHON_BLOCKS["dcp reader"]), "README.md: dcp reader", "exec"), scope)
+    for name, want in saved["model"].state_dict().items():
+        assert torch.equal(scope["state"]["model"][name], want), name
+    assert torch.equal(model.lm_head.weight, saved["model"].lm_head.weight)  # in place
+    assert scope["state"]["optim"]["param_groups"][0]["lr"] == 1e-3
+    written = sp.load("ckpt/step-200")  # dcp.save through ShardpointStorageWriter
+    assert torch.equal(written["model"]["lm_head.weight"], saved["model"].lm_head.weight)
+
+
 def test_the_readme_has_the_blocks_this_test_runs() -> None:
     """A new block in the README needs a test here: this fails until it has one."""
     python = blocks("python")
@@ -105,7 +141,7 @@ def test_the_readme_has_the_blocks_this_test_runs() -> None:
     commands = [(c[1], c[2].startswith("hf://")) for b in bash for c in shell_commands(b)]
     assert commands == [
         ("inspect", False), ("inspect", False), ("verify", False), ("convert", False),
-        ("diff", False), ("inspect", True),
+        ("convert", False), ("diff", False), ("inspect", True),
     ]
     first_words = {line.split("#")[0].strip() for b in bash for line in b.splitlines()}
     others = {w for w in first_words if w and not w.startswith("shardpoint ")}
@@ -136,15 +172,19 @@ def test_readme_python_and_cli_examples_run(
     # The shell lines, against what the first snippet saved (+ the files they name).
     torch.save(names["model"].state_dict(), "model.pt")
     sp.save(names["model"].state_dict(), "ckpt/step-100")
+    _torchtitan_dcp(names["model"], "titan/step-1000")
     capsys.readouterr()
     commands = [c for b in blocks("bash") for c in shell_commands(b) if "hf://" not in c[2]]
-    assert len(commands) == 5
+    assert len(commands) == 6
     for argv in commands:
         code = main(argv[1:])
         out, err = capsys.readouterr()
         assert code == 0, (argv, out, err)
         assert "warning" not in out, (argv, out)
     assert sp.load("out/my-model-bf16")["lm_head.weight"].dtype == torch.bfloat16
+    published = sp.load("out/publish")  # the torchtitan model alone, flat
+    assert sorted(published) == sorted(names["model"].state_dict())
+    assert torch.equal(published["lm_head.weight"], names["model"].lm_head.weight)
 
     # The distributed block, in one process (no process group: the same calls).
     second = tmp_path / "second"

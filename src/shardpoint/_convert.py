@@ -225,6 +225,42 @@ def output_state(
     return PreparedState(components, source.flat), refs
 
 
+def _flat_tree(tree: dict[str, Any]) -> bool:
+    """A component tree that is a plain ``{name: tensor}`` dict (a model state dict)."""
+    return tree.get("type") == "dict" and all(
+        kind == "str" and node.get("type") == "tensor" and node.get("name") == key
+        for kind, key, node in tree.get("items", [])
+    )
+
+
+def select_components(source: TensorSource, names: Sequence[str] | None) -> None:
+    """Keep only the components ``names`` of ``source`` (all when None), in that order.
+
+    Selecting only ``model``, a plain state dict, gives a flat checkpoint (``sp.load``
+    returns the state dict itself), as publishing a model wants.
+
+    Raises:
+        CheckpointError: a name is not a component of the source (the message lists the
+            components there are).
+    """
+    if names is None:
+        return
+    have = {c.name: c for c in source.components}
+    missing = [n for n in names if n not in have]
+    if missing or not names:
+        raise CheckpointError(
+            f"{source.spec.path} has no component named "
+            f"{', '.join(repr(n) for n in missing) if missing else '(no name given)'}; it has "
+            f"{', '.join(repr(n) for n in have)}: name one or more of these "
+            "(CLI: --component NAME, repeatable)"
+        )
+    chosen = [have[n] for n in dict.fromkeys(names)]
+    source.components = chosen
+    source.flat = [c.name for c in chosen] == ["model"] and (
+        source.flat or _flat_tree(chosen[0].tree)
+    )
+
+
 def run_convert(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -236,6 +272,7 @@ def run_convert(
     progress: bool | None = None,
     workers: int = 1,
     cache_dir: str | os.PathLike[str] | None = None,
+    components: Sequence[str] | None = None,
 ) -> tuple[SaveInfo, TensorSource]:
     """``convert``, also returning the (closed) source: its kind and notes, for the CLI."""
     src = local_path(src, cache_dir)
@@ -243,8 +280,11 @@ def run_convert(
     want = parse_dtype(dtype)
     if workers < 1:
         raise CheckpointError(f"workers must be at least 1, not {workers}")
+    if isinstance(components, str):
+        components = [components]
     source = open_source(src, trust_pickle=trust_pickle)
     try:
+        select_components(source, components)
         prepared, refs = output_state(source, want)
         info = write_checkpoint(
             prepared,
@@ -272,6 +312,7 @@ def convert(
     progress: bool | None = None,
     workers: int = 1,
     cache_dir: str | os.PathLike[str] | None = None,
+    components: Sequence[str] | None = None,
 ) -> SaveInfo:
     """Convert a checkpoint to an HF-layout shardpoint checkpoint, tensor by tensor.
 
@@ -289,7 +330,10 @@ def convert(
       consolidated into whole tensors here) or a Hugging Face directory / file, to reshard
       (``max_shard_size``) or cast (``dtype``).
     - a ``torch.distributed.checkpoint`` (DCP) directory, only with ``trust_pickle=True``
-      (its ``.metadata`` is a pickle); read a batch of tensors per ``dcp.load``.
+      (its ``.metadata`` is a pickle); read a batch of tensors per ``dcp.load``. In
+      torchtitan's layout (model keys at the top level beside ``optimizer``,
+      ``train_state``, ...) the top-level tensors are the component ``model`` (HF files
+      and index) and each nested entry a component of its own.
 
     The output is written through the normal atomic commit (temporary directory, fsync,
     indexes, manifest, rename): the ``model`` component is exactly what
@@ -312,6 +356,9 @@ def convert(
             holds one batch; worth it for many output files on fast storage).
         cache_dir: the Hugging Face cache an ``hf://`` source is looked up in (default:
             ``huggingface_hub``'s, from ``HF_HUB_CACHE`` / ``HF_HOME``).
+        components: convert only these components (e.g. ``["model"]`` to publish the
+            weights without the optimizer); default all. Only ``model``, a plain state
+            dict, gives a flat checkpoint.
 
     Returns:
         The :class:`SaveInfo` of the written checkpoint.
@@ -320,6 +367,7 @@ def convert(
         UnsafePickleError: the source needs a full unpickle and ``trust_pickle`` is False
             (the message names the file).
         CheckpointNotFoundError: nothing convert can read at ``src``.
+        CheckpointError: a name in ``components`` is not a component of ``src``.
         CheckpointExistsError: ``dst`` exists and ``overwrite`` is False.
 
     Example:
@@ -340,5 +388,6 @@ def convert(
         progress=progress,
         workers=workers,
         cache_dir=cache_dir,
+        components=components,
     )
     return info

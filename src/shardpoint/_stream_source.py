@@ -552,6 +552,28 @@ def _set_path(root: dict[str, Any], path: Sequence[Any], value: Any) -> None:
             node = node[key]
 
 
+def group_top_level_tensors(obj: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """torchtitan's layout, ``{**model_state_dict, "optimizer": {...}, "train_state": ...}``:
+    the top-level tensors become the component ``model``; (new object, tensors moved).
+
+    Only a mixed state is regrouped (some top-level tensors, some other entries) and only
+    when no entry is already named ``model``; anything else is returned unchanged.
+
+    >>> t = torch.zeros(1)
+    >>> out, n = group_top_level_tensors({"w": t, "optimizer": {"lr": 1}})
+    >>> list(out), list(out["model"]), n
+    (['model', 'optimizer'], ['w'], 1)
+    >>> group_top_level_tensors({"w": t})[1], group_top_level_tensors({"model": {}, "w": t})[1]
+    (0, 0)
+    """
+    top = [k for k, v in obj.items() if isinstance(v, torch.Tensor)]
+    if not top or len(top) == len(obj) or "model" in obj:
+        return obj, 0
+    out: dict[str, Any] = {"model": {k: obj[k] for k in top}}
+    out.update((k, v) for k, v in obj.items() if not isinstance(v, torch.Tensor))
+    return out, len(top)
+
+
 class DCPSource(TensorSource):
     """A torch.distributed.checkpoint directory (needs ``trust_pickle``)."""
 
@@ -591,6 +613,14 @@ class DCPSource(TensorSource):
         for fqn in metadata.state_dict_metadata:
             value = placeholders.get(fqn, values.get(fqn))
             _set_path(obj, planner_data.get(fqn, (fqn,)), value)
+        obj, grouped = group_top_level_tensors(obj)
+        if grouped:
+            notes.append(
+                f"DCP: the {grouped} tensor{'s' if grouped != 1 else ''} at the top level beside "
+                f"nested entries (torchtitan's layout) form the component 'model'; the other "
+                f"top-level entries ({', '.join(repr(k) for k in obj if k != 'model')}) are "
+                "components of their own (select some with --component)"
+            )
         components, flat = components_from_object(obj, where=spec.path, allow_pickle=True)
         fqn_of = {id(t): fqn for fqn, t in placeholders.items()}
         self._refs: dict[Ref, str | torch.Tensor] = {}

@@ -3,7 +3,10 @@
 Sources: a torch.save file (.pt/.pth/.bin/.ckpt; a nested training state converts whole,
 one component per top-level key), a Hugging Face .bin sharded directory
 (pytorch_model.bin.index.json), a safetensors checkpoint (shardpoint in any layout, or
-Hugging Face) to reshard or cast, and a torch.distributed.checkpoint (DCP) directory.
+Hugging Face) to reshard or cast, and a torch.distributed.checkpoint (DCP) directory (in
+torchtitan's layout, model keys at the top level beside nested entries, the top-level
+tensors are the component model: HF files and index). --component NAME (repeatable)
+converts only the components named, e.g. --component model to publish the weights.
 A chunked shardpoint checkpoint (a distributed save) is consolidated into whole tensors.
 
 Tensors are streamed a batch at a time: memory stays about 64 MB (or the largest tensor),
@@ -55,6 +58,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="output layout (hf: whole tensors, HF file names)",
     )
     parser.add_argument(
+        "--component",
+        action="append",
+        dest="components",
+        metavar="NAME",
+        help="convert only this component (repeatable), e.g. --component model to publish "
+        "the weights alone; default all. A torchtitan-layout DCP checkpoint's top-level "
+        "tensors are the component model, each nested entry (optimizer, train_state, ...) "
+        "a component of its own",
+    )
+    parser.add_argument(
         "--trust-pickle",
         action="store_true",
         help="allow a full unpickle (runs code from the file): only for files you trust",
@@ -86,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         progress=args.progress,
         workers=args.workers,
         cache_dir=args.cache_dir,
+        components=args.components,
     )
     for message in source.notes:
         note(message)

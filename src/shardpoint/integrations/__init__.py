@@ -3,6 +3,9 @@
 - :mod:`shardpoint.integrations.accelerate`: ``save_state`` / ``load_state`` of an
   ``accelerate.Accelerator``'s prepared objects (takes the ``Accelerator``; imports nothing
   of ``accelerate`` itself).
+- :mod:`shardpoint.integrations.dcp`: ``ShardpointStorageWriter`` / ``ShardpointStorageReader``
+  for ``torch.distributed.checkpoint`` (``dcp.save`` / ``dcp.async_save`` / ``dcp.load``
+  writing and reading shardpoint checkpoints, DCP's planner resharding).
 - :mod:`shardpoint.integrations.lightning`: ``ShardpointCheckpointIO``, a ``CheckpointIO``
   plugin for Lightning's ``Trainer`` (needs ``lightning`` or ``pytorch_lightning``).
 - :mod:`shardpoint.integrations.hf_trainer`: ``ShardpointTrainer`` /
@@ -23,7 +26,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["accelerate", "hf_trainer", "lightning", "transformers"]
+__all__ = ["accelerate", "dcp", "hf_trainer", "lightning", "transformers"]
 
 
 def __getattr__(name: str) -> ModuleType:
