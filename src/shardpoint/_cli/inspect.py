@@ -210,11 +210,7 @@ def describe_pickled(
                     "chunks": 1,
                     "alias_of": None,
                 }
-            for alias, target in comp.aliases.items():
-                rows[alias] = {**rows[target], "name": alias, "alias_of": target}
-            for tname, row in rows.items():
-                if name_matches(tname if source.flat else f"{comp.name}/{tname}", pattern):
-                    matched.append(row)
+            matched += _matching_rows(rows, comp.aliases, None if source.flat else comp.name, pattern)
             components[comp.name] = {
                 "tensors": len(comp.stored),
                 "aliases": len(comp.aliases),
@@ -246,6 +242,17 @@ def describe_pickled(
         "tensors_matched": len(matched),
         "tensors": matched[:limit] if limit else matched,
     }
+
+
+def _matching_rows(
+    rows: dict[str, dict[str, Any]], aliases: Mapping[str, str], component: str | None, pattern: str | None
+) -> list[dict[str, Any]]:
+    """The table rows of one component, its aliases added as rows of their own (``alias_of``
+    their target), that ``pattern`` matches; names are ``component/name`` unless flat."""
+    for alias, target in aliases.items():
+        rows[alias] = {**rows[target], "name": alias, "alias_of": target}
+    return [row for tname, row in rows.items()
+            if name_matches(tname if component is None else f"{component}/{tname}", pattern)]
 
 
 def name_matches(name: str, pattern: str | None) -> bool:
@@ -335,11 +342,7 @@ def describe(ckpt: Checkpoint, *, pattern: str | None = None, limit: int = 0) ->
                 "chunks": len(rec.chunks),
                 "alias_of": None,
             }
-        for alias, target in comp.aliases.items():
-            rows[alias] = {**rows[target], "name": alias, "alias_of": target}
-        for tname, row in rows.items():
-            if name_matches(tname if ckpt.flat else f"{cname}/{tname}", pattern):
-                matched.append(row)
+        matched += _matching_rows(rows, comp.aliases, None if ckpt.flat else cname, pattern)
         components[cname] = {
             "tensors": len(comp.tensors),
             "aliases": len(comp.aliases),
