@@ -16,6 +16,7 @@ from ._async import AsyncSave, async_save
 from ._convert import convert
 from ._diff import DiffReport, StorageNote, TensorDiff, diff
 from ._manager import CheckpointManager
+from ._options import CollectiveOptions, IOOptions, Options, RemoteOptions, current_options, using
 from ._stateful import RNGState, Stateful, empty_model
 from .errors import (
     CheckpointError,
@@ -26,10 +27,15 @@ from .errors import (
     DistributedCheckpointError,
     IncompleteCheckpointError,
     InsufficientMemoryError,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
     InvalidSizeError,
     InvalidStateError,
     LoadMismatchError,
+    MissingDependencyError,
     MissingShardError,
+    PreviousSaveFailedError,
+    StateChangedError,
     StorageError,
     UnsafePathError,
     UnsafePickleError,
@@ -39,6 +45,12 @@ from .errors import (
 __all__ = [
     "AsyncSave",
     "CheckpointManager",
+    "CollectiveOptions",
+    "IOOptions",
+    "Options",
+    "RemoteOptions",
+    "current_options",
+    "using",
     "RNGState",
     "async_save",
     "empty_model",
@@ -51,12 +63,17 @@ __all__ = [
     "DistributedCheckpointError",
     "IncompleteCheckpointError",
     "InsufficientMemoryError",
+    "InvalidArgumentError",
+    "InvalidArgumentTypeError",
     "InvalidSizeError",
     "InvalidStateError",
     "LoadMismatchError",
     "LoadResult",
+    "MissingDependencyError",
     "MissingShardError",
+    "PreviousSaveFailedError",
     "SaveInfo",
+    "StateChangedError",
     "Stateful",
     "StorageError",
     "StorageNote",

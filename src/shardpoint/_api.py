@@ -9,20 +9,26 @@ from typing import Any
 from ._distributed.group import Group, resolve_group
 from ._distributed.save import write_distributed
 from ._gc import collector_paused
+from ._options import OptionsArg, applied
 from ._prepare import PreparedState, prepare_state
 from ._read import LoadResult, load, load_into
 from ._sizes import parse_size
 from ._write import SaveInfo, json_metadata, write_checkpoint
-from .errors import CheckpointError
+from .errors import (
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+)
 
 __all__ = ["LoadResult", "SaveInfo", "load", "load_into", "save"]
 
 
 def check_options(layout: str | None, storage_options: Any) -> None:
     if layout not in (None, "hf", "chunked"):
-        raise CheckpointError(f"unknown layout {layout!r}; use 'hf' (whole tensors) or 'chunked' (per-rank files)")
+        raise InvalidArgumentError(
+            f"unknown layout {layout!r}; use 'hf' (whole tensors) or 'chunked' (per-rank files)"
+        )
     if storage_options is not None and not isinstance(storage_options, Mapping):
-        raise CheckpointError(
+        raise InvalidArgumentTypeError(
             f"storage_options must be a dict of fsspec filesystem options, not {type(storage_options).__name__}"
         )
 
@@ -79,6 +85,7 @@ def save(
     progress: bool | None = None,
     durable: bool = True,
     allow_pickle: bool = False,
+    options: OptionsArg = None,
 ) -> SaveInfo:
     """Save a state dict (or nested training state) as an atomic, sharded checkpoint.
 
@@ -110,6 +117,10 @@ def save(
         durable: fsync files and directories before returning (default True).
         allow_pickle: pickle values that are not tensors, containers or JSON (loading them
             then needs ``allow_pickle=True`` too).
+        options: tunables for this call: an :class:`IOOptions` (threads, segment size),
+            :class:`RemoteOptions` (retries, upload parts), :class:`CollectiveOptions`
+            (timeout), several of them in a list, or an :class:`Options`; groups not given
+            are the ones in effect (:func:`shardpoint.using`, else the defaults).
 
     Returns:
         A :class:`SaveInfo` with the files written and their sizes.
@@ -135,7 +146,7 @@ def save(
     from ._async import raise_unobserved_failure
 
     raise_unobserved_failure()
-    with collector_paused():
+    with applied(options), collector_paused():
         prepared = prepare_state(state, allow_pickle=allow_pickle)
         group = resolve_group(process_group, prepared.all_tensors())
         return write_prepared(

@@ -19,10 +19,11 @@ import torch
 
 from ._api import check_options, write_prepared
 from ._distributed.group import Group, local_chunk, resolve_group
+from ._options import OptionsArg, merged, using
 from ._prepare import Component, PreparedState, prepare_state
 from ._sizes import parse_size
 from ._write import SaveInfo, json_metadata
-from .errors import CheckpointError
+from .errors import PreviousSaveFailedError
 
 _ALIGN = 64
 _background_groups: dict[int, Group] = {}
@@ -155,7 +156,7 @@ def raise_unobserved_failure() -> None:
     if exc is None or last.observed:
         return
     last.observed = True
-    raise CheckpointError(
+    raise PreviousSaveFailedError(
         f"the previous async save to {last.path} failed and nothing was committed there: "
         f"{exc}. Call .result() on async_save handles to see such errors where they happen"
     ) from exc
@@ -183,6 +184,7 @@ def async_save(
     durable: bool = True,
     allow_pickle: bool = False,
     on_commit: Callable[[SaveInfo], None] | None = None,
+    options: OptionsArg = None,
 ) -> AsyncSave:
     """Save in the background; return once the state is staged and safe to mutate.
 
@@ -192,6 +194,8 @@ def async_save(
 
     Args:
         on_commit: called on the background thread with the SaveInfo after the commit.
+        options: tunables (see :func:`shardpoint.save`): the ones in effect at this call
+            (``options=`` laid over :func:`shardpoint.using`'s) are the background write's.
 
     Returns:
         An :class:`AsyncSave` handle.
@@ -206,6 +210,7 @@ def async_save(
         12
     """
     started = time.perf_counter()
+    chosen = merged(options)  # the background thread writes under the options of this call
     max_bytes = parse_size(max_shard_size)
     check_options(layout, storage_options)
     meta = json_metadata(metadata)
@@ -215,20 +220,21 @@ def async_save(
     group = background_group(resolve_group(process_group, prepared.all_tensors()))
 
     def persist(staged: PreparedState) -> SaveInfo:
-        info = write_prepared(
-            staged,
-            target,
-            group=group,
-            layout=layout,
-            max_shard_bytes=max_bytes,
-            overwrite=overwrite,
-            metadata=meta,
-            durable=durable,
-            progress=progress,
-            storage_options=storage_options,
-        )
-        if on_commit is not None:
-            on_commit(info)
+        with using(chosen):
+            info = write_prepared(
+                staged,
+                target,
+                group=group,
+                layout=layout,
+                max_shard_bytes=max_bytes,
+                overwrite=overwrite,
+                metadata=meta,
+                durable=durable,
+                progress=progress,
+                storage_options=storage_options,
+            )
+            if on_commit is not None:
+                on_commit(info)
         return info
 
     return submit_prepared(prepared, target, persist, started=started)

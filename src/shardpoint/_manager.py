@@ -45,7 +45,7 @@ from typing import Any
 from ._async import AsyncSave, async_save
 from ._distributed.group import Group
 from ._format.manifest import MANIFEST_NAME
-from ._knobs import knobs
+from ._options import OptionsArg, current_options, merged
 from ._read import load_into
 from ._storage.local import (
     TMP_MARKER,
@@ -53,12 +53,20 @@ from ._storage.local import (
     moved_aside,
     recover,
     recover_all,
+    reported,
     write_small_file,
 )
 from ._storage.paths import read_small_file
 from ._storage.remote import RemoteStore, store_for
 from ._write import SaveInfo
-from .errors import CheckpointError, CorruptCheckpointError, LoadMismatchError
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    LoadMismatchError,
+    PreviousSaveFailedError,
+)
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
 LATEST_NAME = "latest"
@@ -109,6 +117,10 @@ class CheckpointManager:
             ``save`` / ``restore``); only rank 0 writes ``latest``, applies retention and
             removes stale temporary directories. Without it, the default group is used
             when it is initialized with several ranks.
+        options: tunables (:class:`IOOptions`, :class:`RemoteOptions`,
+            :class:`CollectiveOptions`, or an :class:`Options`) for every save and restore of
+            this manager and its reads of step metadata; fixed when the manager is made
+            (groups not given: those in effect then). None: those in effect at each call.
         save_kwargs: passed to every save (``max_shard_size=``, ``durable=``, ...).
 
     Example:
@@ -134,15 +146,18 @@ class CheckpointManager:
         async_save: bool = False,
         storage_options: Mapping[str, Any] | None = None,
         process_group: Any = None,
+        options: OptionsArg = None,
         **save_kwargs: Any,
     ) -> None:
         if mode not in ("min", "max"):
-            raise ValueError(f"mode must be 'min' or 'max', not {mode!r}")
+            raise InvalidArgumentError(f"CheckpointManager: mode must be 'min' or 'max', not {mode!r}")
         if keep_best and not metric:
-            raise ValueError("keep_best needs metric= (the name of the metric that ranks steps)")
+            raise InvalidArgumentError(
+                "CheckpointManager: keep_best needs metric= (the name of the metric that ranks steps)"
+            )
         for name, value in (("keep_last", keep_last), ("keep_best", keep_best)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive int or None, not {value!r}")
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise InvalidArgumentError(f"CheckpointManager: {name} must be a positive int or None, not {value!r}")
         self._remote = store_for(root, storage_options)
         self.root: Path | str = Path(root) if self._remote is None else self._remote.url
         self._dir = Path(root) if self._remote is None else Path()
@@ -154,6 +169,9 @@ class CheckpointManager:
         self.async_save = async_save
         self.save_kwargs = save_kwargs
         self.process_group = process_group
+        self.options = None if options is None else merged(options)
+        """The tunables of this manager's saves, restores and reads (None: those in effect
+        at each call)."""
         self._pending: AsyncSave | None = None
         self._pending_step: int | None = None
         self._lock = threading.Lock()
@@ -226,7 +244,7 @@ class CheckpointManager:
         """The step's metrics; OSError when the manifest cannot be read (the disk's error),
         CorruptCheckpointError when what it reads is not a manifest."""
         path = f"{self.step_path(step)}/{MANIFEST_NAME}"
-        limit = knobs().max_json_bytes
+        limit = (self.options or current_options()).io.max_json_bytes
         try:
             if self._remote is not None:
                 raw = self._remote.child(step_dir_name(step)).get(MANIFEST_NAME, limit=limit)
@@ -295,28 +313,32 @@ class CheckpointManager:
         raised here and ``step`` is not saved either.
         """
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be a non-negative int, not {step!r}")
+            raise InvalidArgumentError(f"CheckpointManager.save: step must be a non-negative int, not {step!r}")
         failed_step, exc = self._finish_pending()
         if exc is not None:
             done = failed_step is not None and failed_step in self.steps()
-            raise CheckpointError(
+            raise PreviousSaveFailedError(
                 f"the async save of step {failed_step} to {self.root} failed"
                 + (" after its commit" if done else "; nothing was committed for it")
                 + f": {exc}. Step {step} was not saved either; call save() again to save it"
             ) from exc
         coordinator = self._is_coordinator()
         if coordinator:  # in a process group only rank 0 manages the root
-            if self._remote is None:
-                self._dir.mkdir(parents=True, exist_ok=True)
-            with self._root_lock():
-                self._remove_stale_temps()
-                self._finish_interrupted_retention()
+            with reported(self.root, f"preparing its root for step {step}",
+                          lambda: f"Step {step} was not saved; the steps committed before are unchanged"):
+                if self._remote is None:
+                    self._dir.mkdir(parents=True, exist_ok=True)
+                with self._root_lock():
+                    self._remove_stale_temps()
+                    self._finish_interrupted_retention()
         metadata = {"step": step, "metrics": _metrics_json(metrics)}
         kwargs = {"overwrite": True, "progress": False, **self.save_kwargs, "metadata": metadata}
         if self.storage_options is not None:
             kwargs["storage_options"] = self.storage_options
         if self.process_group is not None:
             kwargs["process_group"] = self.process_group
+        if self.options is not None:
+            kwargs["options"] = self.options
         path = self.step_path(step)
         if self.async_save:
 
@@ -387,6 +409,8 @@ class CheckpointManager:
             load_kwargs.setdefault("process_group", self.process_group)
         if self.storage_options is not None:
             load_kwargs.setdefault("storage_options", self.storage_options)
+        if self.options is not None:
+            load_kwargs.setdefault("options", self.options)
         chosen = step
         retired: list[int] = []
         while True:
@@ -397,7 +421,7 @@ class CheckpointManager:
                         break
                     return None
             elif step not in self.steps():
-                raise CheckpointError(
+                raise CheckpointNotFoundError(
                     f"{self.root} has no committed step {step}; it has {self.steps()}"
                 )
             assert chosen is not None
@@ -411,7 +435,7 @@ class CheckpointManager:
                 if before is not None and self._identity(chosen) == before:
                     raise  # the step is still there, unchanged: a real error of the step
                 if step is not None or group.distributed:
-                    raise CheckpointError(
+                    raise CheckpointNotFoundError(
                         f"step {chosen} under {self.root} was retired by retention (or replaced "
                         "by another save) while it was being restored; another process is "
                         f"saving into this root. Restore again (the steps now: {self.steps()})"
@@ -419,7 +443,7 @@ class CheckpointManager:
                 retired.append(chosen)
                 if len(retired) >= _RESTORE_ATTEMPTS:
                     break
-        raise CheckpointError(
+        raise CheckpointNotFoundError(
             f"restore() from {self.root} chose steps {retired} in turn and each was retired by "
             "retention while it was being loaded (another process is saving into this root "
             "with keep_last); restore again, or keep more steps"
@@ -481,6 +505,12 @@ class CheckpointManager:
                     recover(final, no_locks_means_dead=True)  # a manager owns its root
 
     def _after_commit(self, step: int) -> None:
+        with reported(self.root, f"updating '{LATEST_NAME}' and applying retention after step {step}",
+                      lambda: f"Step {step} is committed at {self.step_path(step)}; '{LATEST_NAME}' may still "
+                              "name the step before and retention may not have run; the next save does both"):
+            self._update_root(step)
+
+    def _update_root(self, step: int) -> None:
         with self._lock, self._root_lock():
             steps = self.steps()
             newest = max(steps) if steps else step

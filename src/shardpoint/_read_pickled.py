@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import CheckpointError, CheckpointNotFoundError, InvalidStateError
+from .errors import CheckpointNotFoundError, InvalidArgumentError, InvalidStateError
 
 if TYPE_CHECKING:
     from ._stream_source import SourceSpec
@@ -79,7 +79,7 @@ def load_pickled(
         wanted = list(comp.stored) + list(comp.aliases) if keys is None else [keys] if isinstance(keys, str) else list(keys)
         unknown = [k for k in wanted if k not in comp.tensors]
         if unknown:
-            raise CheckpointError(
+            raise InvalidArgumentError(
                 f"{os.fspath(path)} has no tensor named {', '.join(map(repr, unknown[:10]))}; "
                 "`shardpoint inspect` lists the names"
             )

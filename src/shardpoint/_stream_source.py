@@ -45,7 +45,7 @@ from ._format.index import parse_index
 from ._format.manifest import MANIFEST_NAME
 from ._format.names import check_file_name
 from ._io.transfer import contiguous_cpu
-from ._knobs import knobs
+from ._options import current_options
 from ._prepare import Component, check_tensor, dedup, split_components
 from ._read import ReadBatch
 from ._source import Checkpoint, _read_json_file, open_checkpoint
@@ -510,7 +510,7 @@ def _check_control_file(path: str, where: str) -> None:
         size = os.fstat(fd).st_size
     finally:
         os.close(fd)
-    limit = knobs().max_json_bytes
+    limit = current_options().io.max_json_bytes
     if size > limit:
         raise CorruptCheckpointError(
             f"{where} is {size} bytes, over the {limit}-byte limit for this kind of file; "

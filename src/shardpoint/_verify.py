@@ -34,7 +34,7 @@ from ._format.manifest import MANIFEST_NAME, ChunkRef, Manifest
 from ._format.safetensors import SafetensorsHeader
 from ._hub import resolve_hub
 from ._io.transfer import reader_threads
-from ._knobs import knobs
+from ._options import adopt, current_options
 from ._progress import byte_progress
 from ._source import Checkpoint, _read_json_file, is_tmp, open_checkpoint
 from ._storage.local import hidden_sibling_message, missing_path_message
@@ -251,7 +251,7 @@ def _verify_remote(
 def _read_json(ckpt: Checkpoint, name: str, where: str) -> bytes:
     """An index of ``ckpt``, local or remote, size-capped."""
     if ckpt.store is not None:
-        return ckpt.store.get(name, limit=knobs().max_json_bytes)
+        return ckpt.store.get(name, limit=current_options().io.max_json_bytes)
     member_path(ckpt.directory, name, where=ckpt.location)
     return ckpt.read_member(name, where=where)  # through the directory held open: one version
 
@@ -736,7 +736,7 @@ def _check_crcs(
     ckpt: Checkpoint, items: list[_CrcItem], found: _Findings, *, progress: bool | None
 ) -> int:
     """Stream every item's bytes through crc32c, several files at once; return bytes read."""
-    cfg = knobs()
+    cfg = current_options()
     per_file: dict[str, list[_CrcItem]] = {}
     for item in items:
         per_file.setdefault(item.file, []).append(item)
@@ -749,7 +749,7 @@ def _check_crcs(
 
         def run(fname: str) -> None:
             got, problems = _crc_file(
-                ckpt, fname, per_file[fname], segment=cfg.io_segment_bytes, advance=advance
+                ckpt, fname, per_file[fname], segment=cfg.io.segment_bytes, advance=advance
             )
             with lock:
                 read[0] += got
@@ -761,7 +761,9 @@ def _check_crcs(
             for fname in per_file:
                 run(fname)
         else:
-            with ThreadPoolExecutor(threads, thread_name_prefix="shardpoint-verify") as pool:
+            with ThreadPoolExecutor(
+                threads, thread_name_prefix="shardpoint-verify", initializer=adopt, initargs=(current_options(),)
+            ) as pool:
                 for fut in [pool.submit(run, f) for f in per_file]:
                     fut.result()
     return read[0]
@@ -831,7 +833,7 @@ def _crc_object(
     advance: Callable[[int], None] | None,
 ) -> tuple[int, list[str]]:
     """crc32c of each item of one remote object, one ranged read per piece."""
-    piece = knobs().remote_read_bytes
+    piece = current_options().remote.read_bytes
     problems: list[str] = []
     read = 0
     for item in sorted(items, key=lambda i: i.start):
