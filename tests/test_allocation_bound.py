@@ -31,7 +31,8 @@ _CHILD = textwrap.dedent(
     import json, resource, sys
     import torch, shardpoint as sp
     cases, slack, cap = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "cap"
-    sp.using(io=sp.IOOptions(read_threads=2)).__enter__()  # for this process's life
+    held = sp.using(io=sp.IOOptions(read_threads=2))  # for this process's life
+    held.__enter__()
     def vm():
         with open("/proc/self/status") as f:
             for line in f:

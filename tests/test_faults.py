@@ -572,6 +572,10 @@ def test_enospc_at_every_file_of_a_save_on_a_full_tmpfs(small_tmpfs: Path) -> No
             assert exc.errno == errno.ENOSPC, f"{where}: {exc!r}"
             assert isinstance(exc, sp.StorageError), f"{where}: not a StorageError: {exc!r}"
             assert "No space left on device" in str(exc), where
+            assert str(exc).endswith(
+                "Nothing was committed there by this save: the checkpoint that was there before, "
+                "if any, is unchanged, and this save's temporary directory is removed"
+            ), f"{where}: {exc}"
             named = re.findall(r"(model[-.][\w.-]*\.(?:safetensors|json)|shardpoint\.json|\.ckpt\.tmp-\w+)", str(exc))
             assert named, f"{where}: the error names no file: {exc}"
             failed_on.append(named[-1])
@@ -615,6 +619,7 @@ def test_enospc_during_a_manager_save_and_its_latest_update(small_tmpfs: Path) -
             if committed:  # the step is whole; only the `latest` hint could not be written
                 hit_latest = True
                 assert ".latest.tmp-" in str(exc), f"{where}: {exc}"
+                assert f"Step 3 is committed at {root / 'step-000003'}; 'latest' may still name the step " in str(exc)
                 assert (root / "latest").read_text() == "step-000002\n"
             assert fresh.latest_step() == (3 if committed else 2), where
             target = big_state(0)
@@ -926,8 +931,10 @@ def _helper_main() -> None:
     """Serve rounds: one JSON command per stdin line, one JSON reply per line."""
     torch.set_num_threads(1)  # single-threaded, so fork() is safe
     # One writer thread, so the steps of a save come in the same order in every round (the
-    # forked children inherit this thread's options).
-    sp.using(io=sp.IOOptions(write_threads=1)).__enter__()
+    # forked children inherit this thread's options). Held by this frame, which serves until
+    # the process exits.
+    held = sp.using(io=sp.IOOptions(write_threads=1))
+    held.__enter__()
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # stray prints must not corrupt the protocol
     from shardpoint._storage import local as sp_local

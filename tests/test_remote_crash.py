@@ -661,8 +661,9 @@ def _child(
     try:
         for fd in close:
             os.close(fd)
-        if "remote_threads" in cmd:  # for the rest of this child's life
-            sp.using(remote=sp.RemoteOptions(threads=cmd["remote_threads"])).__enter__()
+        if "remote_threads" in cmd:  # for the rest of this child's life (held by this frame)
+            held = sp.using(remote=sp.RemoteOptions(threads=cmd["remote_threads"]))
+            held.__enter__()
         trace = os.open(cmd["trace"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if cmd.get("trace") else None
 
         def log(label: str) -> None:
@@ -935,8 +936,10 @@ def _helper_main() -> None:
     global _standby
     torch.set_num_threads(1)  # no intra-op thread pool, so fork() is safe
     # One upload at a time, so a save's steps come in the same order in every child (forked
-    # children inherit this thread's options; a job may ask for more threads).
-    sp.using(remote=sp.RemoteOptions(threads=1)).__enter__()
+    # children inherit this thread's options; a job may ask for more threads). Held by this
+    # frame, which serves until the process exits.
+    held = sp.using(remote=sp.RemoteOptions(threads=1))
+    held.__enter__()
     build(SMALL)  # the first optimizer step imports a lot lazily: do it once, here
     _share_botocore_data()
     replies = os.fdopen(os.dup(1), "w", buffering=1)
