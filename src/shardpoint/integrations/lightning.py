@@ -473,4 +473,26 @@ def load_from_checkpoint(
     return model if device is None else model.to(device)
 
 
-__all__ = ["ShardpointCheckpointIO", "from_shardpoint_state", "load_from_checkpoint", "to_shardpoint_state"]
+_STRATEGIES = ("ShardpointFSDPStrategy", "ShardpointModelParallelStrategy", "ShardpointStrategyMixin")
+
+
+def __getattr__(name: str) -> Any:
+    """The sharded strategies, built on first use (they import ``lightning.pytorch``)."""
+    if name in _STRATEGIES:
+        from . import _lightning_strategies
+
+        if name == "ShardpointStrategyMixin":
+            return _lightning_strategies.ShardpointStrategyMixin
+        return _lightning_strategies.strategy_class(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "ShardpointCheckpointIO",
+    "ShardpointFSDPStrategy",
+    "ShardpointModelParallelStrategy",
+    "ShardpointStrategyMixin",
+    "from_shardpoint_state",
+    "load_from_checkpoint",
+    "to_shardpoint_state",
+]
