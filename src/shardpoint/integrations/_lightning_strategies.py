@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from .._read import load, load_into
+from .._read import load_into
 from .._source import open_checkpoint
 from ..errors import CheckpointError, InvalidStateError, LoadMismatchError
 from .lightning import (
@@ -297,6 +297,8 @@ class ShardpointStrategyMixin:
                 orders.append(order if indices else None)
                 states.append(state)
             target[OPTIM] = states
+        rest = [c for c in components if c not in (MODEL, OPTIM)]
+        target.update(dict.fromkeys(rest))  # plain values: filled in by the same collective load
         load_into(target, path, strict=strict, process_group=dist.group.WORLD,
                   allow_pickle=allow_pickle, progress=False)
         set_model_state_dict(self.model, target[MODEL], options=sd_options)
@@ -304,8 +306,7 @@ class ShardpointStrategyMixin:
             if order is not None:
                 state = _by_name(state, order, path)
             set_optimizer_state_dict(self.model, optimizer, state, options=sd_options)
-        rest = [c for c in components if c not in (MODEL, OPTIM)]
-        loaded = load(path, keys=rest, allow_pickle=allow_pickle, progress=False) if rest else {}
+        loaded = {c: target[c] for c in rest}
         info = meta.get(METADATA_KEY)
         if isinstance(info, Mapping) and isinstance(info.get("keys"), list):
             meta = {**meta, METADATA_KEY: {**info, "keys": [
