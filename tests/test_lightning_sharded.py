@@ -24,6 +24,8 @@ from torch import nn
 
 pl = pytest.importorskip("lightning.pytorch")
 
+from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
+
 import shardpoint as sp  # noqa: E402
 from _dist_utils import run_ranks  # noqa: E402
 from shardpoint._cli.main import main as cli_main  # noqa: E402
@@ -52,7 +54,11 @@ class Net(pl.LightningModule):
 
             fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
         elif self.hparams.parallel == "tp":
-            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+            from torch.distributed.tensor.parallel import (
+                ColwiseParallel,
+                RowwiseParallel,
+                parallelize_module,
+            )
 
             parallelize_module(self.net, self.device_mesh["tensor_parallel"],
                                {"0": ColwiseParallel(), "2": RowwiseParallel()})
@@ -122,12 +128,14 @@ def _kinds(world: int) -> dict[str, Any]:
         "fsdp1": lambda: ShardpointFSDPStrategy(),
         "full": lambda: ShardpointModelParallelStrategy(
             data_parallel_size=world, tensor_parallel_size=1, save_distributed_checkpoint=False),
+        # Saved by Lightning's own strategy (torch.distributed.checkpoint), read by ours.
+        "lightning-dcp": lambda: ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
     }
 
 
 def _module(kind: str, seed: int, hidden: int = 6) -> Net:
     torch.manual_seed(seed)
-    return Net(parallel={"fsdp1": "none", "full": "fsdp2"}.get(kind, kind), hidden=hidden)
+    return Net(parallel={"fsdp1": "none", "full": "fsdp2", "lightning-dcp": "fsdp2"}.get(kind, kind), hidden=hidden)
 
 
 def _checkpoint(strategy: Any) -> dict[str, Any]:
@@ -208,8 +216,12 @@ def save_worker(rank: int, world: int, root: str) -> None:
 def load_worker(rank: int, world: int, root: str) -> None:
     warnings.simplefilter("ignore")
     for kind, make in _kinds(world).items():
+        if kind == "lightning-dcp":
+            make = _kinds(world)["fsdp2"]
         strategy = _strategy(make(), _module(kind, 1), rank, world)  # other values everywhere
-        rest = strategy.load_checkpoint(os.path.join(root, f"{kind}.ckpt"))
+        # Lightning's meta.pt pickles the Path hyperparameter: torch.load needs weights_only=False.
+        rest = strategy.load_checkpoint(os.path.join(root, f"{kind}.ckpt"),
+                                        weights_only=False if kind == "lightning-dcp" else None)
         ref = torch.load(os.path.join(root, f"{kind}_ref.pt"))
         got = _gathered(strategy.model, strategy.optimizers[0])
         assert sorted(got) == sorted(ref), kind
@@ -284,7 +296,7 @@ def test_sharded_strategies_save_on_2_ranks_load_on_1_and_3_exactly(tmp_path: Pa
                 param = name.split(".state.")[1].rsplit(".", 1)[0]
                 assert [offsets, shape] == mine[param], (rank, name)
     # The full run's state in one process, and the CLI's verify.
-    for kind in ("fsdp2", "tp", "fsdp1", "full"):
+    for kind in ("fsdp2", "tp", "fsdp1", "full"):  # (not lightning-dcp: Lightning's format)
         ref = torch.load(tmp_path / f"{kind}_ref.pt")
         back = sp.load(tmp_path / f"{kind}.ckpt")
         for name in PARAMS:
@@ -298,6 +310,17 @@ def test_sharded_strategies_save_on_2_ranks_load_on_1_and_3_exactly(tmp_path: Pa
     assert torch.equal(sp.load(tmp_path / "full.ckpt")["optim"][0]["state"][0]["exp_avg"],
                        torch.load(tmp_path / "full_ref.pt")["net.0.weight/exp_avg"])
     assert cli_main(["verify", str(tmp_path / "run" / "last.ckpt")]) == 0
+    # Lightning's own sharded folder handed to the plugin: what wrote it, and what reads it.
+    dcp_folder = tmp_path / "lightning-dcp.ckpt"
+    with pytest.raises(sp.UnsupportedFormatError) as info:
+        ShardpointCheckpointIO().load_checkpoint(dcp_folder)
+    assert str(info.value) == (
+        f"{dcp_folder} is a Lightning distributed checkpoint (torch.distributed.checkpoint files and "
+        "meta.pt), written by FSDPStrategy(state_dict_type='sharded') or ModelParallelStrategy, which "
+        "never call ShardpointCheckpointIO: resume from it with that strategy, or with "
+        "ShardpointFSDPStrategy / ShardpointModelParallelStrategy (they read it, and save through "
+        "shardpoint on every rank)"
+    )
     run_ranks(load_worker, 3, str(tmp_path), timeout=200)
     run_ranks(load_worker, 1, str(tmp_path), timeout=200)
 

@@ -36,6 +36,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 from .._read import load_into
 from .._source import open_checkpoint
@@ -132,7 +133,7 @@ class ShardpointStrategyMixin:
     # ------------------------------------------------------------------ checkpoint IO
 
     @property
-    def checkpoint_io(self) -> ShardpointCheckpointIO:
+    def checkpoint_io(self) -> Any:
         """The :class:`ShardpointCheckpointIO` whose options every save uses (full saves go
         through it; ``AsyncCheckpointIO`` around it runs full saves in its thread)."""
         io = self._checkpoint_io
@@ -141,7 +142,7 @@ class ShardpointStrategyMixin:
         inner = _unwrapped(io)
         if inner is None:
             io.checkpoint_io = ShardpointCheckpointIO()  # an AsyncCheckpointIO() without a plugin
-            return io  # type: ignore[no-any-return]
+            return io
         if not isinstance(inner, ShardpointCheckpointIO):
             raise CheckpointError(
                 f"{type(self).__name__} saves shardpoint checkpoints only, but its checkpoint IO is a "
@@ -149,7 +150,7 @@ class ShardpointStrategyMixin:
                 f"or in Trainer(plugins=[...]), or use Lightning's own {_lightning_base(self)} for "
                 f"{type(inner).__name__} checkpoints"
             )
-        return io  # type: ignore[no-any-return]
+        return io
 
     @checkpoint_io.setter
     def checkpoint_io(self, io: Any) -> None:
@@ -218,11 +219,6 @@ class ShardpointStrategyMixin:
                 "and pass it to the strategy to pickle such values, or keep hyperparameters to JSON values"
             ) from None
 
-    def remove_checkpoint(self, filepath: Any) -> None:
-        """Remove the checkpoint directory at ``filepath`` (rank 0 does it)."""
-        if self.is_global_zero:
-            self.checkpoint_io.remove_checkpoint(filepath)
-
     # ------------------------------------------------------------------ load
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -242,7 +238,7 @@ class ShardpointStrategyMixin:
         """
         path = os.fspath(self.broadcast(os.fspath(checkpoint_path)))
         if not is_shardpoint_checkpoint(path):
-            return super().load_checkpoint(path, weights_only=weights_only)  # type: ignore[misc,no-any-return]
+            return super().load_checkpoint(path, weights_only=weights_only)  # type: ignore[misc]
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -286,8 +282,8 @@ class ShardpointStrategyMixin:
                 )
             states = []
             for optimizer, indices in zip(optimizers, by_index, strict=True):
-                state = get_optimizer_state_dict(self.model, optimizer, options=sd_options)
-                order = [name for group in state["param_groups"] for name in group["params"]]
+                state: Any = get_optimizer_state_dict(self.model, optimizer, options=sd_options)
+                order: list[str] = [name for group in state["param_groups"] for name in group["params"]]
                 if indices:
                     position = {name: i for i, name in enumerate(order)}
                     state = {
@@ -302,10 +298,10 @@ class ShardpointStrategyMixin:
         load_into(target, path, strict=strict, process_group=dist.group.WORLD,
                   allow_pickle=allow_pickle, progress=False)
         set_model_state_dict(self.model, target[MODEL], options=sd_options)
-        for optimizer, state, order in zip(optimizers, target.get(OPTIM, []), orders, strict=True):
-            if order is not None:
-                state = _by_name(state, order, path)
-            set_optimizer_state_dict(self.model, optimizer, state, options=sd_options)
+        for optimizer, loaded_state, names in zip(optimizers, target.get(OPTIM, []), orders, strict=True):
+            if names is not None:
+                loaded_state = _by_name(loaded_state, names, path)
+            set_optimizer_state_dict(self.model, optimizer, loaded_state, options=sd_options)
         loaded = {c: target[c] for c in rest}
         info = meta.get(METADATA_KEY)
         if isinstance(info, Mapping) and isinstance(info.get("keys"), list):
@@ -351,85 +347,72 @@ def _lightning_base(strategy: Any) -> str:
     return "strategy"
 
 
-def _build() -> dict[str, type]:
-    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+class ShardpointFSDPStrategy(ShardpointStrategyMixin, FSDPStrategy):
+    """Lightning's ``FSDPStrategy`` saving and loading shardpoint checkpoints on every rank.
 
-    class ShardpointFSDPStrategy(ShardpointStrategyMixin, FSDPStrategy):  # type: ignore[misc]
-        """Lightning's ``FSDPStrategy`` saving and loading shardpoint checkpoints on every rank.
+    Takes ``FSDPStrategy``'s arguments; ``state_dict_type`` defaults to ``"sharded"``
+    (each rank writes its shards; ``"full"``: rank 0 writes the gathered state). Without
+    a ``device_mesh`` the model is wrapped over a 1-D mesh of all ranks, so its sharded
+    state is DTensors (resharded on load to any world size).
 
-        Takes ``FSDPStrategy``'s arguments; ``state_dict_type`` defaults to ``"sharded"``
-        (each rank writes its shards; ``"full"``: rank 0 writes the gathered state). Without
-        a ``device_mesh`` the model is wrapped over a 1-D mesh of all ranks, so its sharded
-        state is DTensors (resharded on load to any world size).
+    Example:
+        >>> trainer = pl.Trainer(accelerator="cuda", devices=8,  # doctest: +SKIP
+        ...                      strategy=ShardpointFSDPStrategy(auto_wrap_policy={Block}))
+    """
 
-        Example:
-            >>> trainer = pl.Trainer(accelerator="cuda", devices=8,  # doctest: +SKIP
-            ...                      strategy=ShardpointFSDPStrategy(auto_wrap_policy={Block}))
-        """
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("state_dict_type", "sharded")
+        super().__init__(*args, **kwargs)
 
-        def __init__(self, *args: Any, state_dict_type: str = "sharded", **kwargs: Any) -> None:
-            super().__init__(*args, state_dict_type=state_dict_type, **kwargs)
+    def _shardpoint_sharded(self) -> bool:
+        return bool(self._state_dict_type == "sharded")
 
-        def _shardpoint_sharded(self) -> bool:
-            return bool(self._state_dict_type == "sharded")
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.kwargs.get("device_mesh") is None and self._shardpoint_sharded():
+            from torch.distributed.device_mesh import init_device_mesh
 
-        def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
-            if self.kwargs.get("device_mesh") is None and self._shardpoint_sharded():
-                from torch.distributed.device_mesh import init_device_mesh
+            self.kwargs["device_mesh"] = init_device_mesh(self.root_device.type, (self.world_size,))
+        return super()._setup_model(model)
 
-                self.kwargs["device_mesh"] = init_device_mesh(self.root_device.type, (self.world_size,))
-            return super()._setup_model(model)  # type: ignore[no-any-return]
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if not self._shardpoint_sharded():
+            return super().lightning_module_state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        def lightning_module_state_dict(self) -> dict[str, Any]:
-            if not self._shardpoint_sharded():
-                return super().lightning_module_state_dict()  # type: ignore[no-any-return]
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        options = StateDictOptions(full_state_dict=False, cpu_offload=True)
+        return get_model_state_dict(self.model, options=options)
 
-            options = StateDictOptions(full_state_dict=False, cpu_offload=True)
-            return get_model_state_dict(self.model, options=options)
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if not self._shardpoint_sharded():
+            return super().optimizer_state(optimizer)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
 
-        def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-            if not self._shardpoint_sharded():
-                return super().optimizer_state(optimizer)  # type: ignore[no-any-return]
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        options = StateDictOptions(full_state_dict=False, cpu_offload=True)
+        return get_optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer), options=options)
 
-            options = StateDictOptions(full_state_dict=False, cpu_offload=True)
-            return get_optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer), options=options)
+class ShardpointModelParallelStrategy(ShardpointStrategyMixin, ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2 / tensor parallel DTensors) saving and
+    loading shardpoint checkpoints on every rank.
 
-    class ShardpointModelParallelStrategy(ShardpointStrategyMixin, ModelParallelStrategy):  # type: ignore[misc]
-        """Lightning's ``ModelParallelStrategy`` (FSDP2 / tensor parallel DTensors) saving and
-        loading shardpoint checkpoints on every rank.
+    Takes ``ModelParallelStrategy``'s arguments, plus ``checkpoint_io`` (a
+    :class:`ShardpointCheckpointIO` setting the save options). With
+    ``save_distributed_checkpoint=True`` (the default) each rank writes its shards;
+    ``False``: rank 0 writes the gathered state.
 
-        Takes ``ModelParallelStrategy``'s arguments, plus ``checkpoint_io`` (a
-        :class:`ShardpointCheckpointIO` setting the save options). With
-        ``save_distributed_checkpoint=True`` (the default) each rank writes its shards;
-        ``False``: rank 0 writes the gathered state.
+    Example:
+        >>> trainer = pl.Trainer(accelerator="cuda", devices=4,  # doctest: +SKIP
+        ...                      strategy=ShardpointModelParallelStrategy(tensor_parallel_size=2))
+    """
 
-        Example:
-            >>> trainer = pl.Trainer(accelerator="cuda", devices=4,  # doctest: +SKIP
-            ...                      strategy=ShardpointModelParallelStrategy(tensor_parallel_size=2))
-        """
+    def __init__(self, *args: Any, checkpoint_io: ShardpointCheckpointIO | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._checkpoint_io = checkpoint_io
 
-        def __init__(self, *args: Any, checkpoint_io: ShardpointCheckpointIO | None = None, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self._checkpoint_io = checkpoint_io
-
-        def _shardpoint_sharded(self) -> bool:
-            return bool(self._save_distributed_checkpoint)
-
-    return {
-        "ShardpointFSDPStrategy": ShardpointFSDPStrategy,
-        "ShardpointModelParallelStrategy": ShardpointModelParallelStrategy,
-    }
+    def _shardpoint_sharded(self) -> bool:
+        return bool(self._save_distributed_checkpoint)
 
 
-_built: dict[str, type] = {}
-
-
-def strategy_class(name: str) -> type:
-    """``ShardpointFSDPStrategy`` / ``ShardpointModelParallelStrategy``, built on first use."""
-    if not _built:
-        _built.update(_build())
-        for cls in _built.values():
-            cls.__module__ = "shardpoint.integrations.lightning"
-    return _built[name]
+__all__ = ["ShardpointFSDPStrategy", "ShardpointModelParallelStrategy", "ShardpointStrategyMixin"]

@@ -57,7 +57,7 @@ import threading
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -69,6 +69,13 @@ from .._source import open_checkpoint
 from .._storage.local import TMP_MARKER
 from .._write import json_metadata, write_checkpoint
 from ..errors import CheckpointError, InvalidStateError, UnsupportedFormatError
+
+if TYPE_CHECKING:  # imported on first use by __getattr__ (they import lightning.pytorch)
+    from ._lightning_strategies import (
+        ShardpointFSDPStrategy,
+        ShardpointModelParallelStrategy,
+        ShardpointStrategyMixin,
+    )
 
 
 def _checkpoint_io_bases() -> tuple[type, ...]:
@@ -197,6 +204,16 @@ def _step_of(checkpoint: Mapping[str, Any]) -> tuple[int, int] | None:
     if isinstance(epoch, int) and isinstance(step, int):
         return epoch, step
     return None
+
+
+def is_lightning_distributed_checkpoint(path: str) -> bool:
+    """A folder Lightning's sharded strategies wrote with ``torch.distributed.checkpoint``."""
+    return (
+        os.path.isdir(path)
+        and not os.path.exists(os.path.join(path, "shardpoint.json"))
+        and os.path.isfile(os.path.join(path, "meta.pt"))
+        and os.path.isfile(os.path.join(path, ".metadata"))
+    )
 
 
 def _clear_non_directory(path: str) -> None:
@@ -359,6 +376,14 @@ class ShardpointCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
                 "`MyModel.load_from_checkpoint(path)`, or resume from it with a Trainer without "
                 "ShardpointCheckpointIO"
             )
+        if is_lightning_distributed_checkpoint(location):
+            raise UnsupportedFormatError(
+                f"{location} is a Lightning distributed checkpoint (torch.distributed.checkpoint files and "
+                "meta.pt), written by FSDPStrategy(state_dict_type='sharded') or ModelParallelStrategy, "
+                "which never call ShardpointCheckpointIO: resume from it with that strategy, or with "
+                "ShardpointFSDPStrategy / ShardpointModelParallelStrategy (they read it, and save through "
+                "shardpoint on every rank)"
+            )
         allow = self.allow_pickle and weights_only is not True
         ckpt = open_checkpoint(location)
         metadata = ckpt.manifest.metadata if ckpt.manifest is not None else {}
@@ -477,13 +502,11 @@ _STRATEGIES = ("ShardpointFSDPStrategy", "ShardpointModelParallelStrategy", "Sha
 
 
 def __getattr__(name: str) -> Any:
-    """The sharded strategies, built on first use (they import ``lightning.pytorch``)."""
+    """The sharded strategies, imported on first use (they import ``lightning.pytorch``)."""
     if name in _STRATEGIES:
         from . import _lightning_strategies
 
-        if name == "ShardpointStrategyMixin":
-            return _lightning_strategies.ShardpointStrategyMixin
-        return _lightning_strategies.strategy_class(name)
+        return getattr(_lightning_strategies, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
