@@ -37,8 +37,12 @@ possible (another filesystem, the previous checkpoint removed meanwhile), it is 
 
 Works wrapped in Lightning's ``AsyncCheckpointIO`` (the write runs in its thread). Lightning
 calls ``CheckpointIO`` on global rank 0 with full state dicts; strategies that write
-sharded checkpoints themselves (FSDP ``state_dict_type="sharded"``, DeepSpeed) do not use
-it.
+sharded checkpoints themselves (FSDP ``state_dict_type="sharded"``, ``ModelParallelStrategy``,
+DeepSpeed) never call it. For FSDP and ``ModelParallelStrategy`` use
+``ShardpointFSDPStrategy`` / ``ShardpointModelParallelStrategy`` (exported here, imported on
+first use): every rank saves its own shards through shardpoint, and a checkpoint resumes on
+any number of ranks (see ``_lightning_strategies``). Handed a folder Lightning's own sharded
+strategies wrote, ``load_checkpoint`` says so.
 
 ``LightningModule.load_from_checkpoint`` and a ``Trainer`` without this plugin read with
 ``torch.load`` through fsspec, which fails on these directories with ``IsADirectoryError``
