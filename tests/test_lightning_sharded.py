@@ -258,6 +258,22 @@ def load_worker(rank: int, world: int, root: str) -> None:
             "'optim.0.state.net.0.weight.exp_avg' (saved [6, 4], target [5, 4])"
         ), message
         assert message.endswith("nothing was loaded; pass strict=False to load the matching tensors and get this report")
+        # A weights-only checkpoint cannot resume a fit's optimizer: said, naming the cause.
+        strategy = _strategy(_kinds(1)["fsdp2"](), _module("fsdp2", 1), rank, world)
+        weights_only = _checkpoint(strategy)
+        del weights_only["optimizer_states"]
+        path = os.path.join(root, "weights-only.ckpt")
+        strategy.save_checkpoint(weights_only, path)
+        try:
+            strategy.load_checkpoint(path)
+        except sp.LoadMismatchError as exc:
+            assert str(exc) == (
+                f"{path} holds the model only (saved with ModelCheckpoint(save_weights_only=True)?), so a "
+                "fit cannot resume its optimizer state from it: resume from a full checkpoint, or load "
+                "the weights with load_from_checkpoint and start a new fit"
+            ), str(exc)
+        else:
+            raise AssertionError("a weights-only checkpoint resumed a fit")
     # Trainer.fit(ckpt_path=...) on another world size resumes from the 2-rank run exactly.
     last = os.path.join(root, "run", "last.ckpt")
     _trainer(root, world, 3, [Resumed(os.path.join(root, "run_ref.pt"))], f"resumed{world}").fit(_module("fsdp2", 1), _data(),
@@ -323,6 +339,14 @@ def test_sharded_strategies_save_on_2_ranks_load_on_1_and_3_exactly(tmp_path: Pa
     assert torch.equal(sp.load(tmp_path / "full.ckpt")["optim"][0]["state"][0]["exp_avg"],
                        torch.load(tmp_path / "full_ref.pt")["net.0.weight/exp_avg"])
     assert cli_main(["verify", str(tmp_path / "run" / "last.ckpt")]) == 0
+    # The one-call loader reads a sharded checkpoint into an unsharded module, hyperparameters too.
+    from shardpoint.integrations.lightning import load_from_checkpoint
+
+    model = load_from_checkpoint(Net, tmp_path / "fsdp2.ckpt")
+    assert model.hparams.data == pathlib.Path("data") and model.hparams.parallel == "fsdp2"
+    ref = torch.load(tmp_path / "fsdp2_ref.pt")
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, ref[name]), name
     # README's example wrote on 2 ranks and resumed to step 4.
     last = tmp_path / "readme" / "ckpts" / "last.ckpt"
     assert json.loads((last / "shardpoint.json").read_text())["world_size"] == 2
