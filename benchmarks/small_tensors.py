@@ -19,6 +19,7 @@ against the data's, and the ratios (target: shardpoint no slower than safetensor
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing
 import os
@@ -242,6 +243,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="keep freed VM memory from the host for the run, as save_load.py does (tens of "
         "seconds to touch free memory first; the calls here move a few hundred MB at most)",
     )
+    parser.add_argument(
+        "--gc-off",
+        action="store_true",
+        help="turn Python's cyclic garbage collector off for the whole run, for every peer: the "
+        "per-tensor cost without collector passes (shardpoint pauses it inside its own calls; "
+        "safetensors does not, so by default its calls pay for those passes)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.count, args.rounds, args.no_rss = 10_000, 1, True
@@ -260,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, memory: str) -> int:
     started = time.perf_counter()
+    if args.gc_off:
+        gc.disable()
     root = tempfile.mkdtemp(prefix="shardpoint-small-", dir=args.dir)
     try:
         state = make_state(args.count, args.numel, args.seed)
@@ -272,6 +282,8 @@ def run(args: argparse.Namespace, memory: str) -> int:
                     f"machine: {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
                     f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
                     memory,
+                    "python's garbage collector: " + ("off for the whole run (--gc-off)" if args.gc_off else
+                                                      "on (shardpoint's calls pause it; --gc-off turns it off)"),
                     f"state: {args.count} fp32 tensors of shape ({args.numel},): {nbytes / 1e6:.2f} MB of data",
                     f"rounds: 1 warm-up (discarded) + {args.rounds} timed, interleaved; medians; files warm",
                     f"shardpoint from {os.path.dirname(sp.__file__)}; scratch {root}",

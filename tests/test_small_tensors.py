@@ -383,3 +383,53 @@ def test_flat_tree_shorthand_is_not_read_in_version_1(tmp_path: Path) -> None:
     path.write_text(json.dumps(doc))
     with pytest.raises(CorruptCheckpointError, match="dict node has no 'items' list"):
         sp.load(tmp_path / "ck")
+
+
+def test_collector_is_paused_only_inside_the_calls(tmp_path: Path) -> None:
+    """save/load/load_into pause Python's cyclic collector while they build their objects,
+    and leave it as they found it: on again after a call (also one that raised), off if the
+    caller had turned it off."""
+    import gc
+
+    seen: list[bool] = []
+
+    class Probe(sp.Stateful):
+        def state_dict(self) -> dict:
+            seen.append(gc.isenabled())
+            return {"n": 1}
+
+        def load_state_dict(self, state: dict) -> None:
+            seen.append(gc.isenabled())
+
+    assert gc.isenabled()
+    sp.save({"model": {"w": torch.ones(2)}, "probe": Probe()}, tmp_path / "a")
+    sp.load_into({"model": {"w": torch.zeros(2)}, "probe": Probe()}, tmp_path / "a")
+    assert seen == [False, False] and gc.isenabled()
+    assert sp.load(tmp_path / "a")["probe"] == {"n": 1} and gc.isenabled()
+    (tmp_path / "a" / "model.safetensors").write_bytes(b"\0" * 8)
+    with pytest.raises(CorruptCheckpointError):
+        sp.load(tmp_path / "a")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        sp.save({"w": torch.ones(2)}, tmp_path / "b")
+        sp.load(tmp_path / "b")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_load_into_keeps_ties_among_many_plain_tensors(tmp_path: Path) -> None:
+    """load_into knows a plain tensor by its address alone only when no other target
+    shares it: a key that is the same tensor as another (or a view at the same address)
+    is still found tied, not reported missing."""
+    state = {f"t.{i}": torch.full((4,), float(i)) for i in range(1000)}
+    sp.save(state, tmp_path / "c")
+    shared = torch.zeros(4)
+    target = {f"t.{i}": torch.zeros(4) for i in range(1000)}
+    target["t.5"] = shared
+    target["tied"] = shared  # not in the checkpoint: the same memory as t.5
+    target["view"] = shared.view(2, 2)  # same address, another shape: not the same tensor
+    result = sp.load_into(target, tmp_path / "c", strict=False)
+    assert result.missing_keys == ["view"]
+    assert target["tied"].tolist() == [5.0] * 4 and target["t.999"].tolist() == [999.0] * 4

@@ -8,6 +8,7 @@ from typing import Any
 
 from ._distributed.group import Group, resolve_group
 from ._distributed.save import write_distributed
+from ._gc import collector_paused
 from ._prepare import PreparedState, prepare_state
 from ._read import LoadResult, load, load_into
 from ._sizes import parse_size
@@ -134,17 +135,18 @@ def save(
     from ._async import raise_unobserved_failure
 
     raise_unobserved_failure()
-    prepared = prepare_state(state, allow_pickle=allow_pickle)
-    group = resolve_group(process_group, prepared.all_tensors())
-    return write_prepared(
-        prepared,
-        path,
-        group=group,
-        layout=layout,
-        max_shard_bytes=max_bytes,
-        overwrite=overwrite,
-        metadata=json_metadata(metadata),
-        durable=durable,
-        progress=progress,
-        storage_options=storage_options,
-    )
+    with collector_paused():
+        prepared = prepare_state(state, allow_pickle=allow_pickle)
+        group = resolve_group(process_group, prepared.all_tensors())
+        return write_prepared(
+            prepared,
+            path,
+            group=group,
+            layout=layout,
+            max_shard_bytes=max_bytes,
+            overwrite=overwrite,
+            metadata=json_metadata(metadata),
+            durable=durable,
+            progress=progress,
+            storage_options=storage_options,
+        )

@@ -14,6 +14,7 @@ import mmap as _mmap
 import os
 import re
 import socket
+from collections import Counter
 from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,8 @@ from . import _module_fit
 from ._distributed.group import Group, local_chunk
 from ._flatten import WRAPPER_TYPES, tree_tensor_names, unflatten_state
 from ._format.manifest import ComponentRecord, TensorRecord
+from ._format.safetensors import HeaderEntry
+from ._gc import collector_paused
 from ._hub import resolve_hub
 from ._io.transfer import ReadTask, reader_threads, run_reads
 from ._knobs import knobs
@@ -103,6 +106,9 @@ class ReadBatch:
         self.tasks: list[ReadTask] = []
         self._names: dict[str, str] = {}
         """Data file -> how errors name it."""
+        self._files: dict[str, tuple[str, str, int]] = {}
+        """Data file -> (its name in errors, its path, its held descriptor): asked once per
+        file, not once per tensor."""
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def fill(
@@ -176,6 +182,13 @@ class ReadBatch:
         """The checkpoint's held descriptor of ``file`` (-1 on an object store)."""
         return self.ckpt.fd(file) if self.ckpt.store is None else -1
 
+    def _file(self, file: str) -> tuple[str, str, int]:
+        """(how errors name data file ``file``, its path, its held descriptor)."""
+        info = self._files.get(file)
+        if info is None:
+            info = self._files[file] = (self._name(file), self.ckpt.file_path(file), self._fd(file))
+        return info
+
     def _name(self, file: str) -> str:
         """How errors name data file ``file`` (worked out once per file)."""
         name = self._names.get(file)
@@ -191,24 +204,18 @@ class ReadBatch:
         """The common case of :meth:`fill` without its box arithmetic: the record is one
         chunk, the whole tensor, read whole into a contiguous ``dest``. False otherwise."""
         chunk = record.chunks[0]
-        if len(record.chunks) != 1 or chunk.shape != record.shape or dest.shape != chunk.shape:
+        shape = record.shape
+        if len(record.chunks) != 1 or chunk.shape != shape or dest.shape != shape:
             return False
         if any(offsets) or any(chunk.offsets) or not dest.is_contiguous():
             return False
         if entry is None:
             entry = self.ckpt.entry(chunk, record.dtype, label)
+        name, path, fd = self._file(chunk.file)
+        flat = dest if len(shape) == 1 else dest.view(-1) if shape else dest.view(1)
         self.tasks.append(
-            ReadTask(
-                name=self._name(chunk.file),
-                path=self.ckpt.file_path(chunk.file),
-                start=entry.start,
-                nbytes=entry.nbytes,
-                dest=dest.view(-1) if dest.dim() else dest.view(1),
-                stored_dtype=entry.dtype,
-                crc32c=chunk.crc32c if self.verify else None,
-                label=label,
-                fd=self._fd(chunk.file),
-            )
+            ReadTask(name, path, entry.start, entry.nbytes, flat, entry.dtype,
+                     chunk.crc32c if self.verify else None, label, fd)
         )
         return True
 
@@ -225,12 +232,15 @@ class ReadBatch:
         """
         return sum(self.ckpt.entry(chunk, record.dtype, label).nbytes for chunk in record.chunks)
 
-    def new(self, record: TensorRecord, label: str, *, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
+    def new(self, record: TensorRecord, label: str, *, device: torch.device, dtype: torch.dtype | None,
+            entry: HeaderEntry | None = None) -> torch.Tensor:
         """A new tensor that will hold ``record`` once the batch has run.
 
-        Every chunk is checked against its file before the tensor is allocated.
+        Every chunk is checked against its file before the tensor is allocated (``entry``:
+        the first chunk's header entry, when the caller already checked it).
         """
-        entry = self.ckpt.entry(record.chunks[0], record.dtype, label)
+        if entry is None:
+            entry = self.ckpt.entry(record.chunks[0], record.dtype, label)
         if len(record.chunks) > 1:
             self.check(record, label)
         stored = entry.dtype
@@ -240,10 +250,11 @@ class ReadBatch:
         if entry.nbytes and len(record.chunks) == 1 and chunk.shape == record.shape and not any(chunk.offsets):
             # The whole tensor into memory of its shape just allocated: _fill_whole's case,
             # without its checks (a state of 10^5 small tensors takes this 10^5 times).
+            name, path, fd = self._file(chunk.file)
             self.tasks.append(
-                ReadTask(self._name(chunk.file), self.ckpt.file_path(chunk.file), entry.start, entry.nbytes,
+                ReadTask(name, path, entry.start, entry.nbytes,
                          dest if dest.dim() == 1 else dest.view(-1) if dest.dim() else dest.view(1), entry.dtype,
-                         chunk.crc32c if self.verify else None, label, self._fd(chunk.file))
+                         chunk.crc32c if self.verify else None, label, fd)
             )
             return dest
         self.fill(record, dest, label)
@@ -439,7 +450,7 @@ def load(
         if mmap:
             raise CheckpointError(f"{os.fspath(path)} holds .bin (torch.save) weights; mmap=True needs safetensors")
         return load_pickled(path, pickled, keys=keys, device=torch.device(device), dtype=dtype)
-    with open_checkpoint(path, storage_options) as ckpt:
+    with collector_paused(), open_checkpoint(path, storage_options) as ckpt:
         return _load(ckpt, keys, device, dtype, mmap, progress, verify, allow_pickle, max_buffer_bytes)
 
 
@@ -464,13 +475,22 @@ def _load(
     # Every chunk to read is checked against its file before the first allocation.
     total = 0
     files: set[str] = set()
+    entries: dict[str, HeaderEntry] = {}
+    """Stored name -> the header entry of a tensor stored in one chunk (checked once)."""
+    entry_of = ckpt.entry
     for cname, names in selection.items():
         comp = ckpt.components[cname]
         stored_names = dict.fromkeys(comp.aliases.get(n, n) for n in (list(comp.tensors) if names is None else names))
         for stored in stored_names:
             record = comp.tensors[stored]
-            total += batch.check(record, stored)
-            files.update(c.file for c in record.chunks)
+            if len(record.chunks) == 1:
+                chunk = record.chunks[0]
+                entry = entries[stored] = entry_of(chunk, record.dtype, stored)
+                total += entry.nbytes
+                files.add(chunk.file)
+            else:
+                total += batch.check(record, stored)
+                files.update(c.file for c in record.chunks)
     if not mmap and device.type == "cpu":
         check_memory(ckpt, total, files)
     for cname, names in selection.items():
@@ -488,7 +508,7 @@ def _load(
                     t = t.to(device=device, dtype=dtype if t.is_floating_point() else None)
                 out[stored] = t
             else:
-                out[stored] = batch.new(record, stored, device=device, dtype=dtype)
+                out[stored] = batch.new(record, stored, device=device, dtype=dtype, entry=entries.get(stored))
         for alias, stored in comp.aliases.items():
             if stored in out:
                 out[alias] = out[stored]
@@ -516,6 +536,20 @@ def identities(tensor: torch.Tensor) -> tuple[Any, ...]:
     not compare every pair)."""
     key = storage_key(tensor)
     return (id(tensor),) if key is None else (id(tensor), key)
+
+
+def identity_table(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[Any, ...]]:
+    """:func:`identities` of every tensor of ``tensors``, by key. A plain tensor whose
+    first element's address no other tensor of ``tensors`` shares cannot be the same memory
+    as any of them: it is known by its ``id`` alone, without :func:`identities`' per-tensor
+    work (a flat state of 10^5 small tensors is 10^5 such)."""
+    plain = (torch.Tensor, torch.nn.Parameter)
+    address = {k: t.data_ptr() if type(t) in plain else 0 for k, t in tensors.items()}
+    shared = Counter(address.values())
+    return {
+        k: (id(t),) if (a := address[k]) and shared[a] == 1 else identities(t)
+        for k, t in tensors.items()
+    }
 
 
 def _assign(module: torch.nn.Module, name: str, value: torch.Tensor) -> bool:
@@ -644,12 +678,12 @@ class _Planner:
             if saved is None:
                 continue
             record = comp.tensors[comp.aliases.get(saved, saved)]
-            if tuple(tensor.shape) != record.shape:
+            if tensor.shape != record.shape:
                 self.mismatched.append((prefix + key, record.shape, tuple(tensor.shape)))
             else:
                 matched.append(key)
         first_with: dict[Any, str] = {}
-        ids = {m: identities(targets[m]) for m in matched}  # asked again below: once each
+        ids = identity_table(targets)  # asked again below: once each
         for m in matched:
             for ident in ids[m]:
                 first_with.setdefault(ident, m)
@@ -659,7 +693,7 @@ class _Planner:
         for key in targets:
             if key in names:
                 continue
-            twin = next((first_with[i] for i in identities(targets[key]) if i in first_with), None)
+            twin = next((first_with[i] for i in ids[key] if i in first_with), None)
             declared = (fit.declared_ties if fit is not None else {}).get(key)
             if twin is None and declared in is_matched and targets[key].shape == targets[declared].shape:
                 twin = declared  # e.g. built by accelerate.init_empty_weights, which unties them
@@ -725,8 +759,11 @@ class _Planner:
             if any(i in filled for i in idents):
                 continue  # tied to a tensor already being filled
             filled.update(idents)
-            _global_shape, offsets, local = local_chunk(tensor)
-            self.batch.fill(record, local.detach(), stored, offsets)
+            if type(tensor).__name__ == "DTensor":
+                _global_shape, offsets, local = local_chunk(tensor)
+                self.batch.fill(record, local.detach(), stored, offsets)
+            else:
+                self.batch.fill(record, tensor.detach(), stored)
 
     def module_into(self, target: torch.nn.Module, saved: Mapping[str, str], comp: ComponentRecord, path: str) -> None:
         """Fill a module from a saved state dict (its keys -> saved tensor names): keys
@@ -958,16 +995,17 @@ def load_into(
     if group.distributed:  # the ranks on this machine share its CPUs
         host = socket.gethostname()
         threads = reader_threads(group.all_gather(host).count(host))
-    opened = _open_on_every_rank(group, path, storage_options)
-    try:
-        return group.phase(
-            f"loading {os.fspath(path)}",
-            lambda: _load_into(target, path, strict, progress, verify, allow_pickle, device, dtype, device_map,
-                               _buffer_size(max_buffer_bytes), storage_options, threads, opened),
-        )
-    finally:
-        if opened is not None:
-            opened.close()
+    with collector_paused():
+        opened = _open_on_every_rank(group, path, storage_options)
+        try:
+            return group.phase(
+                f"loading {os.fspath(path)}",
+                lambda: _load_into(target, path, strict, progress, verify, allow_pickle, device, dtype, device_map,
+                                   _buffer_size(max_buffer_bytes), storage_options, threads, opened),
+            )
+        finally:
+            if opened is not None:
+                opened.close()
 
 
 def _open_on_every_rank(group: Group, path: str | os.PathLike[str],

@@ -53,10 +53,8 @@ class HeaderEntry(NamedTuple):
     """Absolute offset of the first byte in the file."""
     end: int
     """Absolute offset one past the last byte in the file."""
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.start
+    nbytes: int
+    """``end - start`` (a field, not worked out per use: a load asks it several times per tensor)."""
 
 
 @dataclass(frozen=True)
@@ -309,7 +307,7 @@ def _validate_header(raw: bytes, file_size: int, *, name: str) -> SafetensorsHea
                 f"and shape {list(shape)} need {expected}; the file is damaged"
             )
         spans.append((begin, end, key))
-        entries[key] = HeaderEntry(key, dtype, dtype_str, shape, data_start + begin, data_start + end)
+        entries[key] = HeaderEntry(key, dtype, dtype_str, shape, data_start + begin, data_start + end, expected)
     spans.sort()
     cursor = 0
     for begin, end, key in spans:
