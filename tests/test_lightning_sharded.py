@@ -49,6 +49,8 @@ class Net(pl.LightningModule):
         self.net = nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 3))
 
     def configure_model(self) -> None:
+        if self.device_mesh is None:  # built outside a strategy (load_from_checkpoint): unsharded
+            return
         if self.hparams.parallel == "fsdp2":
             from torch.distributed.fsdp import fully_shard
 
