@@ -260,6 +260,25 @@ def load_worker(rank: int, world: int, root: str) -> None:
             "'optim.0.state.net.0.weight.exp_avg' (saved [6, 4], target [5, 4])"
         ), message
         assert message.endswith("nothing was loaded; pass strict=False to load the matching tensors and get this report")
+        # Not fitting (no optimizers, as in validate / test): the model alone is loaded.
+        strategy = _strategy(_kinds(1)["fsdp2"](), _module("fsdp2", 1), rank, world)
+        strategy.optimizers = []
+        strategy.load_checkpoint(path)
+        ref = torch.load(os.path.join(root, "fsdp2_ref.pt"))
+        for name, value in strategy.model.state_dict().items():
+            assert torch.equal(_full(value), ref[name]), name
+        strategy = _strategy(_kinds(1)["fsdp2"](), _module("fsdp2", 1, hidden=5), rank, world)
+        strategy.optimizers = []
+        try:
+            strategy.load_checkpoint(path)
+        except sp.LoadMismatchError as exc:
+            assert str(exc).startswith(
+                f"loading {path} into this run's model does not match (the LightningModule's "
+                "strict_loading is True):\n  shape mismatch: 'model.net.0.weight' (saved [6, 4], target [5, 4])"
+            ), str(exc)
+            assert "optim" not in str(exc) and str(exc).endswith("strict_loading = False on it to load the matching tensors")
+        else:
+            raise AssertionError("a model of another shape loaded")
         # A weights-only checkpoint cannot resume a fit's optimizer: said, naming the cause.
         strategy = _strategy(_kinds(1)["fsdp2"](), _module("fsdp2", 1), rank, world)
         weights_only = _checkpoint(strategy)

@@ -31,6 +31,7 @@ Another ``CheckpointIO`` is refused: these strategies only write shardpoint chec
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -38,7 +39,7 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
-from .._read import load_into
+from .._read import _report_lines, load_into
 from .._source import open_checkpoint
 from ..errors import CheckpointError, InvalidStateError, LoadMismatchError
 from .lightning import (
@@ -295,8 +296,22 @@ class ShardpointStrategyMixin:
             target[OPTIM] = states
         rest = [c for c in components if c not in (MODEL, OPTIM)]
         target.update(dict.fromkeys(rest))  # plain values: filled in by the same collective load
-        load_into(target, path, strict=strict, process_group=dist.group.WORLD,
-                  allow_pickle=allow_pickle, progress=False)
+        # Not fitting (validate / test / predict): the optimizer states stay unread, so they
+        # would be "unexpected"; the strict check then leaves them out (after the load).
+        skipped = [] if optimizers or OPTIM not in components else [OPTIM]
+        result = load_into(target, path, strict=strict and not skipped, process_group=dist.group.WORLD,
+                           allow_pickle=allow_pickle, progress=False)
+        if strict and skipped:
+            result = dataclasses.replace(
+                result, unexpected_keys=[k for k in result.unexpected_keys if k not in skipped])
+            if not result.ok:
+                raise LoadMismatchError(
+                    "\n  ".join([f"loading {path} into this run's model does not match "
+                                  "(the LightningModule's strict_loading is True):", *_report_lines(result),
+                                  "build the module the checkpoint was saved from, or set "
+                                  "strict_loading = False on it to load the matching tensors"]),
+                    result,
+                )
         set_model_state_dict(self.model, target[MODEL], options=sd_options)
         for optimizer, loaded_state, names in zip(optimizers, target.get(OPTIM, []), orders, strict=True):
             if names is not None:
