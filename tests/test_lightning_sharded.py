@@ -109,14 +109,19 @@ def _strategy(strategy: Any, module: Net, rank: int, world: int) -> Any:
     strategy.setup_environment()  # the process group exists: Lightning keeps it
     assert (strategy.global_rank, strategy.world_size) == (rank, world)
     if isinstance(strategy, ShardpointFSDPStrategy):
-        # Lightning wraps with device_id=root_device.index, which FSDP1 refuses on CPU: wrap as
-        # on a GPU (over a 1-D mesh of all ranks, as the strategy does) and hand it the result.
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        wrapped = FullyShardedDataParallel(module, device_id=torch.device("cpu"), use_orig_params=True,
-                                           device_mesh=init_device_mesh("cpu", (world,)))
-        strategy.model = strategy._setup_model(wrapped)
+        try:
+            strategy.model = strategy._setup_model(module)
+        except RuntimeError as exc:
+            # Lightning wraps with device_id=root_device.index, which FSDP1 refuses without an
+            # accelerator: wrap as on a GPU, over the mesh the strategy chose, and hand it over.
+            assert "non-CPU accelerator" in str(exc), exc
+            wrapped = FullyShardedDataParallel(module, device_id=torch.device("cpu"), use_orig_params=True,
+                                               device_mesh=strategy.kwargs["device_mesh"])
+            strategy.model = strategy._setup_model(wrapped)
+        mesh = strategy.kwargs["device_mesh"]  # the strategy's default: 1-D over every rank
+        assert (mesh.device_type, mesh.mesh.tolist()) == ("cpu", list(range(world)))
     else:
         module.configure_model()
     strategy.optimizers = [torch.optim.Adam(strategy.model.parameters(), lr=0.01)]
