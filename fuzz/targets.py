@@ -370,8 +370,8 @@ def _run_cli(argv: list[str]) -> tuple[int, str, str]:
 
 def cli(data: bytes) -> str:
     """Write ``data[1:]`` as the manifest, a data file's header or the HF index of a
-    checkpoint (``data[0]`` picks, see ``CLI_MODES``), then run ``inspect``, ``verify`` and
-    ``diff`` (human output) on it. Each must exit 0, 1 or 2 without a traceback, and print
+    checkpoint (``data[0]`` picks, see ``CLI_MODES``), then run ``inspect``, ``verify``,
+    ``diff`` and ``convert`` (human output) on it. Each must exit 0, 1 or 2 without a traceback, and print
     no control or format character but the newlines ending its lines (``escape``)."""
     if not data:
         return "error"
@@ -389,7 +389,15 @@ def cli(data: bytes) -> str:
     target.write_bytes(body)
     codes: list[int] = []
     try:
-        for argv in (["inspect", str(work)], ["verify", str(work)], ["diff", str(work), str(root / kind)]):
+        converted = _fixture_dir() / f"converted-{kind}"
+        shutil.rmtree(converted, ignore_errors=True)
+        commands = (
+            ["inspect", str(work)],
+            ["verify", str(work)],
+            ["diff", str(work), str(root / kind)],
+            ["convert", str(work), str(converted)],
+        )
+        for argv in commands:
             got: list[tuple[int, str, str]] = []
             if _classify(lambda a=argv, g=got: g.append(_run_cli(a))) == "error":
                 raise Finding("crash", f"{argv[0]} let a CheckpointError out of main()")
