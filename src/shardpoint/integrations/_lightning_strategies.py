@@ -125,8 +125,8 @@ class ShardpointStrategyMixin:
     global_rank: int
     is_global_zero: bool
     _checkpoint_io: Any
-
     broadcast: Any
+
     def _shardpoint_sharded(self) -> bool:
         """Whether this strategy saves sharded (each rank its shards) rather than full."""
         raise NotImplementedError
@@ -261,7 +261,7 @@ class ShardpointStrategyMixin:
         if MODEL not in components:
             raise LoadMismatchError(
                 f"{path} holds no model state (components: {', '.join(components)}); it was not "
-                f"written by a Lightning strategy or ShardpointCheckpointIO: load it with sp.load_into"
+                "written by a Lightning strategy or ShardpointCheckpointIO: load it with sp.load_into"
             )
         sd_options = StateDictOptions(full_state_dict=False, strict=strict)
         model_state = get_model_state_dict(self.model, options=sd_options)
@@ -273,7 +273,7 @@ class ShardpointStrategyMixin:
                 raise LoadMismatchError(
                     f"{path} holds the model only (saved with ModelCheckpoint(save_weights_only=True)?), "
                     "so a fit cannot resume its optimizer state from it: resume from a full checkpoint, "
-                    f"or load the weights with load_from_checkpoint and start a new fit"
+                    "or load the weights with load_from_checkpoint and start a new fit"
                 )
             by_index = _saved_optimizer_keys_are_indices(optim_tree)
             if len(by_index) != len(optimizers):
