@@ -215,6 +215,8 @@ def ranks_worker(rank: int, world: int, root: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(saved, storage_writer=ShardpointStorageWriter(Path(root) / "w"))
+        # dcp.async_save too: staged, then written by every rank in the background.
+        dcp.async_save(saved, storage_writer=ShardpointStorageWriter(Path(root) / "aw")).result()
 
     # A real FSDP2 (fully_shard) model and its AdamW state, as get_state_dict gives them.
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -273,6 +275,10 @@ def test_two_rank_saves_load_with_dcp_resharded_and_in_one_process(tmp_path: Pat
     assert torch.equal(back["model"]["a"], _full("a")) and torch.equal(back["model"]["b"], _full("b"))
     assert torch.equal(back["extra"]["c"], _full("c")) and back["extra"]["step"] == 11
     assert verify_checkpoint(tmp_path / "w").ok
+    back = sp.load(tmp_path / "aw")  # written by dcp.async_save on 2 ranks
+    assert torch.equal(back["model"]["a"], _full("a")) and torch.equal(back["model"]["b"], _full("b"))
+    assert torch.equal(back["extra"]["c"], _full("c")) and back["extra"]["step"] == 11
+    assert verify_checkpoint(tmp_path / "aw").ok
     state = {"model": {"a": torch.zeros(7, 5), "b": torch.zeros(6)}, "extra": {"c": torch.zeros(3, 8), "step": 0}}
     _dcp_load(state, tmp_path / "w", no_dist=True)
     assert torch.equal(state["model"]["a"], _full("a")) and state["extra"]["step"] == 11
