@@ -4,7 +4,10 @@ what to do: a walk over the entry points with bad arguments and conditions."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import inspect
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -116,3 +119,22 @@ def test_a_tensor_that_changed_size_during_a_save_is_a_state_changed_error(tmp_p
         transfer._write_small_run(f.fileno(), [("a", torch.ones(2), 8), ("b", torch.ones(3), 8)], 0, 16)
     assert isinstance(caught.value, RuntimeError)
     assert str(caught.value).startswith("tensor 'b' changed size while it was being saved")
+
+
+def test_a_manager_root_locked_too_long_is_a_storage_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shardpoint._manager as manager
+
+    root = tmp_path / "run"
+    mgr = sp.CheckpointManager(root)
+    mgr.save(1, {"w": torch.ones(2)})
+    monkeypatch.setattr(manager, "_ROOT_LOCK_WAIT", 0.2)  # instead of 600 s
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another manager, hung while managing the root
+        with pytest.raises(sp.StorageError) as caught:
+            mgr.save(2, {"w": torch.ones(2)})
+    finally:
+        os.close(fd)
+    assert caught.value.errno == errno.EWOULDBLOCK
+    assert f"another process has held the lock on {root} for 0 s" in str(caught.value)
+    assert mgr.steps() == [1]
