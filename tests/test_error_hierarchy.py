@@ -8,6 +8,10 @@ import errno
 import fcntl
 import inspect
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -138,3 +142,42 @@ def test_a_manager_root_locked_too_long_is_a_storage_error(tmp_path: Path, monke
     assert caught.value.errno == errno.EWOULDBLOCK
     assert f"another process has held the lock on {root} for 0 s" in str(caught.value)
     assert mgr.steps() == [1]
+
+
+_EACCES_CHILD = """
+import os, sys
+import torch, shardpoint as sp
+sp.save({"w": torch.ones(2)}, sys.argv[2])  # lazy imports done while we may still read them
+if os.geteuid() == 0:
+    os.setgid(65534); os.setuid(65534)  # nobody: the directory is not ours to write in
+try:
+    sp.save({"w": torch.ones(2)}, sys.argv[1])
+except sp.StorageError as exc:
+    print(exc.errno, isinstance(exc, PermissionError) or isinstance(exc, OSError), exc)
+"""
+
+
+def test_eacces_during_a_local_save_is_a_storage_error_naming_the_path() -> None:
+    """A real EACCES: a child process (dropping root to ``nobody`` where it runs as root)
+    saves into a directory it may not write."""
+    base = tempfile.mkdtemp(prefix="sp-eacces-")
+    try:
+        os.chmod(base, 0o755)
+        locked = os.path.join(base, "locked")
+        os.mkdir(locked, 0o555)
+        target = os.path.join(locked, "ckpt")
+        src = str(Path(sp.__file__).resolve().parents[1])
+        done = subprocess.run([sys.executable, "-c", _EACCES_CHILD, target, os.path.join(base, "warm")], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr
+        code, is_oserror, message = done.stdout.strip().split(" ", 2)
+        assert (int(code), is_oserror) == (errno.EACCES, "True"), done.stdout
+        assert message.startswith(f"[Errno 13] saving {target} failed while creating its temporary directory: "
+                                  "Permission denied"), message
+        assert "you may not write there: fix the directory's permissions or save somewhere else" in message
+        assert message.endswith("Nothing was committed there by this save: the checkpoint that was there "
+                                "before, if any, is unchanged, and this save's temporary directory is removed")
+        assert os.listdir(locked) == []
+    finally:
+        os.chmod(os.path.join(base, "locked"), 0o755)
+        shutil.rmtree(base)
