@@ -51,7 +51,7 @@ PYTHON_BLOCKS = {
     "distributed": "get_optimizer_state_dict",
     "hf trainer": "ShardpointTrainer(model=gpt2",
     "hf cache": "hf://org/name",
-    "object storage": "s3://bucket/",
+    "object storage": "sp.CheckpointManager(\"s3://bucket/run\"",
     "lightning": "load_from_checkpoint(Net, best",
     "lightning sharded": "ShardpointModelParallelStrategy()",  # run by tests/test_lightning_sharded.py
     "accelerate": "shardpoint.integrations.accelerate",  # run by tests/test_accelerate.py
