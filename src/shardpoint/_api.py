@@ -14,10 +14,7 @@ from ._prepare import PreparedState, prepare_state
 from ._read import LoadResult, load, load_into
 from ._sizes import parse_size
 from ._write import SaveInfo, json_metadata, write_checkpoint
-from .errors import (
-    InvalidArgumentError,
-    InvalidArgumentTypeError,
-)
+from .errors import InvalidArgumentError, InvalidArgumentTypeError
 
 __all__ = ["LoadResult", "SaveInfo", "load", "load_into", "save"]
 

@@ -33,10 +33,7 @@ from ._stream_source import (
     open_spec,
 )
 from ._write import SaveInfo, json_metadata, write_checkpoint
-from .errors import (
-    CorruptCheckpointError,
-    InvalidArgumentError,
-)
+from .errors import CorruptCheckpointError, InvalidArgumentError
 
 DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
