@@ -293,8 +293,23 @@ def _restore_with_a_lagging_rank(rank: int, world: int, base: str) -> None:
                    error=error)
 
 
-def test_manager_restore_agrees_on_the_step_when_one_ranks_view_lags(tmp_path: Path) -> None:
-    run_ranks(_restore_with_a_lagging_rank, 2, str(tmp_path), timeout=120)
+def _both_restore_cases(rank: int, world: int, base: str) -> None:
+    """One spawn of the ranks for both cases below (starting ranks is most of their time)."""
+    for case, fn in (("plain", _restore_with_a_lagging_rank), ("dtensor", _dtensor_manager_without_a_group)):
+        (Path(base) / case).mkdir(exist_ok=True)
+        fn(rank, world, str(Path(base) / case))
+
+
+@pytest.fixture(scope="module")
+def restored(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("restore-cases")
+    run_ranks(_both_restore_cases, 2, str(base), timeout=180)
+    return base
+
+
+@pytest.mark.slow
+def test_manager_restore_agrees_on_the_step_when_one_ranks_view_lags(restored: Path) -> None:
+    tmp_path = restored / "plain"
     outcomes = _outcomes(tmp_path, 2)
     root, lag = tmp_path / "root", tmp_path / "lag"
     assert [o["chosen"] for o in outcomes] == [1, 1]
@@ -350,8 +365,9 @@ def _dtensor_manager_without_a_group(rank: int, world: int, base: str) -> None:
     _write_outcome(base_path, rank, chosen=chosen, local=local, steps=mgr.steps(), error=error)
 
 
-def test_dtensor_states_use_the_default_group_in_the_manager_and_load_into(tmp_path: Path) -> None:
-    run_ranks(_dtensor_manager_without_a_group, 2, str(tmp_path), timeout=120)
+@pytest.mark.slow
+def test_dtensor_states_use_the_default_group_in_the_manager_and_load_into(restored: Path) -> None:
+    tmp_path = restored / "dtensor"
     outcomes = _outcomes(tmp_path, 2)
     assert [o["chosen"] for o in outcomes] == [1, 1]
     assert [o["local"] for o in outcomes] == [[100.0, 101.0, 102.0, 103.0], [104.0, 105.0, 106.0, 107.0]]
