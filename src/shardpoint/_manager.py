@@ -351,9 +351,12 @@ class CheckpointManager:
             ) from exc
 
     def wait(self) -> None:
-        """Block until the pending async save finished; raise its error if it failed.
+        """Block until this manager's pending async save finished; raise its error if it
+        failed (never another manager's: each has its own background queue).
 
-        An error already raised by the handle's ``.result()`` is not raised again.
+        An error already raised by the handle's ``.result()`` is not raised again. Local to
+        the calling process, also after a collective save; the next ``save`` or ``restore``
+        raises an unseen failure of any rank on every rank.
         """
         _, exc = self._finish_pending()
         if exc is not None:
@@ -380,9 +383,16 @@ class CheckpointManager:
         while it is being loaded, the newest step is chosen again and loaded (a few times
         at most).
 
+        Over a process group (the manager's, ``process_group=`` here, or the default group
+        for a target holding DTensors) every rank calls ``restore``: they load the newest
+        step that every rank sees (a newer one some rank does not see yet is named in a
+        warning), or ``step``, and return the same step or raise the same error.
+
         Raises:
             CheckpointError: ``step`` is not committed, or was retired (or replaced) while
                 it was being loaded, or every newest step chosen was retired in turn.
+            DistributedCheckpointError: over a group, a rank failed (every rank raises it),
+                e.g. ``step`` is not committed in some rank's view of the root.
         """
         group = resolve_group(load_kwargs.get("process_group", self.process_group), target)
         if group.pg is not None:
