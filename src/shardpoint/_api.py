@@ -259,7 +259,8 @@ def async_save_on(
     max_bytes = parse_size(max_shard_size)
     check_options(layout, storage_options)
     meta = json_metadata(metadata)
-    prepared = prepare_state(state, allow_pickle=allow_pickle)
+    with collector_paused():
+        prepared = prepare_state(state, allow_pickle=allow_pickle)
     target = os.fspath(path)
     # created here, on the caller's thread: making the twin group is a collective
     group = queue.background_group(resolve_group(process_group, prepared.all_tensors()))
