@@ -205,6 +205,27 @@ def test_a_manager_does_not_wait_for_a_bare_async_save(tmp_path: Path) -> None:
     assert bare.result().tensor_bytes == 72 * 4
 
 
+@pytest.mark.slow
+def test_an_async_trainer_does_not_wait_for_a_bare_async_save(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from _hf_trainer_worker import trainer
+
+    release = threading.Event()
+    bare = sp.async_save(_state(1.0), tmp_path / "bare", on_commit=lambda info: release.wait(120))
+    t = trainer(str(tmp_path / "run"), 2, shardpoint_async=True)
+    try:
+        thread, errors = _in_thread(t.train)  # saves checkpoint-2 through its own queue
+        thread.join(60)
+        finished = not thread.is_alive()
+        assert not bare.done()
+    finally:
+        release.set()
+    assert finished, "the Trainer's async checkpoint waited for the bare async_save"
+    assert errors == []
+    assert sorted(os.listdir(tmp_path / "run")) == ["checkpoint-2"]
+    assert sp.load_into(t.model, tmp_path / "run" / "checkpoint-2" / "model.safetensors").ok
+
+
 def test_two_managers_do_not_wait_on_each_other(tmp_path: Path) -> None:
     """Manager B's background commit is held (its root lock taken, as another process's
     manager would hold it); manager A saves, waits and restores meanwhile."""
