@@ -67,6 +67,7 @@ def test_holds_dtensor_walks_what_prepare_state_walks() -> None:
     state = {"model": plain, "optim": opt, "extra": [1, "a", {"t": torch.ones(1)}], "h": Holder(torch.ones(1))}
     assert holds_dtensor(state) is False
     assert holds_dtensor([state, state]) is False  # shared objects are walked once
+    assert holds_dtensor(iter([state])) is False  # an iterator (a generator of tensors) is walked too
 
 
 @pytest.mark.parametrize(

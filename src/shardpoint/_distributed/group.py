@@ -61,7 +61,7 @@ def holds_dtensor(obj: Any) -> bool:
             stack.extend(item.state.values())
         elif isinstance(item, Mapping):
             stack.extend(item.values())
-        elif isinstance(item, (list, tuple, set, frozenset)):
+        elif isinstance(item, (list, tuple, set, frozenset, Iterator)):
             stack.extend(item)
         elif callable(getattr(item, "state_dict", None)):
             stack.append(item.state_dict())
