@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
+from .._format.manifest import MANIFEST_NAME
 from .._read import _report_lines, load_into
 from .._source import open_checkpoint
 from ..errors import CheckpointError, InvalidStateError, LoadMismatchError
@@ -53,7 +54,6 @@ from .lightning import (
 
 MODEL = COMPONENT_OF_KEY["state_dict"]
 OPTIM = COMPONENT_OF_KEY["optimizer_states"]
-MANIFEST_NAME = "shardpoint.json"
 
 
 def is_shardpoint_checkpoint(path: str | os.PathLike[str]) -> bool:
