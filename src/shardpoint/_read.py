@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import _module_fit
-from ._distributed.group import Group, local_chunk
+from ._distributed.group import Group, local_chunk, resolve_group
 from ._flatten import WRAPPER_TYPES, tree_tensor_names, unflatten_state
 from ._format.manifest import ComponentRecord, TensorRecord
 from ._format.safetensors import HeaderEntry
@@ -968,7 +968,9 @@ def load_into(
         verify: check crc32c (default on).
         allow_pickle: unpickle values saved with ``allow_pickle=True``.
         process_group: load collectively: every rank fills its own shards (DTensors read
-            only the byte ranges they hold); an error on any rank is raised on all.
+            only the byte ranges they hold); an error on any rank is raised on all. Without
+            it, a target holding DTensors is loaded over the default group (as ``save``
+            saves one), any other target by the calling process alone.
         device: where ``meta`` tensors are materialized (one at a time, read straight into
             their final memory); in a module with anything on ``meta``, its real buffers
             move there too. Real parameters stay where they are.
@@ -1013,7 +1015,7 @@ def _load_into_call(target: Any, path: str | os.PathLike[str], strict: bool, pro
                     storage_options: Mapping[str, Any] | None, progress: bool | None, verify: bool | None,
                     allow_pickle: bool, device: str | torch.device, dtype: torch.dtype | None,
                     device_map: Any, max_buffer_bytes: int | str | None) -> LoadResult:
-    group = Group(process_group)
+    group = resolve_group(process_group, target)
     threads = None
     if group.distributed:  # the ranks on this machine share its CPUs
         host = socket.gethostname()
