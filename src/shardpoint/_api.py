@@ -6,64 +6,16 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ._distributed.group import Group, resolve_group
-from ._distributed.save import write_distributed
+from ._async import raise_unobserved_failure
+from ._distributed.group import resolve_group
 from ._gc import collector_paused
-from ._prepare import PreparedState, prepare_state
+from ._prepare import prepare_state
 from ._read import LoadResult, load, load_into
+from ._save import check_options, write_prepared
 from ._sizes import parse_size
-from ._write import SaveInfo, json_metadata, write_checkpoint
-from .errors import CheckpointError
+from ._write import SaveInfo, json_metadata
 
 __all__ = ["LoadResult", "SaveInfo", "load", "load_into", "save"]
-
-
-def check_options(layout: str | None, storage_options: Any) -> None:
-    if layout not in (None, "hf", "chunked"):
-        raise CheckpointError(f"unknown layout {layout!r}; use 'hf' (whole tensors) or 'chunked' (per-rank files)")
-    if storage_options is not None and not isinstance(storage_options, Mapping):
-        raise CheckpointError(
-            f"storage_options must be a dict of fsspec filesystem options, not {type(storage_options).__name__}"
-        )
-
-
-def write_prepared(
-    prepared: PreparedState,
-    path: str | os.PathLike[str],
-    *,
-    group: Group,
-    layout: str | None,
-    max_shard_bytes: int,
-    overwrite: bool,
-    metadata: dict[str, Any],
-    durable: bool,
-    progress: bool | None,
-    storage_options: Mapping[str, Any] | None = None,
-) -> SaveInfo:
-    """Write in one process (layout hf) or collectively (default layout chunked)."""
-    if group.distributed or layout == "chunked":
-        return write_distributed(
-            prepared,
-            path,
-            group=group,
-            layout=layout or "chunked",
-            max_shard_bytes=max_shard_bytes,
-            overwrite=overwrite,
-            metadata=metadata,
-            durable=durable,
-            progress=progress,
-            storage_options=storage_options,
-        )
-    return write_checkpoint(
-        prepared,
-        path,
-        max_shard_bytes=max_shard_bytes,
-        overwrite=overwrite,
-        metadata=metadata,
-        durable=durable,
-        progress=progress,
-        storage_options=storage_options,
-    )
 
 
 def save(
@@ -132,8 +84,6 @@ def save(
     """
     max_bytes = parse_size(max_shard_size)
     check_options(layout, storage_options)
-    from ._async import raise_unobserved_failure
-
     raise_unobserved_failure()
     with collector_paused():
         prepared = prepare_state(state, allow_pickle=allow_pickle)

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from ._api import check_options, write_prepared
 from ._distributed.group import Group, local_chunk, resolve_group
 from ._prepare import Component, PreparedState, prepare_state
+from ._save import check_options, write_prepared
 from ._sizes import parse_size
 from ._write import SaveInfo, json_metadata
 from .errors import CheckpointError
