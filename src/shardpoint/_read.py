@@ -17,7 +17,7 @@ import socket
 from collections import Counter
 from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -38,6 +38,7 @@ from ._sizes import parse_size
 from ._source import OPEN_TRIES, Checkpoint, open_checkpoint
 from ._stateful import Stateful, find_modules, optimizer_state_for, parameter_names
 from ._storage.remote import run_remote_reads
+from ._tensor_source import SourceSpec
 from .errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -47,9 +48,6 @@ from .errors import (
     LoadMismatchError,
     StorageError,
 )
-
-if TYPE_CHECKING:
-    from ._stream_source import SourceSpec
 
 
 @dataclass(frozen=True)

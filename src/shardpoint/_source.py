@@ -29,7 +29,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._format.dtypes import DTYPE_TO_NAME
+from ._format.detect import (
+    DCP,
+    HEAD_BYTES,
+    HF_BIN,
+    HF_FILE,
+    HF_INDEX,
+    SHARDPOINT,
+    TORCH_SAVE,
+    UNCOMMITTED,
+    Detected,
+    detect,
+)
 from ._format.index import parse_index
 from ._format.manifest import (
     MANIFEST_NAME,
@@ -39,13 +50,13 @@ from ._format.manifest import (
     TensorRecord,
     parse_manifest,
 )
-from ._format.names import check_file_name
+from ._format.names import check_file_name, is_tmp_name
 from ._format.safetensors import HeaderEntry, SafetensorsHeader, read_header, read_header_with
 from ._io.transfer import read_error
 from ._knobs import knobs
-from ._storage.local import TMP_MARKER, hidden_sibling_message, missing_path_message, moved_aside
+from ._storage.local import hidden_sibling_message, missing_path_message, moved_aside
 from ._storage.paths import member_path, open_regular, read_small_file
-from ._storage.remote import PENDING_NAME, RemoteStore, header_reader, resolve
+from ._storage.remote import RemoteStore, header_reader, resolve
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -53,6 +64,7 @@ from .errors import (
     IncompleteCheckpointError,
     MissingShardError,
     StorageError,
+    UnsupportedFormatError,
 )
 
 OPEN_TRIES = 5
@@ -151,7 +163,7 @@ class Checkpoint:
         )
         try:
             if self.dir_fd is None:
-                return _open_regular(path, where=where)
+                return open_regular(path, where=where)
             fd = os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0), dir_fd=self.dir_fd)
         except FileNotFoundError:
             raise
@@ -208,7 +220,7 @@ class Checkpoint:
     def read_member(self, name: str, *, where: str) -> bytes:
         """A small control file of the directory (an index), read through ``dir_fd``."""
         if self.dir_fd is None:
-            return _read_json_file(os.path.join(self.directory, name), where=where)
+            return read_json_file(os.path.join(self.directory, name), where=where)
         return _read_json_at(self.dir_fd, name, where=where)
 
     def file_path(self, name: str) -> str:
@@ -320,11 +332,7 @@ class Checkpoint:
         return entry
 
 
-def _open_regular(path: str, *, where: str) -> int:
-    return open_regular(path, where=where)
-
-
-def _read_json_file(path: str, *, where: str) -> bytes:
+def read_json_file(path: str, *, where: str) -> bytes:
     return read_small_file(path, where=where, limit=knobs().max_json_bytes)
 
 
@@ -497,7 +505,7 @@ def open_checkpoint(
 def _open_local(location: str) -> Checkpoint:
     """Open a local checkpoint as one snapshot, starting over if it is replaced meanwhile."""
     base = os.path.basename(os.path.normpath(location))
-    if TMP_MARKER in base and base.startswith("."):
+    if is_tmp_name(base):
         raise IncompleteCheckpointError(hidden_sibling_message(location))
     existed = False
     for attempt in range(OPEN_TRIES):
@@ -524,11 +532,9 @@ def _open_local(location: str) -> Checkpoint:
 
 def _open_local_once(location: str, *, retry: bool) -> Checkpoint:
     if os.path.isfile(location):
-        if not location.endswith(".safetensors"):
-            raise CheckpointNotFoundError(
-                f"{location} is a file but not a .safetensors file; shardpoint loads checkpoint "
-                "directories and .safetensors files (convert other formats with `shardpoint convert`)"
-            )
+        found = detect_local(location)
+        if found.kind != HF_FILE or found.instead_of is not None:
+            raise not_readable(location, found)
         # The user named this file: follow it if it is a link (as in a Hugging Face cache).
         directory, name = os.path.split(os.path.realpath(location))
         ckpt = Checkpoint(location, directory, "hf-file", {}, flat=True, single_file=True)
@@ -583,7 +589,8 @@ def _fill_local(ckpt: Checkpoint) -> Checkpoint:
         except OSError as exc:
             raise read_error(exc, where, "reading") from None
 
-    if MANIFEST_NAME in names:
+    found = detect(names)
+    if found.kind == SHARDPOINT:
         where = os.path.join(location, MANIFEST_NAME)
         manifest = parse_manifest(control(MANIFEST_NAME), where=where)
         ckpt.kind = "shardpoint"
@@ -592,44 +599,77 @@ def _fill_local(ckpt: Checkpoint) -> Checkpoint:
         ckpt.manifest = manifest
         ckpt.open_all(list(manifest.files))
         return ckpt
-    indexes = sorted(n for n in names if n.endswith(".safetensors.index.json"))
-    singles = sorted(n for n in names if n.endswith(".safetensors"))
-    if "model.safetensors.index.json" in indexes:
-        indexes = ["model.safetensors.index.json"]
-    if "model.safetensors" in singles:
+    if found.kind == HF_FILE and found.file is not None:
         ckpt.kind = "hf-file"
-        ckpt.open_all(["model.safetensors"])
-        return _fill_from_headers(ckpt, None, ["model.safetensors"])
-    if len(indexes) == 1:
-        where = os.path.join(location, indexes[0])
-        index = parse_index(control(indexes[0]), where=where)
+        ckpt.open_all([found.file])
+        return _fill_from_headers(ckpt, None, [found.file])
+    if found.kind == HF_INDEX and found.index is not None:
+        where = os.path.join(location, found.index)
+        index = parse_index(control(found.index), where=where)
         files = list(dict.fromkeys(index.weight_map.values()))
         ckpt.kind = "hf-index"
         ckpt.open_all(files)
         return _fill_from_headers(ckpt, index.weight_map, files)
-    if len(singles) == 1:
-        ckpt.kind = "hf-file"
-        ckpt.open_all(singles)
-        return _fill_from_headers(ckpt, None, singles)
+    if found.kind in (UNCOMMITTED, DCP, HF_BIN, TORCH_SAVE):
+        raise not_readable(location, found)
     if _changing(ckpt):
         raise _Replaced  # a deletion in progress (it may have taken the manifest first)
-    if any(is_tmp(n) for n in names) and not singles:
-        raise CheckpointNotFoundError(
-            f"{location} holds no committed checkpoint, only the temporary directory of a save "
-            "that did not finish"
+    raise not_readable(location, found)
+
+
+def detect_local(location: str) -> Detected:
+    """:func:`~shardpoint._format.detect.detect` of an existing local path: a directory's
+    listing, or a file's name, its directory's listing and its first bytes."""
+    if os.path.isdir(location):
+        return detect(os.listdir(location))
+    parent = os.path.dirname(location) or "."
+    try:
+        siblings = os.listdir(parent)
+    except OSError:
+        siblings = []
+    head = None
+    try:
+        fd = open_regular(location, where=location)
+    except (OSError, CheckpointError):
+        pass  # not a regular file, unreadable: detected by name; the reader says what is wrong
+    else:
+        try:
+            head = os.pread(fd, HEAD_BYTES, 0)
+        except OSError:
+            head = None
+        finally:
+            os.close(fd)
+    return detect(siblings, file=os.path.basename(location), head=head)
+
+
+def not_readable(location: str, found: Detected, *, remote: bool = False) -> CheckpointError:
+    """The error for a path whose format (``found``) the caller does not read, naming it and
+    saying what does."""
+    if found.kind == UNCOMMITTED:
+        return IncompleteCheckpointError(
+            f"{location} {found.reason}. Load the previous checkpoint; the next save to this "
+            "prefix (or CheckpointManager.save) replaces it"
         )
-    raise CheckpointNotFoundError(
-        f"{location} is not a checkpoint: no shardpoint.json, no *.safetensors.index.json and "
-        f"no single .safetensors file (found {len(singles)} .safetensors files, {len(indexes)} indexes)"
-    )
-
-
-def is_tmp(name: str) -> bool:
-    return name.startswith(".") and TMP_MARKER in name
-
-
-def dtype_str(dtype: object) -> str:
-    return DTYPE_TO_NAME.get(dtype, str(dtype))  # type: ignore[call-overload]
+    if found.kind == DCP:
+        return UnsupportedFormatError(
+            f"{location} is a torch.distributed.checkpoint (DCP) directory, which is read only by "
+            "convert (its .metadata is a pickle): `shardpoint convert SRC DST --trust-pickle` if "
+            "you trust whoever wrote it, then use DST"
+        )
+    if found.kind in (HF_BIN, TORCH_SAVE) or found.instead_of is not None:
+        what = "Hugging Face .bin shards" if found.kind == HF_BIN else "a torch.save (.bin/.pt) weights file"
+        where = "on an object store, which is read only from local files" if remote else (
+            "read by sp.load, sp.load_into, verify, inspect and convert, not here"
+        )
+        return UnsupportedFormatError(
+            f"{location} holds {what}, {where}; convert it to safetensors with `shardpoint "
+            "convert SRC DST` and use DST"
+        )
+    if found.misnamed:
+        return CorruptCheckpointError(f"{location} {found.reason}")
+    if found.named_file:
+        return UnsupportedFormatError(f"{location} {found.reason}")
+    return CheckpointNotFoundError(f"{location} {found.reason}")
 
 
 def _open_remote(store: RemoteStore) -> Checkpoint:
@@ -649,33 +689,18 @@ def _open_remote(store: RemoteStore) -> Checkpoint:
     if not names:
         raise CheckpointNotFoundError(f"{location} holds no objects; nothing to load")
     limit = knobs().max_json_bytes
-    if MANIFEST_NAME in names:
+    found = detect(names)
+    if found.kind == SHARDPOINT:
         where = store.url_of(MANIFEST_NAME)
         manifest = parse_manifest(store.get(MANIFEST_NAME, limit=limit), where=where)
         return Checkpoint(location, location, "shardpoint", manifest.components, manifest.flat,
                           manifest, store=store, sizes=names)
-    if PENDING_NAME in names:
-        raise IncompleteCheckpointError(
-            f"{location} is a save that never committed ({PENDING_NAME} is there, "
-            f"{MANIFEST_NAME} is not): it was interrupted or is still running. Load the previous "
-            "checkpoint; the next save to this prefix (or CheckpointManager.save) replaces it"
-        )
-    indexes = sorted(n for n in names if n.endswith(".safetensors.index.json"))
-    singles = sorted(n for n in names if n.endswith(".safetensors"))
-    if "model.safetensors.index.json" in indexes:
-        indexes = ["model.safetensors.index.json"]
-    if "model.safetensors" in singles:
-        return _from_headers(location, location, "hf-file", None, ["model.safetensors"],
-                             store=store, sizes=names)
-    if len(indexes) == 1:
-        where = store.url_of(indexes[0])
-        index = parse_index(store.get(indexes[0], limit=limit), where=where)
+    if found.kind == HF_FILE and found.file is not None:
+        return _from_headers(location, location, "hf-file", None, [found.file], store=store, sizes=names)
+    if found.kind == HF_INDEX and found.index is not None:
+        where = store.url_of(found.index)
+        index = parse_index(store.get(found.index, limit=limit), where=where)
         files = list(dict.fromkeys(index.weight_map.values()))
         return _from_headers(location, location, "hf-index", index.weight_map, files,
                              store=store, sizes=names)
-    if len(singles) == 1:
-        return _from_headers(location, location, "hf-file", None, singles, store=store, sizes=names)
-    raise CheckpointNotFoundError(
-        f"{location} is not a checkpoint: no shardpoint.json, no *.safetensors.index.json and "
-        f"no single .safetensors file (found {len(singles)} .safetensors files, {len(indexes)} indexes)"
-    )
+    raise not_readable(location, found, remote=True)

@@ -27,19 +27,32 @@ from typing import Any
 import torch
 
 from ._checksum import crc32c
-from ._format.companions import PICKLE_WEIGHTS, role, torch_weights_file
+from ._format.companions import role
+from ._format.detect import (
+    HF_BIN,
+    HF_FILE,
+    HF_INDEX,
+    SHARDPOINT,
+    TORCH_SAVE,
+    UNCOMMITTED,
+    Detected,
+    detect,
+)
 from ._format.dtypes import NAME_TO_DTYPE, itemsize
 from ._format.index import index_name, parse_index
-from ._format.manifest import MANIFEST_NAME, ChunkRef, Manifest
+from ._format.manifest import MANIFEST_NAME, PENDING_NAME, ChunkRef, Manifest
+from ._format.names import is_tmp_name
 from ._format.safetensors import SafetensorsHeader
 from ._hub import resolve_hub
 from ._io.transfer import reader_threads
 from ._knobs import knobs
+from ._pickled_source import torch_load
 from ._progress import byte_progress
-from ._source import Checkpoint, _read_json_file, is_tmp, open_checkpoint
+from ._source import Checkpoint, detect_local, not_readable, open_checkpoint, read_json_file
 from ._storage.local import hidden_sibling_message, missing_path_message
 from ._storage.paths import member_path, open_regular
-from ._storage.remote import PENDING_NAME, RemoteStore, resolve
+from ._storage.remote import RemoteStore, resolve
+from ._tensor_source import components_from_object
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -166,49 +179,42 @@ def verify_checkpoint(
             missing_path_message(location).replace("nothing to load", "nothing to verify")
         )
     base = os.path.basename(os.path.normpath(location))
-    if os.path.isdir(location) and is_tmp(base):
+    if os.path.isdir(location) and is_tmp_name(base):
         message = hidden_sibling_message(location)
         return VerifyReport(location, "shardpoint", [message], [], 0, 0, 0, False)
     if os.path.isfile(location):
-        if location.endswith(PICKLE_WEIGHTS):
-            sibling = os.path.splitext(location)[0] + ".safetensors"
-            if not os.path.isfile(sibling):
-                return _verify_pickled(
-                    location, os.path.dirname(location) or ".", None,
-                    [os.path.basename(location)], checksums=checksums,
-                )
+        found = detect_local(location)
+        if found.instead_of is not None and found.file is not None:
+            sibling = os.path.join(os.path.dirname(location), found.file)
             note = (
                 f"verified {sibling} instead of {location}: load reads the .safetensors file of "
                 "the same stem beside it (same tensors, no unpickling)"
             )
             report = verify_checkpoint(sibling, checksums=checksums, progress=progress)
             return dataclasses.replace(report, notes=[note, *report.notes])
-        if not location.endswith(".safetensors"):
-            raise CheckpointNotFoundError(
-                f"{location} is a file but not a .safetensors, .bin, .pt, .pth or .ckpt file; "
-                "shardpoint verifies checkpoint directories and files of those kinds"
+        if found.kind == TORCH_SAVE:
+            return _verify_pickled(
+                location, os.path.dirname(location) or ".", None,
+                [os.path.basename(location)], checksums=checksums,
             )
+        if found.kind != HF_FILE:
+            raise not_readable(location, found)
         # The user named this file: follow it if it is a link (as in a Hugging Face cache).
         directory, name = os.path.split(os.path.realpath(location))
         return _verify_foreign(location, directory, "hf-file", None, [name], checksums=checksums)
     if not os.path.isdir(location):
         raise CheckpointNotFoundError(f"{location} is neither a directory nor a checkpoint file")
     names = os.listdir(location)
-    if MANIFEST_NAME in names:
+    found = detect(names)
+    if found.kind == SHARDPOINT:
         return _verify_shardpoint(location, names, checksums=checksums, progress=progress)
-    if not any(n.endswith(".safetensors") for n in names):
-        bin_indexes = sorted(n for n in names if n.endswith(".bin.index.json"))
-        if bin_indexes:
-            index = (
-                "pytorch_model.bin.index.json"
-                if "pytorch_model.bin.index.json" in bin_indexes
-                else bin_indexes[0]
-            )
-            return _verify_pickled(location, location, index, [], checksums=checksums, listing=names)
-        single, _ = torch_weights_file(names)
-        if single is not None:
-            return _verify_pickled(location, location, None, [single], checksums=checksums, listing=names)
-    kind, found_index, files = _locate_foreign(location, names)
+    if found.kind == HF_BIN:
+        return _verify_pickled(location, location, found.index, [], checksums=checksums, listing=names)
+    if found.kind == TORCH_SAVE and found.file is not None:
+        return _verify_pickled(location, location, None, [found.file], checksums=checksums, listing=names)
+    if found.kind == UNCOMMITTED:
+        return _uncommitted_report(location)
+    kind, found_index, files = _foreign(location, found)
     return _verify_foreign(location, location, kind, found_index, files, checksums=checksums)
 
 
@@ -237,13 +243,10 @@ def _verify_remote(
     if MANIFEST_NAME in sizes:
         return _verify_shardpoint(location, list(sizes), checksums=checksums, progress=progress,
                                   storage_options=storage_options)
-    if PENDING_NAME in sizes:
-        message = (
-            f"{location} is a save that never committed ({PENDING_NAME} is there, {MANIFEST_NAME} "
-            "is not); it is not a checkpoint. Verify the previous one, or save again"
-        )
-        return VerifyReport(location, "shardpoint", [message], [], 0, 0, 0, False)
-    kind, index, files = _locate_foreign(location, list(sizes))
+    found = detect(sizes)
+    if found.kind == UNCOMMITTED:
+        return _uncommitted_report(location)
+    kind, index, files = _foreign(location, found, remote=True)
     return _verify_foreign(location, location, kind, index, files, checksums=checksums,
                            store=store, sizes=sizes)
 
@@ -396,24 +399,22 @@ def _check_indexes(
 # ------------------------------------------------------------------------ foreign (HF)
 
 
-def _locate_foreign(location: str, names: list[str]) -> tuple[str, str | None, list[str]]:
-    """Which HF checkpoint a directory without manifest holds, chosen as ``open_checkpoint`` does:
-    (kind, index file or None, data files when there is no index)."""
-    indexes = sorted(n for n in names if n.endswith(".safetensors.index.json"))
-    singles = sorted(n for n in names if n.endswith(".safetensors"))
-    if "model.safetensors.index.json" in indexes:
-        indexes = ["model.safetensors.index.json"]
-    if "model.safetensors" in singles:
-        return "hf-file", None, ["model.safetensors"]
-    if len(indexes) == 1:
-        return "hf-index", indexes[0], []
-    if len(singles) == 1:
-        return "hf-file", None, singles
-    raise CheckpointNotFoundError(
-        f"{location} is not a checkpoint: no shardpoint.json, no *.safetensors.index.json, "
-        f"no single .safetensors file (found {len(singles)} .safetensors files, {len(indexes)} "
-        "indexes), no pytorch_model.bin.index.json and no pytorch_model.bin"
+def _uncommitted_report(location: str) -> VerifyReport:
+    message = (
+        f"{location} is a save that never committed ({PENDING_NAME} is there, {MANIFEST_NAME} "
+        "is not); it is not a checkpoint. Verify the previous one, or save again"
     )
+    return VerifyReport(location, "shardpoint", [message], [], 0, 0, 0, False)
+
+
+def _foreign(location: str, found: Detected, *, remote: bool = False) -> tuple[str, str | None, list[str]]:
+    """The HF safetensors checkpoint ``found`` names: (kind, index file or None, data files
+    when there is no index); any other kind is refused, as load refuses it."""
+    if found.kind == HF_INDEX and found.index is not None:
+        return "hf-index", found.index, []
+    if found.kind == HF_FILE and found.file is not None:
+        return "hf-file", None, [found.file]
+    raise not_readable(location, found, remote=remote)
 
 
 def _verify_foreign(
@@ -530,8 +531,6 @@ def _verify_pickled(
 ) -> VerifyReport:
     """``verify_checkpoint`` of ``torch.save`` weights, read as ``sp.load`` reads them: HF
     ``.bin`` shards through their index (``index``), or one file (``files``)."""
-    from ._stream_source import components_from_object, torch_load
-
     kind = "hf-bin" if index is not None else "torch-save"
     single = location != directory
     found = _Findings()
@@ -539,7 +538,7 @@ def _verify_pickled(
     if index is not None:
         where = os.path.join(location, index)
         try:
-            weight_map = parse_index(_read_json_file(where, where=where), where=where).weight_map
+            weight_map = parse_index(read_json_file(where, where=where), where=where).weight_map
         except CheckpointError as exc:
             return VerifyReport(location, kind, [str(exc)], [], 0, 0, 0, False)
         except OSError as exc:
@@ -694,7 +693,7 @@ def _unreferenced(
     are listed as not checked."""
     unchecked = []
     for name in sorted(listing):
-        if name in accounted or is_tmp(name):
+        if name in accounted or is_tmp_name(name):
             continue
         if role(name, family) == "weights":
             found.warnings.append(

@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 import torch
 
 from .._checksum import combine_runs, crc32c
-from .._format.manifest import MANIFEST_NAME
+from .._format.manifest import MANIFEST_NAME, PENDING_NAME
 from .._io.transfer import FileWrite, ReadTask, byte_view, contiguous_cpu
 from .._knobs import knobs
 from ..errors import (
@@ -53,7 +53,6 @@ from ..errors import (
     StorageError,
 )
 
-PENDING_NAME = "shardpoint.pending"
 PENDING_TEXT = b"a shardpoint save or deletion is in progress or was interrupted\n"
 """Written before anything else of a save and deleted after its manifest."""
 
