@@ -665,8 +665,6 @@ def not_readable(location: str, found: Detected, *, remote: bool = False) -> Che
             f"{location} holds {what}, {where}; convert it to safetensors with `shardpoint "
             "convert SRC DST` and use DST"
         )
-    if found.misnamed:
-        return CorruptCheckpointError(f"{location} {found.reason}")
     if found.named_file:
         return UnsupportedFormatError(f"{location} {found.reason}")
     return CheckpointNotFoundError(f"{location} {found.reason}")

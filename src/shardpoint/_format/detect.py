@@ -23,22 +23,21 @@ The rules, in order, for a directory listing:
    reports the missing shards).
 8. Anything else: ``unknown``, with the reason.
 
-For a file the user named: a ``.safetensors`` name is a safetensors file, unless its first
-bytes say it is a zip archive or a pickle (a ``torch.save`` file under the wrong name:
-``unknown``, said so); a ``.bin`` / ``.pt`` / ``.pth`` / ``.ckpt`` name, or any name whose
+For a file the user named: a ``.safetensors`` name is a safetensors file (when its first
+bytes are a zip archive or a pickle, the header reader says so: :func:`sniff`); a ``.bin`` / ``.pt`` / ``.pth`` / ``.ckpt`` name, or any name whose
 first bytes are a zip archive or a pickle, is a ``torch.save`` file, read from its
 same-stem ``.safetensors`` sibling when one sits beside it (same tensors, no unpickling).
 """
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Collection
 from dataclasses import dataclass
 
 from .companions import PICKLE_WEIGHTS, torch_weights_file
 from .manifest import MANIFEST_NAME, PENDING_NAME
 from .names import is_tmp_name
+from .safetensors import sniff
 
 HEAD_BYTES = 16
 """How many leading bytes of a named file :func:`detect` looks at."""
@@ -82,23 +81,6 @@ class Detected:
     """For ``unknown`` and ``uncommitted``: what was found, to follow the location in a message."""
     named_file: bool = False
     """The user named a file (not a directory)."""
-    misnamed: bool = False
-    """``unknown``: a file named ``.safetensors`` whose first bytes are another format's."""
-
-
-def _looks_like(head: bytes | None) -> str | None:
-    """``zip``, ``pickle`` or ``safetensors`` from a file's first bytes; None if unsure."""
-    if not head:
-        return None
-    if head.startswith(b"PK\x03\x04"):
-        return "zip"
-    if head[:1] == b"\x80" and len(head) > 1 and 2 <= head[1] <= 5:  # PROTO opcode
-        return "pickle"
-    if len(head) >= 9:
-        (size,) = struct.unpack("<Q", head[:8])
-        if head[8:9] == b"{" and size >= 2:
-            return "safetensors"
-    return None
 
 
 def detect(names: Collection[str], *, file: str | None = None, head: bytes | None = None) -> Detected:
@@ -131,17 +113,8 @@ def detect(names: Collection[str], *, file: str | None = None, head: bytes | Non
 
 
 def _detect_file(name: str, siblings: set[str], head: bytes | None) -> Detected:
-    looks = _looks_like(head)
+    looks = sniff(head)
     if name.endswith(".safetensors"):
-        if looks in ("zip", "pickle"):
-            what = "a zip archive" if looks == "zip" else "a pickle"
-            return Detected(
-                UNKNOWN,
-                named_file=True,
-                misnamed=True,
-                reason=f"is named .safetensors but is not a safetensors file: it is {what} (a "
-                "torch.save file under the wrong name?); rename it to .pt and read that",
-            )
         return Detected(HF_FILE, file=name, named_file=True)
     if name.endswith(PICKLE_WEIGHTS) or looks in ("zip", "pickle"):
         sibling = name.rpartition(".")[0] + ".safetensors" if "." in name else name + ".safetensors"
