@@ -634,12 +634,6 @@ class LocalTransaction:
         with reported(self.final, f"writing {name}"):
             write_small_file(os.path.join(self.directory, name), data, durable=durable)
 
-    def data_files(self) -> dict[str, int]:
-        """Data files of the committed checkpoint: name -> size."""
-        final = str(self.final)
-        return {n: os.path.getsize(os.path.join(final, n)) for n in sorted(os.listdir(final))
-                if n.endswith(".safetensors")}
-
     def commit(self, *, durable: bool) -> None:
         """Make the checkpoint visible at ``final`` in one step (see the module docstring)."""
         with reported(self.final, "committing"):

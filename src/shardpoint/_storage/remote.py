@@ -232,9 +232,6 @@ class RemoteStore:
         self.fs = fs
         self.root = root.rstrip("/")
         self.url = url.rstrip("/")
-        self._lock = threading.Lock()
-        self.bytes_read = 0
-        """Bytes this store read from the filesystem (ranges and small objects)."""
 
     def child(self, name: str) -> RemoteStore:
         return RemoteStore(self.fs, f"{self.root}/{name}", f"{self.url}/{name}")
@@ -330,10 +327,7 @@ class RemoteStore:
                 )
             return bytes(data)
 
-        data = retrying("reading", self.url_of(name), run)
-        with self._lock:
-            self.bytes_read += len(data)
-        return data
+        return retrying("reading", self.url_of(name), run)
 
     def get(self, name: str, *, limit: int) -> bytes:
         """A whole small object (index, manifest, pointer), refused when over ``limit``."""
@@ -348,10 +342,7 @@ class RemoteStore:
                 )
             return bytes(self.fs.cat_file(path))
 
-        data = retrying("reading", self.url_of(name), run)
-        with self._lock:
-            self.bytes_read += len(data)
-        return data
+        return retrying("reading", self.url_of(name), run)
 
     # ------------------------------------------------------------------ writing
 
@@ -751,10 +742,6 @@ class RemoteTransaction:
             self.store.delete([n for n in names if n == MANIFEST_NAME])
             self.store.delete([n for n in names if n not in (MANIFEST_NAME, PENDING_NAME)])
             self.store.delete([PENDING_NAME])
-
-    def data_files(self) -> dict[str, int]:
-        return {n: s for n, s in sorted(self.store.list().items()) if n.endswith(".safetensors")}
-
 
 def write_files_at(
     directory: str,
