@@ -743,3 +743,23 @@ def test_no_renameat2_resave_killed_between_the_renames_is_put_back(
 
 if __name__ == "__main__" and sys.argv[1:] == ["helper"]:
     _helper_main()
+
+
+def test_an_unchanged_step_manifest_is_parsed_once_per_manager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every save ranks and retires steps from their metrics: a step's manifest (15 MB for
+    10^5 tensors) is parsed once per manager while it stays the same file, and again once it
+    changes (a re-save of the step, or damage)."""
+    mgr = sp.CheckpointManager(tmp_path, keep_last=3, keep_best=1, metric="loss", durable=False)
+    parsed: list[int] = []
+    parse = mgr._parse_metrics
+
+    def counting(step: int) -> dict[str, Any]:
+        parsed.append(step)
+        return parse(step)
+
+    monkeypatch.setattr(mgr, "_parse_metrics", counting)
+    for step in (1, 2, 3, 4):
+        mgr.save(step, _tiny(float(step)), metrics={"loss": 1.0 / step})
+    assert sorted(set(parsed)) == [1, 2, 3, 4] and len(parsed) == 4
+    mgr.save(4, _tiny(9.0), metrics={"loss": 0.01})  # a re-save: step 4 is another file now
+    assert parsed.count(4) == 2 and mgr.metrics(4) == {"loss": 0.01}

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ._distributed.group import Group, local_chunk, resolve_group
+from ._gc import collector_paused
 from ._prepare import Component, PreparedState, prepare_state
 from ._save import check_options, write_prepared
 from ._sizes import parse_size
@@ -77,19 +78,34 @@ def stage(prepared: PreparedState, pool: StagingPool) -> PreparedState:
     staged: dict[str, dict[str, torch.Tensor]] = {c.name: {} for c in prepared.components}
     cuda_used = False
     placements = {c.name: dict(c.placements) for c in prepared.components}
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    """The arena as each dtype (offsets are multiples of ``_ALIGN``, so of every itemsize)."""
+    cpu_dst: list[torch.Tensor] = []
+    cpu_src: list[torch.Tensor] = []
     with torch.no_grad():
         for comp, name, offset in offsets:
-            global_shape, chunk_offsets, src = local_chunk(comp.tensors[name])
-            if src is not comp.tensors[name]:  # a DTensor: keep where its shard sits
-                placements[comp.name][name] = (global_shape, chunk_offsets)
-            nbytes = src.numel() * src.element_size()
-            dst = arena[offset : offset + nbytes].view(src.dtype).view(src.shape)
+            tensor = comp.tensors[name]
+            if type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter:
+                src = tensor
+            else:
+                global_shape, chunk_offsets, src = local_chunk(tensor)
+                if src is not tensor:  # a DTensor: keep where its shard sits
+                    placements[comp.name][name] = (global_shape, chunk_offsets)
+            view = typed.get(src.dtype)
+            if view is None:
+                view = typed[src.dtype] = arena[: arena.numel() // src.element_size() * src.element_size()].view(
+                    src.dtype)
+            start = offset // src.element_size()
+            dst = view[start : start + src.numel()].view(src.shape)
             if src.device.type == "cuda":
                 cuda_used = True
                 dst.copy_(src, non_blocking=True)
-            else:
-                dst.copy_(src)
+            else:  # copied together below: one call for all, not one per tensor
+                cpu_dst.append(dst)
+                cpu_src.append(src)
             staged[comp.name][name] = dst
+        if cpu_dst:
+            torch._foreach_copy_(cpu_dst, cpu_src)
     if cuda_used:
         torch.cuda.synchronize()
     components = []
@@ -209,7 +225,8 @@ def async_save(
     max_bytes = parse_size(max_shard_size)
     check_options(layout, storage_options)
     meta = json_metadata(metadata)
-    prepared = prepare_state(state, allow_pickle=allow_pickle)
+    with collector_paused():
+        prepared = prepare_state(state, allow_pickle=allow_pickle)
     target = os.fspath(path)
     # created here, on the caller's thread: making the twin group is a collective
     group = background_group(resolve_group(process_group, prepared.all_tensors()))
@@ -247,7 +264,8 @@ def submit_prepared(
     global _last
     with _lock:
         wait_previous()
-        staged = stage(prepared, _pool)
+        with collector_paused():
+            staged = stage(prepared, _pool)
         handle = AsyncSave(target, _executor.submit(persist, staged), time.perf_counter() - started)
         _last = handle
     return handle

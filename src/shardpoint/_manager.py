@@ -157,6 +157,8 @@ class CheckpointManager:
         self._pending: AsyncSave | None = None
         self._pending_step: int | None = None
         self._lock = threading.Lock()
+        self._metrics_cache: dict[int, tuple[tuple[int, ...], dict[str, Any] | BaseException]] = {}
+        """Step -> (its manifest's identity, the metrics read from it or why they could not be)."""
         self._sole_writer = False
         """True where the root has no locks: this manager then takes every dead-looking
         temporary directory of its root for a dead save's, as one writer per root."""
@@ -224,7 +226,33 @@ class CheckpointManager:
 
     def _read_metrics(self, step: int) -> dict[str, Any]:
         """The step's metrics; OSError when the manifest cannot be read (the disk's error),
-        CorruptCheckpointError when what it reads is not a manifest."""
+        CorruptCheckpointError when what it reads is not a manifest.
+
+        On a local root the outcome is kept per manifest file (device, inode, size, times):
+        a committed manifest never changes, and every save ranks and retires steps, so a
+        state of 10^5 tensors (a 15 MB manifest per step) would otherwise be parsed again for
+        each kept step at each save.
+        """
+        if self._remote is not None:
+            return self._parse_metrics(step)
+        path = f"{self.step_path(step)}/{MANIFEST_NAME}"
+        before = _identity(path)
+        cached = self._metrics_cache.get(step)
+        if before is not None and cached is not None and cached[0] == before:
+            if isinstance(cached[1], BaseException):
+                raise cached[1]
+            return dict(cached[1])
+        try:
+            metrics: dict[str, Any] | BaseException = self._parse_metrics(step)
+        except CorruptCheckpointError as exc:
+            metrics = exc
+        if before is not None and _identity(path) == before:
+            self._metrics_cache[step] = (before, metrics)
+        if isinstance(metrics, BaseException):
+            raise metrics
+        return dict(metrics)
+
+    def _parse_metrics(self, step: int) -> dict[str, Any]:
         path = f"{self.step_path(step)}/{MANIFEST_NAME}"
         limit = knobs().max_json_bytes
         try:
@@ -583,3 +611,12 @@ def _remote_steps(store: RemoteStore) -> list[int]:
 def _remote_uncommitted(store: RemoteStore) -> list[str]:
     """Step prefixes with objects but no manifest: saves that were interrupted."""
     return sorted(top for top, names in _remote_layout(store).items() if MANIFEST_NAME not in names)
+
+
+def _identity(path: str) -> tuple[int, ...] | None:
+    """What tells one manifest file from another at ``path`` (None: none is there)."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)

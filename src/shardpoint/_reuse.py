@@ -73,14 +73,26 @@ def _matching_records(
 
 
 def _link_files(ckpt: Checkpoint, manifest: Manifest, names: list[str], directory: str) -> bool:
-    """Hard-link ``names`` of ``ckpt`` into ``directory``; False if any cannot be linked as recorded."""
+    """Hard-link ``names`` of the opened ``ckpt`` into ``directory``; False if any cannot be
+    linked as recorded.
+
+    Each link is made through the directory descriptor the checkpoint holds, and each data
+    file checked to be the very file it holds open: a save committed to the previous path
+    meanwhile (an overwrite swaps in another directory) cannot give this checkpoint files of
+    another version than the manifest about to be written describes.
+    """
+    if ckpt.dir_fd is None:
+        return False
     try:
         for name in names:
-            source = ckpt.file_path(name)
             expected = manifest.files.get(name)
-            if expected is not None and os.stat(source).st_size != expected:
+            held = os.fstat(ckpt.fd(name)) if expected is not None else None
+            if held is not None and held.st_size != expected:
                 return False
-            os.link(source, os.path.join(directory, name))
+            link = os.path.join(directory, name)
+            os.link(name, link, src_dir_fd=ckpt.dir_fd, follow_symlinks=False)
+            if held is not None and not os.path.samestat(os.stat(link, follow_symlinks=False), held):
+                return False
     except (CheckpointError, OSError):
         return False  # removed meanwhile, another filesystem, no hard links here
     return True
@@ -110,6 +122,22 @@ def link_unchanged(
         ckpt = open_checkpoint(previous)
     except (CheckpointError, OSError):
         return None
+    with ckpt:
+        return _link_opened(prepared, ckpt, path, save_id=save_id, overwrite=overwrite, metadata=metadata,
+                            durable=durable, started=started)
+
+
+def _link_opened(
+    prepared: PreparedState,
+    ckpt: Checkpoint,
+    path: str | os.PathLike[str],
+    *,
+    save_id: str | None,
+    overwrite: bool,
+    metadata: dict[str, Any],
+    durable: bool,
+    started: float,
+) -> SaveInfo | None:
     manifest = ckpt.manifest
     if manifest is None or (save_id is not None and manifest.save_id != save_id):
         return None
@@ -117,11 +145,9 @@ def link_unchanged(
     if records is None:
         return None
     names = list(manifest.files)
-    names += [
-        index_name(c)
-        for c in manifest.components
-        if os.path.isfile(os.path.join(ckpt.directory, index_name(c)))
-    ]
+    if ckpt.names is None:
+        return None
+    names += [index_name(c) for c in manifest.components if index_name(c) in ckpt.names]
     txn = LocalTransaction(path, overwrite=overwrite)
     try:
         if not _link_files(ckpt, manifest, names, txn.directory):
