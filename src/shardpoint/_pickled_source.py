@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
+from ._checkpoint import read_json_file
 from ._format.detect import detect
 from ._format.index import parse_index
 from ._format.names import check_file_name
-from ._source import read_json_file
 from ._storage.paths import member_path, open_regular
 from ._tensor_source import (
     Ref,

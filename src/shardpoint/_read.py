@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from . import _module_fit
+from ._checkpoint import Checkpoint
 from ._distributed.group import Group, local_chunk
 from ._flatten import WRAPPER_TYPES, tree_tensor_names, unflatten_state
 from ._format.manifest import ComponentRecord, TensorRecord
@@ -35,7 +36,7 @@ from ._prepare import storage_key
 from ._progress import byte_progress
 from ._read_pickled import PickledBatch, load_pickled, route
 from ._sizes import parse_size
-from ._source import OPEN_TRIES, Checkpoint, open_checkpoint
+from ._source import OPEN_TRIES, open_checkpoint
 from ._stateful import Stateful, find_modules, optimizer_state_for, parameter_names
 from ._storage.remote import run_remote_reads
 from ._tensor_source import SourceSpec

@@ -27,13 +27,14 @@ from typing import Any
 
 import torch
 
+from ._checkpoint import Checkpoint
 from ._format.detect import DCP, HF_BIN, HF_FILE, HF_INDEX, SHARDPOINT, TORCH_SAVE
 from ._format.dtypes import dtype_from_name
 from ._knobs import knobs
 from ._pickled_source import BinShardsSource, TorchSaveSource
 from ._prepare import Component
 from ._read import ReadBatch
-from ._source import Checkpoint, detect_local, not_readable, open_checkpoint
+from ._source import detect_local, not_readable, open_checkpoint
 from ._storage.paths import member_path, open_regular
 from ._tensor_source import (
     Ref,

@@ -56,6 +56,7 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
+from .._checkpoint import Checkpoint
 from .._format.detect import HF_BIN, TORCH_SAVE, detect
 from .._format.dtypes import NAME_TO_DTYPE, dtype_name, itemsize
 from .._format.index import index_name
@@ -64,7 +65,7 @@ from .._format.names import is_tmp_name
 from .._hub import resolve_hub
 from .._pickled_source import BinShardsSource, TorchSaveSource
 from .._sizes import human_size
-from .._source import Checkpoint, detect_local, open_checkpoint
+from .._source import detect_local, open_checkpoint
 from .._tensor_source import SourceSpec
 from .main import add_cache_dir, add_storage_options, hub_storage_options
 from .output import emit, emit_json, printable
