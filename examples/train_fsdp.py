@@ -9,6 +9,10 @@
 them succeeded. On start the newest committed step is loaded in place, resharding if the
 world size changed (``--nproc-per-node 4`` resumes a 2-rank run). Batches are drawn from a
 per-(step, rank) seed, so a resumed run prints the same losses as an uninterrupted one.
+
+The manager is given the process group, so every rank restores the same step (the newest
+one every rank sees) or every rank raises the same error; it runs on CPU with gloo, and
+``main(argv)`` can be called on ranks whose gloo group is already up (the tests do).
 """
 
 from __future__ import annotations
@@ -65,7 +69,8 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, (5 * tokens + 3) % VOCAB
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Train until ``--steps``; return the step the run resumed from (0: from scratch)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -76,9 +81,11 @@ def main() -> None:
     parser.add_argument(
         "--root", default=os.path.join(tempfile.gettempdir(), "shardpoint-examples", "train_fsdp")
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
-    dist.init_process_group("gloo")
+    launched = not dist.is_initialized()  # under torchrun; else the caller's group is used
+    if launched:
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,))
@@ -91,7 +98,11 @@ def main() -> None:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    manager = sp.CheckpointManager(args.root, keep_last=args.keep_last, async_save=args.async_save)
+    # Every rank saves and restores together over the group: rank 0 manages the root, and
+    # restore() loads the same step on every rank (or raises the same error on every rank).
+    manager = sp.CheckpointManager(
+        args.root, keep_last=args.keep_last, async_save=args.async_save, process_group=dist.group.WORLD
+    )
 
     def state(step: int) -> dict[str, object]:
         # The module gives its DTensor state dict. The optimizer goes in as DCP's
@@ -102,10 +113,12 @@ def main() -> None:
             "progress": {"step": step, "world_size": world},
         }
 
-    start = 0
-    if manager.latest_step() is not None:
-        target = state(0)
-        start = manager.restore(target) or 0
+    # restore() is collective: every rank calls it, whatever its own listing of the root
+    # shows, and all get the same answer (None on every rank when nothing is committed).
+    target = state(0)
+    restored = manager.restore(target)
+    start = restored or 0
+    if restored is not None:
         set_optimizer_state_dict(model, optimizer, target["optim"])  # type: ignore[arg-type]
         saved_world = target["progress"]["world_size"]  # type: ignore[index]
         if rank == 0:
@@ -127,17 +140,15 @@ def main() -> None:
         if rank == 0:
             print(f"step {step + 1:4d}  loss {mean.item() / world:.6f}", flush=True)
         if (step + 1) % args.save_every == 0:
-            # Until CheckpointManager coordinates its own bookkeeping over the process group,
-            # let every rank finish the previous step's (the `latest` file, retention) first.
-            manager.wait()
-            dist.barrier()
             manager.save(step + 1, state(step + 1))
     manager.wait()
     dist.barrier()
     if rank == 0:
         print(f"committed steps in {args.root}: {manager.steps()}", flush=True)
-    gc.collect()  # drop reference cycles holding gloo work first (else a rare SIGABRT at exit)
-    dist.destroy_process_group()
+    if launched:
+        gc.collect()  # drop reference cycles holding gloo work first (else a rare SIGABRT at exit)
+        dist.destroy_process_group()
+    return start
 
 
 if __name__ == "__main__":

@@ -93,7 +93,11 @@ def main() -> None:
         plan[f"blocks.{i}.down"] = RowwiseParallel()
     parallelize_module(model, mesh, plan)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    manager = sp.CheckpointManager(args.root, keep_last=args.keep_last, async_save=args.async_save)
+    # Every rank saves and restores together over the group: rank 0 manages the root, and
+    # restore() loads the same step on every rank (or raises the same error on every rank).
+    manager = sp.CheckpointManager(
+        args.root, keep_last=args.keep_last, async_save=args.async_save, process_group=dist.group.WORLD
+    )
 
     def state(step: int) -> dict[str, object]:
         # The module gives its state dict (DTensors and plain tensors). The optimizer goes in as DCP's
@@ -104,10 +108,12 @@ def main() -> None:
             "progress": {"step": step, "world_size": world},
         }
 
-    start = 0
-    if manager.latest_step() is not None:
-        target = state(0)
-        start = manager.restore(target) or 0
+    # restore() is collective: every rank calls it, whatever its own listing of the root
+    # shows, and all get the same answer (None on every rank when nothing is committed).
+    target = state(0)
+    restored = manager.restore(target)
+    start = restored or 0
+    if restored is not None:
         set_optimizer_state_dict(model, optimizer, target["optim"])  # type: ignore[arg-type]
         saved_world = target["progress"]["world_size"]  # type: ignore[index]
         if rank == 0:
@@ -127,10 +133,6 @@ def main() -> None:
         if rank == 0:
             print(f"step {step + 1:4d}  loss {loss.item():.6f}", flush=True)
         if (step + 1) % args.save_every == 0:
-            # Until CheckpointManager coordinates its own bookkeeping over the process group,
-            # let every rank finish the previous step's (the `latest` file, retention) first.
-            manager.wait()
-            dist.barrier()
             manager.save(step + 1, state(step + 1))
     manager.wait()
     dist.barrier()

@@ -99,7 +99,7 @@ def _one_writer_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The steps of a save come in the same order on every run."""
     monkeypatch.setenv("SHARDPOINT_WRITE_THREADS", "1")
     yield
-    last = sp_async._last  # an async failure left unseen must not leak into other tests
+    last = sp_async.default_queue().last  # an async failure left unseen must not leak into other tests
     if last is not None:
         last.exception()
         last.observed = True

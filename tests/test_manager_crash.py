@@ -333,7 +333,7 @@ def test_sigkill_at_random_moments_always_resumes_from_a_whole_step(
 def _no_async_failure_leaks() -> Iterator[None]:
     """A failed async save left unseen would be raised by another test's next save."""
     yield
-    last = sp_async._last
+    last = sp_async.default_queue().last
     if last is not None:
         last.exception()
         last.observed = True

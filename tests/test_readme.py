@@ -53,6 +53,7 @@ PYTHON_BLOCKS = {
     "hf cache": "hf://org/name",
     "object storage": "s3://bucket/",
     "lightning": "load_from_checkpoint(Net, best",
+    "lightning sharded": "ShardpointModelParallelStrategy()",  # run by tests/test_lightning_sharded.py
     "accelerate": "shardpoint.integrations.accelerate",  # run by tests/test_accelerate.py
     "dcp reader": "ShardpointStorageReader",
 }

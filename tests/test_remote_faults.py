@@ -380,7 +380,7 @@ def test_exception_at_every_step_of_a_manager_save_on_s3(
 def no_async_failure_leaks() -> Iterator[None]:
     """A failed async save left unseen would be raised by another test's next save."""
     yield
-    last = sp_async._last
+    last = sp_async.default_queue().last
     if last is not None:
         last.exception()
         last.observed = True

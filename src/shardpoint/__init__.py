@@ -9,8 +9,8 @@ True
 
 from __future__ import annotations
 
-from ._api import LoadResult, SaveInfo, load, load_into, save
-from ._async import AsyncSave, async_save
+from ._api import LoadResult, SaveInfo, async_save, load, load_into, save
+from ._async import AsyncSave
 from ._convert import convert
 from ._diff import DiffReport, StorageNote, TensorDiff, diff
 from ._manager import CheckpointManager

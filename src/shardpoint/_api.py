@@ -3,19 +3,69 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from ._async import raise_unobserved_failure
-from ._distributed.group import resolve_group
+from ._async import AsyncQueue, AsyncSave, default_queue, raise_unobserved_failure
+from ._distributed.group import Group, resolve_group
+from ._distributed.save import write_distributed
 from ._gc import collector_paused
-from ._prepare import prepare_state
+from ._prepare import PreparedState, prepare_state
 from ._read import LoadResult, load, load_into
-from ._save import check_options, write_prepared
 from ._sizes import parse_size
-from ._write import SaveInfo, json_metadata
+from ._write import SaveInfo, json_metadata, write_checkpoint
+from .errors import CheckpointError
 
-__all__ = ["LoadResult", "SaveInfo", "load", "load_into", "save"]
+__all__ = ["AsyncSave", "LoadResult", "SaveInfo", "async_save", "load", "load_into", "save"]
+
+
+def check_options(layout: str | None, storage_options: Any) -> None:
+    if layout not in (None, "hf", "chunked"):
+        raise CheckpointError(f"unknown layout {layout!r}; use 'hf' (whole tensors) or 'chunked' (per-rank files)")
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise CheckpointError(
+            f"storage_options must be a dict of fsspec filesystem options, not {type(storage_options).__name__}"
+        )
+
+
+def write_prepared(
+    prepared: PreparedState,
+    path: str | os.PathLike[str],
+    *,
+    group: Group,
+    layout: str | None,
+    max_shard_bytes: int,
+    overwrite: bool,
+    metadata: dict[str, Any],
+    durable: bool,
+    progress: bool | None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> SaveInfo:
+    """Write in one process (layout hf) or collectively (default layout chunked)."""
+    if group.distributed or layout == "chunked":
+        return write_distributed(
+            prepared,
+            path,
+            group=group,
+            layout=layout or "chunked",
+            max_shard_bytes=max_shard_bytes,
+            overwrite=overwrite,
+            metadata=metadata,
+            durable=durable,
+            progress=progress,
+            storage_options=storage_options,
+        )
+    return write_checkpoint(
+        prepared,
+        path,
+        max_shard_bytes=max_shard_bytes,
+        overwrite=overwrite,
+        metadata=metadata,
+        durable=durable,
+        progress=progress,
+        storage_options=storage_options,
+    )
 
 
 def save(
@@ -82,9 +132,40 @@ def save(
         >>> sp.load("memory://doc/ckpt")["w"].tolist()
         [1.0, 1.0]
     """
+    raise_unobserved_failure()
+    return save_now(
+        state,
+        path,
+        max_shard_size=max_shard_size,
+        layout=layout,
+        process_group=process_group,
+        overwrite=overwrite,
+        metadata=metadata,
+        storage_options=storage_options,
+        progress=progress,
+        durable=durable,
+        allow_pickle=allow_pickle,
+    )
+
+
+def save_now(
+    state: Any,
+    path: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = "5GB",
+    layout: str | None = None,
+    process_group: Any = None,
+    overwrite: bool = False,
+    metadata: Mapping[str, Any] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    progress: bool | None = None,
+    durable: bool = True,
+    allow_pickle: bool = False,
+) -> SaveInfo:
+    """:func:`save` without its check for an unseen failure of a bare ``async_save`` (a
+    ``CheckpointManager`` tracks its own async saves)."""
     max_bytes = parse_size(max_shard_size)
     check_options(layout, storage_options)
-    raise_unobserved_failure()
     with collector_paused():
         prepared = prepare_state(state, allow_pickle=allow_pickle)
         group = resolve_group(process_group, prepared.all_tensors())
@@ -100,3 +181,105 @@ def save(
             progress=progress,
             storage_options=storage_options,
         )
+
+
+def async_save(
+    state: Any,
+    path: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = "5GB",
+    layout: str | None = None,
+    process_group: Any = None,
+    overwrite: bool = False,
+    metadata: Mapping[str, Any] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    progress: bool | None = False,
+    durable: bool = True,
+    allow_pickle: bool = False,
+    on_commit: Callable[[SaveInfo], None] | None = None,
+) -> AsyncSave:
+    """Save in the background; return once the state is staged and safe to mutate.
+
+    Takes the same arguments as :func:`save`. The caller is blocked for the staging copy
+    (and, if one is still running, for the previous bare ``async_save`` to commit: these
+    calls share one reused staging buffer). Errors raised in the background surface on
+    ``.result()`` and, if never looked at, on the next ``save`` or ``async_save``. The
+    saves of a ``CheckpointManager`` are not among them: each manager has its own.
+
+    Args:
+        on_commit: called on the background thread with the SaveInfo after the commit.
+
+    Returns:
+        An :class:`AsyncSave` handle.
+
+    Example:
+        >>> import torch, shardpoint as sp, tempfile, os
+        >>> w = torch.ones(3)
+        >>> handle = sp.async_save({"w": w}, os.path.join(tempfile.mkdtemp(), "ckpt"))
+        >>> w.add_(1)  # safe: the save holds its own copy
+        tensor([2., 2., 2.])
+        >>> handle.result().tensor_bytes
+        12
+    """
+    return async_save_on(
+        default_queue(),
+        state,
+        path,
+        max_shard_size=max_shard_size,
+        layout=layout,
+        process_group=process_group,
+        overwrite=overwrite,
+        metadata=metadata,
+        storage_options=storage_options,
+        progress=progress,
+        durable=durable,
+        allow_pickle=allow_pickle,
+        on_commit=on_commit,
+    )
+
+
+def async_save_on(
+    queue: AsyncQueue,
+    state: Any,
+    path: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = "5GB",
+    layout: str | None = None,
+    process_group: Any = None,
+    overwrite: bool = False,
+    metadata: Mapping[str, Any] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    progress: bool | None = False,
+    durable: bool = True,
+    allow_pickle: bool = False,
+    on_commit: Callable[[SaveInfo], None] | None = None,
+) -> AsyncSave:
+    """:func:`async_save` through ``queue`` (a manager's own, or the default one)."""
+    started = time.perf_counter()
+    max_bytes = parse_size(max_shard_size)
+    check_options(layout, storage_options)
+    meta = json_metadata(metadata)
+    with collector_paused():
+        prepared = prepare_state(state, allow_pickle=allow_pickle)
+    target = os.fspath(path)
+    # created here, on the caller's thread: making the twin group is a collective
+    group = queue.background_group(resolve_group(process_group, prepared.all_tensors()))
+
+    def persist(staged: PreparedState) -> SaveInfo:
+        info = write_prepared(
+            staged,
+            target,
+            group=group,
+            layout=layout,
+            max_shard_bytes=max_bytes,
+            overwrite=overwrite,
+            metadata=meta,
+            durable=durable,
+            progress=progress,
+            storage_options=storage_options,
+        )
+        if on_commit is not None:
+            on_commit(info)
+        return info
+
+    return queue.submit(prepared, target, persist, started=started)

@@ -1,50 +1,35 @@
-"""Asynchronous saves: stage -> persist -> commit.
+"""Asynchronous saves: stage -> persist -> commit, through a queue that a caller owns.
 
-The caller is blocked only while tensors are copied into staging buffers, which are
-allocated once and reused by every later save (pinned when CUDA is available), so host
-memory stays flat save after save. Writing and the atomic commit run on one background
-thread; a second save waits for the first to commit before it reuses the buffers.
+An :class:`AsyncQueue` is one series of async saves: one background thread, one staging
+buffer allocated once and reused by every later save of the series (pinned when CUDA is
+available, so host memory stays flat save after save), and the handle of its last save.
+The caller is blocked only while tensors are copied into the buffer; writing and the
+atomic commit run on the queue's thread, and the next save of the same queue waits for
+the previous one to commit before it reuses the buffer.
+
+Queues are independent: each ``CheckpointManager`` and each ``ShardpointTrainer`` owns
+one, so one's saves never wait on another's, and a failure is reported by the owner whose
+save failed. Bare ``sp.async_save`` calls (and ``sp.save``'s check for an unseen failure
+of one) share the process's default queue, :func:`default_queue`.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from ._distributed.group import Group, local_chunk, resolve_group
+from ._distributed.group import Group, local_chunk
 from ._gc import collector_paused
-from ._prepare import Component, PreparedState, prepare_state
-from ._save import check_options, write_prepared
-from ._sizes import parse_size
-from ._write import SaveInfo, json_metadata
+from ._prepare import Component, PreparedState
+from ._write import SaveInfo
 from .errors import CheckpointError
 
 _ALIGN = 64
-_background_groups: dict[int, Group] = {}
-
-
-def background_group(group: Group) -> Group:
-    """A gloo group twin of ``group`` for the background thread's collectives.
-
-    Collectives must not run on the training process group from another thread, so an
-    async collective save talks over its own group, created once (collectively, on the
-    first async save) and reused.
-    """
-    if not group.distributed:
-        return group
-    key = id(group.pg)
-    if key not in _background_groups:
-        import torch.distributed as dist
-
-        ranks = dist.get_process_group_ranks(group.pg)
-        _background_groups[key] = Group(dist.new_group(ranks=ranks, backend="gloo"))
-    return _background_groups[key]
 
 
 class StagingPool:
@@ -152,103 +137,105 @@ class AsyncSave:
         return self._future.exception(timeout)
 
 
-_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardpoint-async")
-_pool = StagingPool()
-_lock = threading.Lock()
-_last: AsyncSave | None = None
+class AsyncQueue:
+    """One series of async saves: a background thread, a reused staging buffer, the last
+    save's handle, and the gloo twins of the groups its saves run over.
+
+    Saves submitted to one queue are serialized (the next one is staged once the previous
+    one committed, as they share the buffer); saves of different queues run independently.
+    """
+
+    def __init__(self) -> None:
+        self.pool = StagingPool()
+        self.last: AsyncSave | None = None
+        """The handle of the last save submitted (None before the first)."""
+        self._executor: ThreadPoolExecutor | None = None  # started with the first save
+        self._lock = threading.Lock()
+        self._twins: dict[int, tuple[Any, Group]] = {}
+
+    def background_group(self, group: Group) -> Group:
+        """A gloo group twin of ``group`` for this queue's background collectives.
+
+        Collectives must not run on the training process group from another thread, so an
+        async collective save talks over its own group, created once per queue (collectively,
+        on the queue's first async save over ``group``) and reused. Each queue has its own
+        twin: two queues' threads never interleave collectives on one group.
+        """
+        if not group.distributed:
+            return group
+        entry = self._twins.get(id(group.pg))
+        if entry is None or entry[0] is not group.pg:
+            import torch.distributed as dist
+
+            ranks = dist.get_process_group_ranks(group.pg)
+            entry = (group.pg, Group(dist.new_group(ranks=ranks, backend="gloo")))
+            self._twins[id(group.pg)] = entry
+        return entry[1]
+
+    def raise_unobserved_failure(self) -> None:
+        """Raise the error of this queue's previous save if nobody has seen it yet.
+
+        Waits for that save to finish first: a save that is still running when the next one
+        starts may yet fail, and its error must not depend on how fast it failed.
+        """
+        last = self.last
+        if last is None or last.observed:
+            return
+        exc = last.exception()  # waits for it to finish
+        if exc is None or last.observed:
+            return
+        last.observed = True
+        raise CheckpointError(
+            f"the previous async save to {last.path} failed and nothing was committed there: "
+            f"{exc}. Call .result() on async_save handles to see such errors where they happen"
+        ) from exc
+
+    def wait_previous(self) -> None:
+        """Block until this queue's previous save finished; raise its error if unseen."""
+        self.raise_unobserved_failure()
+        last = self.last
+        if last is not None:
+            last._future.exception()  # an error seen already: just wait for the end
+
+    def submit(
+        self,
+        prepared: PreparedState,
+        target: str,
+        persist: Callable[[PreparedState], SaveInfo],
+        *,
+        started: float,
+    ) -> AsyncSave:
+        """Wait for this queue's previous save, stage ``prepared``, and run
+        ``persist(staged)`` on the queue's thread (the ``transformers`` Trainer integration
+        writes its extra files this way)."""
+        with self._lock:
+            self.wait_previous()
+            with collector_paused():
+                staged = stage(prepared, self.pool)
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardpoint-async")
+            handle = AsyncSave(target, self._executor.submit(persist, staged), time.perf_counter() - started)
+            self.last = handle
+        return handle
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes held by this queue's reusable staging buffer."""
+        return self.pool.nbytes
+
+
+_default = AsyncQueue()
+
+
+def default_queue() -> AsyncQueue:
+    """The queue of bare ``sp.async_save`` calls in this process."""
+    return _default
 
 
 def raise_unobserved_failure() -> None:
-    """Raise the error of the previous async save if nobody has seen it yet.
-
-    Waits for that save to finish first: a save that is still running when the next one
-    starts may yet fail, and its error must not depend on how fast it failed.
-    """
-    last = _last
-    if last is None or last.observed:
-        return
-    exc = last.exception()  # waits for it to finish
-    if exc is None or last.observed:
-        return
-    last.observed = True
-    raise CheckpointError(
-        f"the previous async save to {last.path} failed and nothing was committed there: "
-        f"{exc}. Call .result() on async_save handles to see such errors where they happen"
-    ) from exc
-
-
-def wait_previous() -> None:
-    """Block until the previous async save (if any) finished; raise its error if unseen."""
-    raise_unobserved_failure()
-    last = _last
-    if last is not None:
-        last._future.exception()  # an error seen already: just wait for the end
-
-
-def async_save(
-    state: Any,
-    path: str | os.PathLike[str],
-    *,
-    max_shard_size: int | str = "5GB",
-    layout: str | None = None,
-    process_group: Any = None,
-    overwrite: bool = False,
-    metadata: Mapping[str, Any] | None = None,
-    storage_options: Mapping[str, Any] | None = None,
-    progress: bool | None = False,
-    durable: bool = True,
-    allow_pickle: bool = False,
-    on_commit: Callable[[SaveInfo], None] | None = None,
-) -> AsyncSave:
-    """Save in the background; return once the state is staged and safe to mutate.
-
-    Takes the same arguments as :func:`save`. The caller is blocked for the staging copy
-    (and, if one is still running, for the previous async save to commit). Errors raised
-    in the background surface on ``.result()`` and, if never looked at, on the next save.
-
-    Args:
-        on_commit: called on the background thread with the SaveInfo after the commit.
-
-    Returns:
-        An :class:`AsyncSave` handle.
-
-    Example:
-        >>> import torch, shardpoint as sp, tempfile, os
-        >>> w = torch.ones(3)
-        >>> handle = sp.async_save({"w": w}, os.path.join(tempfile.mkdtemp(), "ckpt"))
-        >>> w.add_(1)  # safe: the save holds its own copy
-        tensor([2., 2., 2.])
-        >>> handle.result().tensor_bytes
-        12
-    """
-    started = time.perf_counter()
-    max_bytes = parse_size(max_shard_size)
-    check_options(layout, storage_options)
-    meta = json_metadata(metadata)
-    with collector_paused():
-        prepared = prepare_state(state, allow_pickle=allow_pickle)
-    target = os.fspath(path)
-    # created here, on the caller's thread: making the twin group is a collective
-    group = background_group(resolve_group(process_group, prepared.all_tensors()))
-
-    def persist(staged: PreparedState) -> SaveInfo:
-        info = write_prepared(
-            staged,
-            target,
-            group=group,
-            layout=layout,
-            max_shard_bytes=max_bytes,
-            overwrite=overwrite,
-            metadata=meta,
-            durable=durable,
-            progress=progress,
-            storage_options=storage_options,
-        )
-        if on_commit is not None:
-            on_commit(info)
-        return info
-
-    return submit_prepared(prepared, target, persist, started=started)
+    """Raise the unseen error of the previous bare ``sp.async_save``, if any (``sp.save``
+    and ``sp.async_save`` call this first)."""
+    _default.raise_unobserved_failure()
 
 
 def submit_prepared(
@@ -258,19 +245,10 @@ def submit_prepared(
     *,
     started: float,
 ) -> AsyncSave:
-    """Wait for the previous async save, stage ``prepared``, and run ``persist(staged)``
-    on the background thread; the one queue every async save goes through (the
-    ``transformers`` Trainer integration writes its extra files this way)."""
-    global _last
-    with _lock:
-        wait_previous()
-        with collector_paused():
-            staged = stage(prepared, _pool)
-        handle = AsyncSave(target, _executor.submit(persist, staged), time.perf_counter() - started)
-        _last = handle
-    return handle
+    """:meth:`AsyncQueue.submit` on the default queue."""
+    return _default.submit(prepared, target, persist, started=started)
 
 
 def staging_bytes() -> int:
-    """Bytes held by the reusable staging buffer (for tests and benchmarks)."""
-    return _pool.nbytes
+    """Bytes held by the default queue's reusable staging buffer (for tests and benchmarks)."""
+    return _default.staging_bytes

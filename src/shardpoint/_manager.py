@@ -42,8 +42,9 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ._async import AsyncSave, async_save
-from ._distributed.group import Group
+from ._api import async_save_on, save_now
+from ._async import AsyncQueue, AsyncSave
+from ._distributed.group import Group, resolve_group
 from ._format.manifest import MANIFEST_NAME
 from ._knobs import knobs
 from ._read import load_into
@@ -106,9 +107,12 @@ class CheckpointManager:
         storage_options: options of the fsspec filesystem when ``root`` is a URL
             (``s3://bucket/run``); see :func:`shardpoint.save`.
         process_group: save and restore collectively over this group (every rank calls
-            ``save`` / ``restore``); only rank 0 writes ``latest``, applies retention and
-            removes stale temporary directories. Without it, the default group is used
-            when it is initialized with several ranks.
+            ``save`` / ``restore``). Without it, a state (or restore target) holding
+            DTensors is saved (restored) over the default group, and any other state by
+            the calling process alone, as :func:`shardpoint.save` decides. Over a group,
+            rank 0 of it manages the root (writes ``latest``, applies retention, removes
+            stale temporary directories), ``restore`` loads the same step on every rank,
+            and an error on any rank is raised on all of them.
         save_kwargs: passed to every save (``max_shard_size=``, ``durable=``, ...).
 
     Example:
@@ -156,6 +160,8 @@ class CheckpointManager:
         self.process_group = process_group
         self._pending: AsyncSave | None = None
         self._pending_step: int | None = None
+        self._queue = AsyncQueue()
+        """This manager's own async saves: never waits on (nor raises) another's."""
         self._lock = threading.Lock()
         self._metrics_cache: dict[int, tuple[tuple[int, ...], dict[str, Any] | BaseException]] = {}
         """Step -> (its manifest's identity, the metrics read from it or why they could not be)."""
@@ -324,27 +330,25 @@ class CheckpointManager:
         """
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
-        failed_step, exc = self._finish_pending()
-        if exc is not None:
-            done = failed_step is not None and failed_step in self.steps()
-            raise CheckpointError(
-                f"the async save of step {failed_step} to {self.root} failed"
-                + (" after its commit" if done else "; nothing was committed for it")
-                + f": {exc}. Step {step} was not saved either; call save() again to save it"
-            ) from exc
-        coordinator = self._is_coordinator()
-        if coordinator:  # in a process group only rank 0 manages the root
-            if self._remote is None:
-                self._dir.mkdir(parents=True, exist_ok=True)
-            with self._root_lock():
-                self._remove_stale_temps()
-                self._finish_interrupted_retention()
+        group = resolve_group(self.process_group, state)
+        coordinator = group.is_coordinator  # the group's rank 0 manages the root
+
+        def prepare() -> None:
+            self._raise_pending_failure(f"Step {step} was not saved either; call save() again to save it")
+            if coordinator:
+                if self._remote is None:
+                    self._dir.mkdir(parents=True, exist_ok=True)
+                with self._root_lock():
+                    self._remove_stale_temps()
+                    self._finish_interrupted_retention()
+
+        group.phase(f"preparing to save step {step} under {self.root}", prepare)
         metadata = {"step": step, "metrics": _metrics_json(metrics)}
         kwargs = {"overwrite": True, "progress": False, **self.save_kwargs, "metadata": metadata}
         if self.storage_options is not None:
             kwargs["storage_options"] = self.storage_options
-        if self.process_group is not None:
-            kwargs["process_group"] = self.process_group
+        if group.pg is not None:
+            kwargs["process_group"] = group.pg
         path = self.step_path(step)
         if self.async_save:
 
@@ -352,33 +356,35 @@ class CheckpointManager:
                 if coordinator:
                     self._after_commit(step)
 
-            handle = async_save(state, path, on_commit=on_commit, **kwargs)
+            handle = async_save_on(self._queue, state, path, on_commit=on_commit, **kwargs)
             self._pending, self._pending_step = handle, step
             return handle
-        from ._api import save
-
-        info = save(state, path, **kwargs)
-        if coordinator:
-            self._after_commit(step)
+        info = save_now(state, path, **kwargs)
+        group.phase(
+            f"updating {LATEST_NAME} and retention under {self.root} after step {step}",
+            lambda: self._after_commit(step) if coordinator else None,
+        )
         return info
 
-    def _group(self) -> Group:
-        """The group given (collective restores agree on the step over it), else none."""
-        return Group(self.process_group)
-
-    def _is_coordinator(self) -> bool:
-        """Whether this process manages the root (rank 0 of the group, or of the default
-        group when one is initialized: DTensor states are saved over it)."""
-        if self.process_group is not None:
-            return Group(self.process_group).is_coordinator
-        import torch.distributed as dist
-
-        return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    def _raise_pending_failure(self, then: str) -> None:
+        """Wait for the pending async save; raise its error if it failed and nobody saw it
+        (``then`` says what that means for the call that found it)."""
+        failed_step, exc = self._finish_pending()
+        if exc is not None:
+            done = failed_step is not None and failed_step in self.steps()
+            raise CheckpointError(
+                f"the async save of step {failed_step} to {self.root} failed"
+                + (" after its commit" if done else "; nothing was committed for it")
+                + f": {exc}. {then}"
+            ) from exc
 
     def wait(self) -> None:
-        """Block until the pending async save finished; raise its error if it failed.
+        """Block until this manager's pending async save finished; raise its error if it
+        failed (never another manager's: each has its own background queue).
 
-        An error already raised by the handle's ``.result()`` is not raised again.
+        An error already raised by the handle's ``.result()`` is not raised again. Local to
+        the calling process, also after a collective save; the next ``save`` or ``restore``
+        raises an unseen failure of any rank on every rank.
         """
         _, exc = self._finish_pending()
         if exc is not None:
@@ -405,40 +411,39 @@ class CheckpointManager:
         while it is being loaded, the newest step is chosen again and loaded (a few times
         at most).
 
+        Over a process group (the manager's, ``process_group=`` here, or the default group
+        for a target holding DTensors) every rank calls ``restore``: they load the newest
+        step that every rank sees (a newer one some rank does not see yet is named in a
+        warning), or ``step``, and return the same step or raise the same error.
+
         Raises:
             CheckpointError: ``step`` is not committed, or was retired (or replaced) while
                 it was being loaded, or every newest step chosen was retired in turn.
+            DistributedCheckpointError: over a group, a rank failed (every rank raises it),
+                e.g. ``step`` is not committed in some rank's view of the root.
         """
-        self.wait()
-        group = self._group()
-        if self.process_group is not None:
-            load_kwargs.setdefault("process_group", self.process_group)
+        group = resolve_group(load_kwargs.get("process_group", self.process_group), target)
+        if group.pg is not None:
+            load_kwargs["process_group"] = group.pg
         if self.storage_options is not None:
             load_kwargs.setdefault("storage_options", self.storage_options)
-        chosen = step
         retired: list[int] = []
         while True:
-            if step is None:
-                chosen = group.broadcast(self.latest_step())  # every rank restores the same step
-                if chosen is None:
-                    if retired:
-                        break
-                    return None
-            elif step not in self.steps():
-                raise CheckpointError(
-                    f"{self.root} has no committed step {step}; it has {self.steps()}"
-                )
-            assert chosen is not None
+            chosen = self._choose_step(group, step, first=not retired)
+            if chosen is None:
+                if retired:
+                    break
+                return None
             before = self._identity(chosen)
             try:
                 load_into(target, self.step_path(chosen), **load_kwargs)
                 return chosen
             except (OSError, CheckpointError) as exc:
-                if isinstance(exc, LoadMismatchError) or self._remote is not None:
-                    raise
+                if isinstance(exc, LoadMismatchError) or self._remote is not None or group.distributed:
+                    raise  # over a group, the error is already the same on every rank
                 if before is not None and self._identity(chosen) == before:
                     raise  # the step is still there, unchanged: a real error of the step
-                if step is not None or group.distributed:
+                if step is not None:
                     raise CheckpointError(
                         f"step {chosen} under {self.root} was retired by retention (or replaced "
                         "by another save) while it was being restored; another process is "
@@ -452,6 +457,27 @@ class CheckpointManager:
             "retention while it was being loaded (another process is saving into this root "
             "with keep_last); restore again, or keep more steps"
         )
+
+    def _choose_step(self, group: Group, step: int | None, *, first: bool) -> int | None:
+        """The step every rank of ``group`` restores: ``step`` if it is committed in every
+        rank's view of the root, else (``step`` None) the newest step that is. A rank whose
+        view lags (a shared file system's cache) cannot make the ranks load different steps:
+        they agree on one, or all raise the same error naming the ranks' views. On the first
+        choice the pending async save is waited for (its unseen error raised on every rank)."""
+        where = f"choosing the step to restore from {self.root}"
+
+        def listing() -> tuple[None, list[int]]:
+            if first:
+                self.wait()
+            return None, self.steps()
+
+        def decide(views: list[list[int]]) -> list[tuple[int | None, str | None]]:
+            return [_agreed_step(str(self.root), views, step)] * len(views)
+
+        _, (chosen, note) = group.exchange(where, listing, decide=decide, deciding=where)
+        if note is not None:
+            warnings.warn(note, stacklevel=3)
+        return chosen
 
     def _identity(self, step: int) -> tuple[int, int] | None:
         """(device, inode) of the step's manifest; None when the step is gone."""
@@ -583,6 +609,41 @@ class CheckpointManager:
                     os.unlink(entry.path)
             elif f"{TMP_MARKER}del-" in name and entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _agreed_step(root: str, views: list[list[int]], step: int | None) -> tuple[int | None, str | None]:
+    """The step to restore given each rank's committed steps (one view in one process), and
+    a warning when a newer step is committed in some views only. Raises CheckpointError when
+    ``step`` is not committed in every view, or the views share no step while some have one."""
+    common = set(views[0]).intersection(*views[1:])
+    seen = "; ".join(f"rank {rank} sees steps {view}" for rank, view in enumerate(views))
+    if step is not None:
+        if step in common:
+            return step, None
+        if len(views) == 1:
+            raise CheckpointError(f"{root} has no committed step {step}; it has {views[0]}")
+        lacking = ", ".join(str(rank) for rank, view in enumerate(views) if step not in view)
+        raise CheckpointError(
+            f"{root} has no committed step {step} in the view of rank {lacking} ({seen}); "
+            "every rank must see the step it restores: restore a step all of them list, or "
+            "wait for the file system to show the step on every rank"
+        )
+    if common:
+        chosen = max(common)
+        newer = sorted({s for view in views for s in view if s > chosen})
+        if not newer:
+            return chosen, None
+        return chosen, (
+            f"restoring step {chosen} from {root}, the newest step every rank sees: step "
+            f"{newer} is committed in the view of some ranks only ({seen})"
+        )
+    if any(views):
+        raise CheckpointError(
+            f"the ranks see no committed step in common under {root} ({seen}); every rank must "
+            "see the step it restores: check that the root is the same shared directory on "
+            "every rank"
+        )
+    return None, None
 
 
 # ----------------------------------------------------------------------- object stores

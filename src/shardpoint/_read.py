@@ -23,7 +23,7 @@ import torch
 
 from . import _module_fit
 from ._checkpoint import Checkpoint
-from ._distributed.group import Group, local_chunk
+from ._distributed.group import Group, local_chunk, resolve_group
 from ._flatten import WRAPPER_TYPES, tree_tensor_names, unflatten_state
 from ._format.manifest import ComponentRecord, TensorRecord
 from ._format.safetensors import HeaderEntry
@@ -955,7 +955,9 @@ def load_into(
         verify: check crc32c (default on).
         allow_pickle: unpickle values saved with ``allow_pickle=True``.
         process_group: load collectively: every rank fills its own shards (DTensors read
-            only the byte ranges they hold); an error on any rank is raised on all.
+            only the byte ranges they hold); an error on any rank is raised on all. Without
+            it, a target holding DTensors is loaded over the default group (as ``save``
+            saves one), any other target by the calling process alone.
         device: where ``meta`` tensors are materialized (one at a time, read straight into
             their final memory); in a module with anything on ``meta``, its real buffers
             move there too. Real parameters stay where they are.
@@ -989,7 +991,7 @@ def load_into(
         >>> sp.load_into(torch.nn.Linear(2, 2), d).ok
         True
     """
-    group = Group(process_group)
+    group = resolve_group(process_group, target)
     threads = None
     if group.distributed:  # the ranks on this machine share its CPUs
         host = socket.gethostname()

@@ -75,6 +75,28 @@ def optimizer_state_by_name(optimizer: torch.optim.Optimizer, names: Mapping[int
     return Tagged("optimizer", {"state": state, "param_groups": groups}, {"by_name": True})
 
 
+class ParamIds(list[int]):
+    """A parameter group's ``params`` (a list of ints) whose ``in`` is a set lookup.
+
+    ``torch.optim.Optimizer.load_state_dict`` asks, for every state tensor it casts, which
+    group holds its parameter, by ``param_id in group["params"]`` over each group's list:
+    quadratic in the parameters (an AdamW over 15 000 parameters spent 4.4 s there). The
+    set is rebuilt whenever the length changed (a deep copy, an append).
+
+    >>> ids = ParamIds([0, 1, 2])
+    >>> 2 in ids, 5 in ids, ids == [0, 1, 2]
+    (True, False, True)
+    >>> import copy; 1 in copy.deepcopy(ids)
+    True
+    """
+
+    def __contains__(self, item: object) -> bool:
+        members = self.__dict__.get("_members")
+        if members is None or len(members) != len(self):
+            members = self.__dict__["_members"] = frozenset(self)
+        return item in members
+
+
 def optimizer_state_for(
     optimizer: torch.optim.Optimizer, saved: Mapping[str, Any], names: Mapping[int, str], *, where: str
 ) -> dict[str, Any]:
@@ -107,7 +129,7 @@ def optimizer_state_for(
                 missing.append(name)
             ids.append(pid)
             pid += 1
-        groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": ids})
+        groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": ParamIds(ids)})
     if missing:
         raise LoadMismatchError(
             f"{where}: the checkpoint has no optimizer state for parameter(s) "

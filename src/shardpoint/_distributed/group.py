@@ -17,7 +17,7 @@ import datetime
 import pickle
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -39,24 +39,63 @@ def _dist() -> Any:
     return dist
 
 
-def has_dtensor(tensors: Any) -> bool:
-    return any(type(t).__name__ == "DTensor" for t in tensors)
+def holds_dtensor(obj: Any) -> bool:
+    """Whether ``obj`` (a state given to ``save``, a target given to ``load_into``) holds a
+    DTensor: a tensor, a module's parameters and buffers, an optimizer's state, the values
+    of mappings, lists and tuples, and what another object's ``state_dict()`` returns (a
+    scheduler, a ``Stateful``), as :func:`~shardpoint._prepare.prepare_state` walks them."""
+    stack = [obj]
+    seen: set[int] = set()
+    while stack:
+        item = stack.pop()
+        if id(item) in seen or item is None or isinstance(item, (str, bytes, int, float, bool)):
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.Tensor):
+            if type(item).__name__ == "DTensor":
+                return True
+        elif isinstance(item, torch.nn.Module):
+            stack.extend(item.parameters())
+            stack.extend(item.buffers())
+        elif isinstance(item, torch.optim.Optimizer):
+            stack.extend(item.state.values())
+        elif isinstance(item, Mapping):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset, Iterator)):
+            stack.extend(item)
+        elif callable(getattr(item, "state_dict", None)):
+            stack.append(item.state_dict())
+    return False
 
 
-def resolve_group(process_group: Any, tensors: Any) -> Group:
-    """The group a save/load runs over.
+def _world_group() -> Any:
+    """The default process group when it is initialized with more than one rank, else None."""
+    dist = _dist()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
 
-    Collective when ``process_group`` is given, or when the default group is initialized
-    with more than one rank and the state holds DTensors (every rank must take part then).
-    A state of plain tensors without ``process_group`` is saved by the calling process
-    alone, so ``if rank == 0: sp.save(...)`` keeps working.
+
+def resolve_group(process_group: Any, state: Any) -> Group:
+    """The group a call runs over: THE process-group rule of shardpoint.
+
+    Every collective entry point resolves its group here, once, at its start: ``save``,
+    ``async_save``, ``load_into``, and ``CheckpointManager.save`` / ``restore`` (whose group
+    also decides who manages the root). ``state`` is what the call is given: the state to
+    save, the target to load into, or the flat tensors of a prepared state.
+
+    1. ``process_group`` given: that group; every rank of it must make the same call.
+    2. Else, when the default group is initialized with more than one rank and ``state``
+       holds a DTensor (FSDP2, tensor parallel): the default group. A DTensor is one piece
+       of a tensor the other ranks hold the rest of, so every rank must take part.
+    3. Else the calling process alone (a group of one): ``if rank == 0: sp.save(...)`` of
+       plain tensors keeps working.
     """
     if process_group is not None:
         return Group(process_group)
-    if has_dtensor(tensors):
-        dist = _dist()
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            return Group(dist.group.WORLD)
+    world = _world_group()
+    if world is not None and holds_dtensor(state):
+        return Group(world)
     return Group(None)
 
 

@@ -7,7 +7,9 @@
   for ``torch.distributed.checkpoint`` (``dcp.save`` / ``dcp.async_save`` / ``dcp.load``
   writing and reading shardpoint checkpoints, DCP's planner resharding).
 - :mod:`shardpoint.integrations.lightning`: ``ShardpointCheckpointIO``, a ``CheckpointIO``
-  plugin for Lightning's ``Trainer`` (needs ``lightning`` or ``pytorch_lightning``).
+  plugin for Lightning's ``Trainer`` (needs ``lightning`` or ``pytorch_lightning``), and
+  ``ShardpointFSDPStrategy`` / ``ShardpointModelParallelStrategy``, Lightning's sharded
+  strategies saving each rank's shards through shardpoint (need ``lightning``).
 - :mod:`shardpoint.integrations.hf_trainer`: ``ShardpointTrainer`` /
   ``ShardpointTrainerMixin``, every ``transformers`` ``Trainer`` checkpoint a shardpoint
   save (needs ``transformers``).

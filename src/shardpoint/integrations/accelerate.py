@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from .. import _async
+from .. import _api
 from .._api import save
 from .._async import AsyncSave
 from .._format.manifest import MANIFEST_NAME
@@ -365,7 +365,7 @@ def save_state(
 
     result: SaveInfo | AsyncSave
     if async_save:
-        result = _async.async_save(state, path, on_commit=after_commit, **kwargs)
+        result = _api.async_save(state, path, on_commit=after_commit, **kwargs)
     else:
         result = save(state, path, **kwargs)
         after_commit(result)

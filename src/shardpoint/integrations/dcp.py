@@ -296,6 +296,9 @@ class ShardpointStorageWriter(_writer_base()):  # type: ignore[misc]
             another one instead).
         overwrite: replace an existing checkpoint there (atomically), as ``sp.save``.
         max_shard_size: largest data file, as ``sp.save``.
+        storage_options: fsspec options when ``path`` is an object-store URL
+            (``s3://bucket/run/step-100``), as ``sp.save``: data objects uploaded
+            concurrently, ``shardpoint.json`` last.
     """
 
     def __init__(
@@ -304,11 +307,13 @@ class ShardpointStorageWriter(_writer_base()):  # type: ignore[misc]
         *,
         overwrite: bool = False,
         max_shard_size: int | str = "5GB",
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.path = None if path is None else os.fspath(path)
         self.overwrite = overwrite
         self.max_shard_size = max_shard_size
+        self.storage_options = storage_options
         self._values: dict[str, Any] = {}
         self._ranks = 1
 
@@ -377,7 +382,8 @@ class ShardpointStorageWriter(_writer_base()):  # type: ignore[misc]
         state: dict[str, Any] = {}
         for fqn, value in flat.items():
             _set_path(state, paths.get(fqn, (fqn,)), value)
-        _api.save(state, self._require_path(), overwrite=self.overwrite, max_shard_size=self.max_shard_size)
+        _api.save(state, self._require_path(), overwrite=self.overwrite, max_shard_size=self.max_shard_size,
+                  storage_options=self.storage_options)
         results = [WriteResult(index=item.index, size_in_bytes=0, storage_data=None) for item in plan.items]
         done: torch.futures.Future[list[Any]] = torch.futures.Future()
         done.set_result(results)
@@ -407,7 +413,8 @@ class ShardpointStorageWriter(_writer_base()):  # type: ignore[misc]
         for fqn, value in self._values.items():
             _set_path(state, paths.get(fqn, (fqn,)), value)
         self._values = {}
-        _api.save(state, self.path, overwrite=self.overwrite, max_shard_size=self.max_shard_size)
+        _api.save(state, self.path, overwrite=self.overwrite, max_shard_size=self.max_shard_size,
+                  storage_options=self.storage_options)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -43,7 +43,7 @@ import transformers
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from .._async import AsyncSave, submit_prepared
+from .._async import AsyncQueue, AsyncSave
 from .._format.manifest import MANIFEST_NAME
 from .._prepare import PreparedState, prepare_state
 from .._read import load_into
@@ -115,6 +115,7 @@ class ShardpointTrainerMixin:
         self.shardpoint_async = bool(shardpoint_async)
         self.shardpoint_max_shard_size = shardpoint_max_shard_size
         self._shardpoint_pending: AsyncSave | None = None
+        self._shardpoint_queue = AsyncQueue()  # this trainer's own: never waits on other saves
 
     # ---- saving ----
 
@@ -157,7 +158,7 @@ class ShardpointTrainerMixin:
             return info
 
         if self.shardpoint_async:
-            self._shardpoint_pending = submit_prepared(prepared, output_dir, persist, started=started)
+            self._shardpoint_pending = self._shardpoint_queue.submit(prepared, output_dir, persist, started=started)
             if self.state.global_step >= self.state.max_steps or self.control.should_training_stop:
                 self._wait_for_checkpoint()  # the last checkpoint of the run
         else:

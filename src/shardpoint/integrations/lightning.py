@@ -37,8 +37,12 @@ possible (another filesystem, the previous checkpoint removed meanwhile), it is 
 
 Works wrapped in Lightning's ``AsyncCheckpointIO`` (the write runs in its thread). Lightning
 calls ``CheckpointIO`` on global rank 0 with full state dicts; strategies that write
-sharded checkpoints themselves (FSDP ``state_dict_type="sharded"``, DeepSpeed) do not use
-it.
+sharded checkpoints themselves (FSDP ``state_dict_type="sharded"``, ``ModelParallelStrategy``,
+DeepSpeed) never call it. For FSDP and ``ModelParallelStrategy`` use
+``ShardpointFSDPStrategy`` / ``ShardpointModelParallelStrategy`` (exported here, imported on
+first use): every rank saves its own shards through shardpoint, and a checkpoint resumes on
+any number of ranks (see ``_lightning_strategies``). Handed a folder Lightning's own sharded
+strategies wrote, ``load_checkpoint`` says so.
 
 ``LightningModule.load_from_checkpoint`` and a ``Trainer`` without this plugin read with
 ``torch.load`` through fsspec, which fails on these directories with ``IsADirectoryError``
@@ -57,7 +61,7 @@ import threading
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -69,6 +73,13 @@ from .._source import open_checkpoint
 from .._storage.local import TMP_MARKER
 from .._write import json_metadata, write_checkpoint
 from ..errors import CheckpointError, InvalidStateError, UnsupportedFormatError
+
+if TYPE_CHECKING:  # imported on first use by __getattr__ (they import lightning.pytorch)
+    from ._lightning_strategies import (
+        ShardpointFSDPStrategy,
+        ShardpointModelParallelStrategy,
+        ShardpointStrategyMixin,
+    )
 
 
 def _checkpoint_io_bases() -> tuple[type, ...]:
@@ -197,6 +208,16 @@ def _step_of(checkpoint: Mapping[str, Any]) -> tuple[int, int] | None:
     if isinstance(epoch, int) and isinstance(step, int):
         return epoch, step
     return None
+
+
+def is_lightning_distributed_checkpoint(path: str) -> bool:
+    """A folder Lightning's sharded strategies wrote with ``torch.distributed.checkpoint``."""
+    return (
+        os.path.isdir(path)
+        and not os.path.exists(os.path.join(path, "shardpoint.json"))
+        and os.path.isfile(os.path.join(path, "meta.pt"))
+        and os.path.isfile(os.path.join(path, ".metadata"))
+    )
 
 
 def _clear_non_directory(path: str) -> None:
@@ -359,6 +380,14 @@ class ShardpointCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
                 "`MyModel.load_from_checkpoint(path)`, or resume from it with a Trainer without "
                 "ShardpointCheckpointIO"
             )
+        if is_lightning_distributed_checkpoint(location):
+            raise UnsupportedFormatError(
+                f"{location} is a Lightning distributed checkpoint (torch.distributed.checkpoint files and "
+                "meta.pt), written by FSDPStrategy(state_dict_type='sharded') or ModelParallelStrategy, "
+                "which never call ShardpointCheckpointIO: resume from it with that strategy, or with "
+                "ShardpointFSDPStrategy / ShardpointModelParallelStrategy (they read it, and save through "
+                "shardpoint on every rank)"
+            )
         allow = self.allow_pickle and weights_only is not True
         ckpt = open_checkpoint(location)
         metadata = ckpt.manifest.metadata if ckpt.manifest is not None else {}
@@ -473,4 +502,24 @@ def load_from_checkpoint(
     return model if device is None else model.to(device)
 
 
-__all__ = ["ShardpointCheckpointIO", "from_shardpoint_state", "load_from_checkpoint", "to_shardpoint_state"]
+_STRATEGIES = ("ShardpointFSDPStrategy", "ShardpointModelParallelStrategy", "ShardpointStrategyMixin")
+
+
+def __getattr__(name: str) -> Any:
+    """The sharded strategies, imported on first use (they import ``lightning.pytorch``)."""
+    if name in _STRATEGIES:
+        from . import _lightning_strategies
+
+        return getattr(_lightning_strategies, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "ShardpointCheckpointIO",
+    "ShardpointFSDPStrategy",
+    "ShardpointModelParallelStrategy",
+    "ShardpointStrategyMixin",
+    "from_shardpoint_state",
+    "load_from_checkpoint",
+    "to_shardpoint_state",
+]
