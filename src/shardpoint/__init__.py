@@ -9,8 +9,6 @@ True
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from ._api import LoadResult, SaveInfo, async_save, load, load_into, save
 from ._async import AsyncSave
 from ._convert import convert
@@ -18,6 +16,7 @@ from ._diff import DiffReport, StorageNote, TensorDiff, diff
 from ._manager import CheckpointManager
 from ._options import CollectiveOptions, IOOptions, Options, RemoteOptions, current_options, using
 from ._stateful import RNGState, Stateful, empty_model
+from ._version import __version__
 from .errors import (
     CheckpointError,
     CheckpointExistsError,

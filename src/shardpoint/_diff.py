@@ -27,8 +27,11 @@ import torch
 from ._flatten import TYPED_VALUE_NODES, WRAPPER_TYPES, typed_leaf_text
 from ._format.dtypes import DTYPE_TO_NAME
 from ._hub import local_path
-from ._stream_source import BATCH_BYTES, Ref, TensorSource, batches, open_source
-from .errors import InvalidArgumentError
+from ._stream_source import open_source
+from ._tensor_source import BATCH_BYTES, Ref, TensorSource, batches
+from .errors import (
+    InvalidArgumentError,
+)
 
 _ELEMENTS_PER_STEP = 1 << 20
 """Elements compared at once (each float64 temporary is 8 MB)."""
