@@ -186,7 +186,9 @@ def test_async_save_holds_pre_mutation_values(tmp_path):
     model = torch.nn.Linear(256, 256)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     handle = sp.async_save({"model": model, "step": 1}, tmp_path / "ck")
-    assert handle.staged()
+    # async_save returned after staging the copy, and measured how long that blocked the
+    # caller (``staged()`` is always True by construction, so it proves nothing).
+    assert 0.0 < handle.stall_seconds < 60.0, handle.stall_seconds
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)  # mutate right after staging

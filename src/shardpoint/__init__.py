@@ -9,14 +9,13 @@ True
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from ._api import LoadResult, SaveInfo, async_save, load, load_into, save
 from ._async import AsyncSave
 from ._convert import convert
 from ._diff import DiffReport, StorageNote, TensorDiff, diff
 from ._manager import CheckpointManager
 from ._stateful import RNGState, Stateful, empty_model
+from ._version import __version__
 from .errors import (
     CheckpointError,
     CheckpointExistsError,

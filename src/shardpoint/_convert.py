@@ -22,16 +22,8 @@ from ._hub import local_path
 from ._io.transfer import FileWrite, write_files
 from ._prepare import Component, PreparedState
 from ._sizes import parse_size
-from ._stream_source import (
-    BATCH_BYTES,
-    Ref,
-    SourceSpec,
-    TensorSource,
-    batches,
-    meta_like,
-    open_source,
-    open_spec,
-)
+from ._stream_source import open_source, open_spec
+from ._tensor_source import BATCH_BYTES, Ref, SourceSpec, TensorSource, batches, meta_like
 from ._write import SaveInfo, json_metadata, write_checkpoint
 from .errors import CheckpointError, CorruptCheckpointError
 

@@ -27,7 +27,8 @@ import torch
 from ._flatten import TYPED_VALUE_NODES, WRAPPER_TYPES, typed_leaf_text
 from ._format.dtypes import DTYPE_TO_NAME
 from ._hub import local_path
-from ._stream_source import BATCH_BYTES, Ref, TensorSource, batches, open_source
+from ._stream_source import open_source
+from ._tensor_source import BATCH_BYTES, Ref, TensorSource, batches
 from .errors import CheckpointError
 
 _ELEMENTS_PER_STEP = 1 << 20

@@ -17,11 +17,12 @@ import socket
 from collections import Counter
 from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from . import _module_fit
+from ._checkpoint import Checkpoint
 from ._distributed.group import Group, local_chunk, resolve_group
 from ._flatten import WRAPPER_TYPES, tree_tensor_names, unflatten_state
 from ._format.manifest import ComponentRecord, TensorRecord
@@ -35,9 +36,10 @@ from ._prepare import storage_key
 from ._progress import byte_progress
 from ._read_pickled import PickledBatch, load_pickled, route
 from ._sizes import parse_size
-from ._source import OPEN_TRIES, Checkpoint, open_checkpoint
+from ._source import OPEN_TRIES, open_checkpoint
 from ._stateful import Stateful, find_modules, optimizer_state_for, parameter_names
 from ._storage.remote import run_remote_reads
+from ._tensor_source import SourceSpec
 from .errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -47,9 +49,6 @@ from .errors import (
     LoadMismatchError,
     StorageError,
 )
-
-if TYPE_CHECKING:
-    from ._stream_source import SourceSpec
 
 
 @dataclass(frozen=True)

@@ -16,39 +16,41 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from .errors import CheckpointError, CheckpointNotFoundError, InvalidStateError
-
-if TYPE_CHECKING:
-    from ._stream_source import SourceSpec
+from ._format.detect import HF_BIN, TORCH_SAVE
+from ._pickled_source import BinShardsSource, TorchSaveSource
+from ._source import detect_local
+from ._storage.paths import member_path
+from ._tensor_source import SourceSpec, TensorSource, batches
+from .errors import CheckpointError, InvalidStateError
 
 
 def route(path: str | os.PathLike[str]) -> tuple[str | os.PathLike[str], SourceSpec | None]:
-    """What a load of local ``path`` reads, resolved once (the rules of ``convert``):
-    ``(path, None)`` for safetensors, ours or an HF directory, where a ``model.pt`` with a
+    """What a load of local ``path`` reads, as ``_format.detect`` decides: ``(path, None)``
+    for safetensors, ours or an HF directory, where a ``model.pt`` with a
     ``model.safetensors`` beside it becomes the sibling (same weights, no unpickling); or
-    ``(path, spec)`` for ``.bin`` / ``.pt`` weights, read zip-format only."""
-    from ._stream_source import SourceSpec, resolve_source
-
+    ``(path, spec)`` for ``.bin`` / ``.pt`` weights, read zip-format only. Anything else
+    is ``(path, None)``: the safetensors reader says what is wrong."""
     location = os.fspath(path)
     if "://" in location or not os.path.exists(location):
         return path, None
-    try:
-        real, kind, _notes = resolve_source(location)
-    except CheckpointNotFoundError:
-        return path, None  # not ours to explain: the safetensors reader says what is wrong
-    if kind in ("torch-save", "hf-bin"):
-        return path, SourceSpec(real, kind, trust_pickle=False, zip_only=True)
-    return (real if kind == "safetensors" else path), None
+    found = detect_local(location)
+    if found.instead_of is not None and found.file is not None:
+        parent = os.path.dirname(location) or "."
+        return member_path(parent, found.file, where=parent), None
+    if found.kind == HF_BIN:
+        return path, SourceSpec(location, HF_BIN, trust_pickle=False, zip_only=True, index=found.index)
+    if found.kind == TORCH_SAVE and found.file is not None:
+        real = location if found.named_file else member_path(location, found.file, where=location)
+        return path, SourceSpec(real, TORCH_SAVE, trust_pickle=False, zip_only=True)
+    return path, None
 
 
-def _open_flat(path: str | os.PathLike[str], spec: SourceSpec) -> tuple[Any, Any]:
-    from ._stream_source import open_spec
-
-    source = open_spec(spec)
+def _open_flat(path: str | os.PathLike[str], spec: SourceSpec) -> tuple[TensorSource, Any]:
+    source: TensorSource = BinShardsSource(spec, []) if spec.kind == HF_BIN else TorchSaveSource(spec, [])
     if not source.flat:
         source.close()
         raise InvalidStateError(
@@ -59,8 +61,6 @@ def _open_flat(path: str | os.PathLike[str], spec: SourceSpec) -> tuple[Any, Any
 
 
 def _batches(source: Any, comp: Any, names: Sequence[str]) -> list[list[str]]:
-    from ._stream_source import batches
-
     sizes = [comp.tensors[n].numel() * comp.tensors[n].element_size() for n in names]
     return [[names[i] for i in group] for group in batches(sizes)]
 

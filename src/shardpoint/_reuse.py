@@ -18,13 +18,14 @@ import os
 import time
 from typing import Any
 
+from ._checkpoint import Checkpoint
 from ._checksum import crc32c
 from ._format.dtypes import dtype_name
 from ._format.index import index_name
 from ._format.manifest import ComponentRecord, Manifest, TensorRecord
 from ._io.transfer import byte_view, contiguous_cpu
 from ._prepare import PreparedState
-from ._source import Checkpoint, open_checkpoint
+from ._source import open_checkpoint
 from ._storage.local import LocalTransaction
 from ._write import SaveInfo, write_manifest
 from .errors import CheckpointError

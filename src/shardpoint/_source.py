@@ -13,421 +13,57 @@ tensors, mmap, checksums) goes through those held descriptors: a load sees exact
 committed version it opened, whatever is saved to or deleted from the path meanwhile. If
 the directory is replaced or removed while it is being opened, the open starts over from
 the path (a few times); a checkpoint that is gone for good is reported as removed.
+
+What the path holds is decided by ``_format.detect`` (:func:`detect_local` feeds it a
+local path's listing and a named file's first bytes); the opened checkpoint itself, its
+held descriptors and validated headers, is a :class:`~shardpoint._checkpoint.Checkpoint`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import os
-import resource
-import stat
-import threading
 import time
-import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-from ._format.dtypes import DTYPE_TO_NAME
+from ._checkpoint import Checkpoint, Replaced, changing, read_json_at
+from ._format.detect import (
+    DCP,
+    HEAD_BYTES,
+    HF_BIN,
+    HF_FILE,
+    HF_INDEX,
+    SHARDPOINT,
+    TORCH_SAVE,
+    UNCOMMITTED,
+    Detected,
+    detect,
+)
 from ._format.index import parse_index
 from ._format.manifest import (
     MANIFEST_NAME,
     ChunkRef,
     ComponentRecord,
-    Manifest,
     TensorRecord,
     parse_manifest,
 )
-from ._format.names import check_file_name
-from ._format.safetensors import HeaderEntry, SafetensorsHeader, read_header, read_header_with
+from ._format.names import is_tmp_name
 from ._io.transfer import read_error
 from ._knobs import knobs
-from ._storage.local import TMP_MARKER, hidden_sibling_message, missing_path_message, moved_aside
-from ._storage.paths import member_path, open_regular, read_small_file
-from ._storage.remote import PENDING_NAME, RemoteStore, header_reader, resolve
+from ._storage.local import hidden_sibling_message, missing_path_message, moved_aside
+from ._storage.paths import member_path, open_regular
+from ._storage.remote import RemoteStore, resolve
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
-    MissingShardError,
     StorageError,
+    UnsupportedFormatError,
 )
 
 OPEN_TRIES = 5
 """How many times an open starts over when the directory is replaced while being opened."""
-
-
-@dataclass
-class Checkpoint:
-    """An opened checkpoint: what it holds and where each byte is."""
-
-    location: str
-    """The path the user gave (directory or single file)."""
-    directory: str
-    kind: str
-    """``shardpoint``, ``hf-index`` or ``hf-file``."""
-    components: dict[str, ComponentRecord]
-    flat: bool
-    manifest: Manifest | None = None
-    single_file: bool = False
-    """``location`` is the data file itself, not a directory."""
-    store: RemoteStore | None = None
-    """The prefix on an object store (fsspec URL) holding the files; None for local files."""
-    sizes: dict[str, int] = field(default_factory=dict)
-    """Object sizes listed when a remote checkpoint was opened."""
-    _headers: dict[str, SafetensorsHeader] = field(default_factory=dict)
-    _paths: dict[str, str] = field(default_factory=dict)
-    """Data files already checked by ``file_path`` (name -> path)."""
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    dir_fd: int | None = None
-    """The directory, opened once (local checkpoints opened by :func:`open_checkpoint`);
-    every file is opened through it, so all reads see the version that was opened."""
-    names: list[str] | None = None
-    """The directory's listing, taken through ``dir_fd``."""
-    _fds: dict[str, int] = field(default_factory=dict)
-    """Data files opened (name -> descriptor), held until :meth:`close`."""
-    _open_errors: dict[str, BaseException] = field(default_factory=dict)
-    """Why a data file could not be opened (raised when the file is needed)."""
-    _finalizer: Any = None
-
-    def pin_directory(self) -> None:
-        """Open the directory once; every file is then opened through it (idempotent)."""
-        if self.dir_fd is not None or self.store is not None:
-            return
-        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
-        self._adopt(fd)
-
-    def _adopt(self, dir_fd: int) -> None:
-        self.dir_fd = dir_fd
-        self._finalizer = weakref.finalize(self, _close_all, self._fds, [dir_fd])
-
-    def close(self) -> None:
-        """Close the held descriptors (tensors already mapped from them stay valid)."""
-        if self._finalizer is not None:
-            self._finalizer()
-        else:
-            _close_all(self._fds, [])
-        self.dir_fd = None
-
-    def __enter__(self) -> Checkpoint:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def fd(self, name: str) -> int:
-        """The held read-only descriptor of data file ``name`` (opened now if it was not).
-
-        Raises:
-            MissingShardError: the file is not in the opened directory.
-            CorruptCheckpointError: it is not a regular file.
-        """
-        with self._lock:
-            fd = self._fds.get(name)
-            error = self._open_errors.get(name)
-        if fd is not None:
-            return fd
-        if error is not None:
-            raise error
-        path = self.file_path(name)
-        where = self.file_label(name)
-        try:
-            fd = self._open_file(name, path, where)
-        except FileNotFoundError:
-            raise self._missing(name) from None
-        with self._lock:
-            if name in self._fds:  # another thread opened it meanwhile
-                os.close(fd)
-                return self._fds[name]
-            self._fds[name] = fd
-        return fd
-
-    def _open_file(self, name: str, path: str, where: str) -> int:
-        not_regular = CorruptCheckpointError(
-            f"{where} is not a regular file (a FIFO, device, socket or directory); "
-            "the checkpoint is damaged or forged"
-        )
-        try:
-            if self.dir_fd is None:
-                return _open_regular(path, where=where)
-            fd = os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0), dir_fd=self.dir_fd)
-        except FileNotFoundError:
-            raise
-        except OSError:
-            # A socket cannot be opened at all (ENXIO); say what it is, not the errno.
-            try:
-                mode = os.stat(name, dir_fd=self.dir_fd).st_mode if self.dir_fd is not None else os.stat(path).st_mode
-            except OSError:
-                mode = stat.S_IFREG
-            if not stat.S_ISREG(mode):
-                raise not_regular from None
-            raise
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise not_regular
-        return fd
-
-    def _missing(self, name: str) -> MissingShardError:
-        return MissingShardError(
-            f"{self.file_label(name)} is missing: the checkpoint lists it but it is not there; "
-            "the checkpoint is incomplete (copy the file back or load another checkpoint)"
-        )
-
-    def open_all(self, names: list[str]) -> None:
-        """Open every data file in ``names`` now, through the held directory.
-
-        A file that is absent is remembered and reported when it is needed, unless the
-        directory itself was replaced or removed meanwhile: then :class:`_Replaced` is
-        raised so that the whole open starts over.
-        """
-        _raise_nofile_limit(len(names) + 64)
-        for name in names:
-            if name in self._fds or name in self._open_errors:
-                continue
-            try:
-                self.fd(name)
-            except MissingShardError as exc:
-                if self.dir_fd is not None and _changing(self, name):
-                    raise _Replaced from None
-                with self._lock:
-                    self._open_errors[name] = exc
-            except CheckpointError as exc:
-                with self._lock:
-                    self._open_errors[name] = exc
-            except OSError as exc:
-                if exc.errno == errno.EMFILE:
-                    raise StorageError(
-                        f"{self.location}: cannot hold its {len(names)} files open at once "
-                        f"({exc.strerror}); raise the open-files limit (ulimit -n) and load again"
-                    ) from None
-                with self._lock:
-                    self._open_errors[name] = read_error(exc, self.file_label(name), "opening")
-
-    def read_member(self, name: str, *, where: str) -> bytes:
-        """A small control file of the directory (an index), read through ``dir_fd``."""
-        if self.dir_fd is None:
-            return _read_json_file(os.path.join(self.directory, name), where=where)
-        return _read_json_at(self.dir_fd, name, where=where)
-
-    def file_path(self, name: str) -> str:
-        """Absolute path of a data file, refusing names or symlinks that leave the directory.
-
-        For a remote checkpoint: the object's name under ``store`` (a plain basename).
-        """
-        known = self._paths.get(name)
-        if known is not None:
-            return known
-        check_file_name(name, where=self.location)
-        if self.store is not None:
-            return name
-        path = member_path(self.directory, name, where=self.location)
-        self._paths[name] = path
-        return path
-
-    def file_label(self, name: str) -> str:
-        """How errors name data file ``name``: the path the user gave, joined with the name."""
-        return self.location if self.single_file else os.path.join(self.location, name)
-
-    def header(self, name: str) -> SafetensorsHeader:
-        """The validated header of data file ``name`` (read once, then cached)."""
-        cached = self._headers.get(name)  # a dict lookup is atomic: no lock once it is there
-        if cached is not None:
-            return cached
-        with self._lock:
-            cached = self._headers.get(name)
-        if cached is not None:
-            return cached
-        self.file_path(name)
-        where = self.file_label(name)
-        if self.store is not None:
-            header = self._remote_header(name, where)
-            with self._lock:
-                self._headers[name] = header
-            return header
-        fd = self.fd(name)
-        size = os.fstat(fd).st_size
-        if self.manifest is not None:
-            expected = self.manifest.files.get(name)
-            if expected is not None and size != expected:
-                raise CorruptCheckpointError(
-                    f"{where} is {size} bytes but the manifest recorded {expected}; "
-                    "the file is truncated, padded or from another save"
-                )
-        try:
-            header = read_header(fd, size, name=where, max_header_bytes=knobs().max_header_bytes)
-        except CheckpointError:
-            raise
-        except OSError as exc:
-            raise read_error(exc, where, "reading the header of") from None
-        self._check_save_id(header, where)
-        with self._lock:
-            self._headers[name] = header
-        return header
-
-    def _remote_header(self, name: str, where: str) -> SafetensorsHeader:
-        assert self.store is not None
-        size = self.sizes.get(name)
-        missing = MissingShardError(
-            f"{where} is missing: the checkpoint lists it but the store does not have it "
-            "(deleted?); the checkpoint is incomplete (upload the object again or load another checkpoint)"
-        )
-        if size is None:
-            raise missing
-        if self.manifest is not None:
-            expected = self.manifest.files.get(name)
-            if expected is not None and size != expected:
-                raise CorruptCheckpointError(
-                    f"{where} is {size} bytes but the manifest recorded {expected}; "
-                    "the object is truncated, padded or from another save"
-                )
-        try:
-            header = read_header_with(
-                header_reader(self.store, name, size), size, name=where,
-                max_header_bytes=knobs().max_header_bytes,
-            )
-        except FileNotFoundError:
-            raise missing from None
-        self._check_save_id(header, where)
-        return header
-
-    def _check_save_id(self, header: SafetensorsHeader, where: str) -> None:
-        if self.manifest is not None:
-            save_id = header.metadata.get("shardpoint.save_id")
-            if save_id is not None and save_id != self.manifest.save_id:
-                raise CorruptCheckpointError(
-                    f"{where} belongs to another save (save_id {save_id}, the manifest says "
-                    f"{self.manifest.save_id}); a shard was swapped in from another checkpoint"
-                )
-
-    def entry(self, chunk: ChunkRef, dtype: str, label: str) -> HeaderEntry:
-        """The header entry holding ``chunk``, checked against what the manifest says."""
-        header = self.header(chunk.file)
-        entry = header.entries.get(chunk.key)
-        if entry is None:
-            where = self.file_label(chunk.file)
-            raise CorruptCheckpointError(
-                f"{where}: tensor {label!r} (key {chunk.key!r}) is listed in the checkpoint's "
-                "index/manifest but absent from this file; the checkpoint is damaged"
-            )
-        if entry.dtype_name != dtype or entry.shape != chunk.shape:
-            where = self.file_label(chunk.file)
-            raise CorruptCheckpointError(
-                f"{where}: tensor {label!r} is {entry.dtype_name}{list(entry.shape)} in the file "
-                f"but {dtype}{list(chunk.shape)} in the manifest; the checkpoint is damaged"
-            )
-        return entry
-
-
-def _open_regular(path: str, *, where: str) -> int:
-    return open_regular(path, where=where)
-
-
-def _read_json_file(path: str, *, where: str) -> bytes:
-    return read_small_file(path, where=where, limit=knobs().max_json_bytes)
-
-
-def _read_json_at(dir_fd: int, name: str, *, where: str) -> bytes:
-    """A capped control file of the directory held open as ``dir_fd``."""
-    fd = os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0), dir_fd=dir_fd)
-    try:
-        return _read_capped(fd, where)
-    finally:
-        os.close(fd)
-
-
-def _read_capped(fd: int, where: str) -> bytes:
-    limit = knobs().max_json_bytes
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        raise CorruptCheckpointError(
-            f"{where} is not a regular file (a FIFO, device, socket or directory); "
-            "the checkpoint is damaged or forged"
-        )
-    size = os.fstat(fd).st_size
-    if size > limit:
-        raise CorruptCheckpointError(
-            f"{where} is {size} bytes, over the {limit}-byte limit for this kind of file; "
-            "refusing to read it (the file is damaged or forged)"
-        )
-    data = os.pread(fd, limit + 1, 0)
-    if len(data) > limit:
-        raise CorruptCheckpointError(f"{where} grew past the {limit}-byte limit while being read")
-    return data
-
-
-def _close_all(fds: dict[str, int], others: list[int]) -> None:
-    for fd in [*fds.values(), *others]:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    fds.clear()
-    others.clear()
-
-
-def _raise_nofile_limit(needed: int) -> None:
-    """Raise RLIMIT_NOFILE's soft limit toward the hard one when a load holds many files."""
-    try:
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    except (OSError, ValueError):  # pragma: no cover - not POSIX
-        return
-    if soft == resource.RLIM_INFINITY or needed + 64 <= soft:
-        return
-    want = needed + 256 if hard == resource.RLIM_INFINITY else min(hard, needed + 256)
-    if want > soft:
-        with contextlib.suppress(OSError, ValueError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-
-
-class _Replaced(Exception):
-    """The directory being opened was replaced or removed meanwhile: start over."""
-
-
-def _replaced(location: str, dir_fd: int) -> bool:
-    """Whether ``location`` no longer names the directory held as ``dir_fd``."""
-    held = os.fstat(dir_fd)
-    if held.st_nlink == 0:
-        return True  # removed (a retired step, the old version after an exchange)
-    try:
-        now = os.stat(location)
-    except OSError:
-        return True
-    return (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
-
-
-def _changing(ckpt: Checkpoint, missing: str | None = None) -> bool:
-    """Whether the directory held by ``ckpt`` is being replaced, removed or deleted file by
-    file (``rm -r``, a manager retiring the step) right now.
-
-    A committed checkpoint directory never changes: a ``missing`` file that was listed
-    when the directory was opened (and is not a dangling link), or a listing that differs
-    from that one within a few short waits, means a deletion in progress. A directory not
-    modified for 2 s is not being deleted: its missing file is reported at once.
-    """
-    assert ckpt.dir_fd is not None
-    before = set(ckpt.names or ())
-    if _replaced(ckpt.location, ckpt.dir_fd):
-        return True
-    if missing is not None and missing in before:
-        try:  # a dangling symlink is listed and cannot be opened: missing for good
-            if stat.S_ISLNK(os.lstat(missing, dir_fd=ckpt.dir_fd).st_mode):
-                return False
-        except OSError:
-            pass
-        return True  # listed when the directory was opened, gone now: being deleted
-    # A directory nobody touched for a while is not being deleted (an unlink updates its
-    # mtime): the file is missing for good, reported at once.
-    if time.time() - os.fstat(ckpt.dir_fd).st_mtime > 2.0:
-        return False
-    for delay in (0.0, 0.01, 0.03, 0.1):
-        time.sleep(delay)
-        if _replaced(ckpt.location, ckpt.dir_fd):
-            return True
-        try:
-            if set(os.listdir(ckpt.dir_fd)) != before:
-                return True
-        except OSError:
-            return True
-    return False
 
 
 def _being_replaced(location: str) -> bool:
@@ -497,7 +133,7 @@ def open_checkpoint(
 def _open_local(location: str) -> Checkpoint:
     """Open a local checkpoint as one snapshot, starting over if it is replaced meanwhile."""
     base = os.path.basename(os.path.normpath(location))
-    if TMP_MARKER in base and base.startswith("."):
+    if is_tmp_name(base):
         raise IncompleteCheckpointError(hidden_sibling_message(location))
     existed = False
     for attempt in range(OPEN_TRIES):
@@ -505,7 +141,7 @@ def _open_local(location: str) -> Checkpoint:
             time.sleep(0.005 * 2**attempt)
         try:
             ckpt = _open_local_once(location, retry=existed or attempt > 0)
-        except _Replaced:
+        except Replaced:
             existed = True
             continue
         return ckpt
@@ -524,11 +160,9 @@ def _open_local(location: str) -> Checkpoint:
 
 def _open_local_once(location: str, *, retry: bool) -> Checkpoint:
     if os.path.isfile(location):
-        if not location.endswith(".safetensors"):
-            raise CheckpointNotFoundError(
-                f"{location} is a file but not a .safetensors file; shardpoint loads checkpoint "
-                "directories and .safetensors files (convert other formats with `shardpoint convert`)"
-            )
+        found = detect_local(location)
+        if found.kind != HF_FILE or found.instead_of is not None:
+            raise not_readable(location, found)
         # The user named this file: follow it if it is a link (as in a Hugging Face cache).
         directory, name = os.path.split(os.path.realpath(location))
         ckpt = Checkpoint(location, directory, "hf-file", {}, flat=True, single_file=True)
@@ -540,13 +174,13 @@ def _open_local_once(location: str, *, retry: bool) -> Checkpoint:
             raise
         if name in ckpt._open_errors and isinstance(ckpt._open_errors[name], FileNotFoundError):
             ckpt.close()
-            raise _Replaced  # replaced between the check and the open
+            raise Replaced  # replaced between the check and the open
         return _fill_from_headers(ckpt, None, [name])
     try:
         dir_fd = os.open(location, os.O_RDONLY | os.O_DIRECTORY)
     except FileNotFoundError:
         if retry or _being_replaced(location):
-            raise _Replaced from None
+            raise Replaced from None
         raise CheckpointNotFoundError(missing_path_message(location)) from None
     except NotADirectoryError:
         if os.path.exists(location):  # a FIFO, socket or device, not a missing path
@@ -575,15 +209,16 @@ def _fill_local(ckpt: Checkpoint) -> Checkpoint:
         where = os.path.join(location, name)
         member_path(location, name, where=location)  # the one path rule (links stay inside)
         try:
-            return _read_json_at(ckpt.dir_fd, name, where=where)  # type: ignore[arg-type]
+            return read_json_at(ckpt.dir_fd, name, where=where)  # type: ignore[arg-type]
         except FileNotFoundError:
-            raise _Replaced from None  # listed a moment ago: the directory is being deleted
+            raise Replaced from None  # listed a moment ago: the directory is being deleted
         except CheckpointError:
             raise
         except OSError as exc:
             raise read_error(exc, where, "reading") from None
 
-    if MANIFEST_NAME in names:
+    found = detect(names)
+    if found.kind == SHARDPOINT:
         where = os.path.join(location, MANIFEST_NAME)
         manifest = parse_manifest(control(MANIFEST_NAME), where=where)
         ckpt.kind = "shardpoint"
@@ -592,44 +227,75 @@ def _fill_local(ckpt: Checkpoint) -> Checkpoint:
         ckpt.manifest = manifest
         ckpt.open_all(list(manifest.files))
         return ckpt
-    indexes = sorted(n for n in names if n.endswith(".safetensors.index.json"))
-    singles = sorted(n for n in names if n.endswith(".safetensors"))
-    if "model.safetensors.index.json" in indexes:
-        indexes = ["model.safetensors.index.json"]
-    if "model.safetensors" in singles:
+    if found.kind == HF_FILE and found.file is not None:
         ckpt.kind = "hf-file"
-        ckpt.open_all(["model.safetensors"])
-        return _fill_from_headers(ckpt, None, ["model.safetensors"])
-    if len(indexes) == 1:
-        where = os.path.join(location, indexes[0])
-        index = parse_index(control(indexes[0]), where=where)
+        ckpt.open_all([found.file])
+        return _fill_from_headers(ckpt, None, [found.file])
+    if found.kind == HF_INDEX and found.index is not None:
+        where = os.path.join(location, found.index)
+        index = parse_index(control(found.index), where=where)
         files = list(dict.fromkeys(index.weight_map.values()))
         ckpt.kind = "hf-index"
         ckpt.open_all(files)
         return _fill_from_headers(ckpt, index.weight_map, files)
-    if len(singles) == 1:
-        ckpt.kind = "hf-file"
-        ckpt.open_all(singles)
-        return _fill_from_headers(ckpt, None, singles)
-    if _changing(ckpt):
-        raise _Replaced  # a deletion in progress (it may have taken the manifest first)
-    if any(is_tmp(n) for n in names) and not singles:
-        raise CheckpointNotFoundError(
-            f"{location} holds no committed checkpoint, only the temporary directory of a save "
-            "that did not finish"
+    if found.kind in (UNCOMMITTED, DCP, HF_BIN, TORCH_SAVE):
+        raise not_readable(location, found)
+    if changing(ckpt):
+        raise Replaced  # a deletion in progress (it may have taken the manifest first)
+    raise not_readable(location, found)
+
+
+def detect_local(location: str) -> Detected:
+    """:func:`~shardpoint._format.detect.detect` of an existing local path: a directory's
+    listing, or a file's name, its directory's listing and its first bytes."""
+    if os.path.isdir(location):
+        return detect(os.listdir(location))
+    parent = os.path.dirname(location) or "."
+    try:
+        siblings = os.listdir(parent)
+    except OSError:
+        siblings = []
+    head = None
+    try:
+        fd = open_regular(location, where=location)
+    except (OSError, CheckpointError):
+        pass  # not a regular file, unreadable: detected by name; the reader says what is wrong
+    else:
+        try:
+            head = os.pread(fd, HEAD_BYTES, 0)
+        except OSError:
+            head = None
+        finally:
+            os.close(fd)
+    return detect(siblings, file=os.path.basename(location), head=head)
+
+
+def not_readable(location: str, found: Detected, *, remote: bool = False) -> CheckpointError:
+    """The error for a path whose format (``found``) the caller does not read, naming it and
+    saying what does."""
+    if found.kind == UNCOMMITTED:
+        return IncompleteCheckpointError(
+            f"{location} {found.reason}. Load the previous checkpoint; the next save to this "
+            "prefix (or CheckpointManager.save) replaces it"
         )
-    raise CheckpointNotFoundError(
-        f"{location} is not a checkpoint: no shardpoint.json, no *.safetensors.index.json and "
-        f"no single .safetensors file (found {len(singles)} .safetensors files, {len(indexes)} indexes)"
-    )
-
-
-def is_tmp(name: str) -> bool:
-    return name.startswith(".") and TMP_MARKER in name
-
-
-def dtype_str(dtype: object) -> str:
-    return DTYPE_TO_NAME.get(dtype, str(dtype))  # type: ignore[call-overload]
+    if found.kind == DCP:
+        return UnsupportedFormatError(
+            f"{location} is a torch.distributed.checkpoint (DCP) directory, which is read only by "
+            "convert (its .metadata is a pickle): `shardpoint convert SRC DST --trust-pickle` if "
+            "you trust whoever wrote it, then use DST"
+        )
+    if found.kind in (HF_BIN, TORCH_SAVE) or found.instead_of is not None:
+        what = "Hugging Face .bin shards" if found.kind == HF_BIN else "a torch.save (.bin/.pt) weights file"
+        where = "on an object store, which is read only from local files" if remote else (
+            "read by sp.load, sp.load_into, verify, inspect and convert, not here"
+        )
+        return UnsupportedFormatError(
+            f"{location} holds {what}, {where}; convert it to safetensors with `shardpoint "
+            "convert SRC DST` and use DST"
+        )
+    if found.named_file:
+        return UnsupportedFormatError(f"{location} {found.reason}")
+    return CheckpointNotFoundError(f"{location} {found.reason}")
 
 
 def _open_remote(store: RemoteStore) -> Checkpoint:
@@ -649,33 +315,18 @@ def _open_remote(store: RemoteStore) -> Checkpoint:
     if not names:
         raise CheckpointNotFoundError(f"{location} holds no objects; nothing to load")
     limit = knobs().max_json_bytes
-    if MANIFEST_NAME in names:
+    found = detect(names)
+    if found.kind == SHARDPOINT:
         where = store.url_of(MANIFEST_NAME)
         manifest = parse_manifest(store.get(MANIFEST_NAME, limit=limit), where=where)
         return Checkpoint(location, location, "shardpoint", manifest.components, manifest.flat,
                           manifest, store=store, sizes=names)
-    if PENDING_NAME in names:
-        raise IncompleteCheckpointError(
-            f"{location} is a save that never committed ({PENDING_NAME} is there, "
-            f"{MANIFEST_NAME} is not): it was interrupted or is still running. Load the previous "
-            "checkpoint; the next save to this prefix (or CheckpointManager.save) replaces it"
-        )
-    indexes = sorted(n for n in names if n.endswith(".safetensors.index.json"))
-    singles = sorted(n for n in names if n.endswith(".safetensors"))
-    if "model.safetensors.index.json" in indexes:
-        indexes = ["model.safetensors.index.json"]
-    if "model.safetensors" in singles:
-        return _from_headers(location, location, "hf-file", None, ["model.safetensors"],
-                             store=store, sizes=names)
-    if len(indexes) == 1:
-        where = store.url_of(indexes[0])
-        index = parse_index(store.get(indexes[0], limit=limit), where=where)
+    if found.kind == HF_FILE and found.file is not None:
+        return _from_headers(location, location, "hf-file", None, [found.file], store=store, sizes=names)
+    if found.kind == HF_INDEX and found.index is not None:
+        where = store.url_of(found.index)
+        index = parse_index(store.get(found.index, limit=limit), where=where)
         files = list(dict.fromkeys(index.weight_map.values()))
         return _from_headers(location, location, "hf-index", index.weight_map, files,
                              store=store, sizes=names)
-    if len(singles) == 1:
-        return _from_headers(location, location, "hf-file", None, singles, store=store, sizes=names)
-    raise CheckpointNotFoundError(
-        f"{location} is not a checkpoint: no shardpoint.json, no *.safetensors.index.json and "
-        f"no single .safetensors file (found {len(singles)} .safetensors files, {len(indexes)} indexes)"
-    )
+    raise not_readable(location, found, remote=True)

@@ -15,106 +15,46 @@ their structure is verified, and the report says so.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import threading
-import zipfile
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
-import torch
-
-from ._checksum import crc32c
-from ._format.companions import PICKLE_WEIGHTS, role, torch_weights_file
-from ._format.dtypes import NAME_TO_DTYPE, itemsize
+from ._checkpoint import Checkpoint
+from ._format.detect import (
+    HF_BIN,
+    HF_FILE,
+    HF_INDEX,
+    SHARDPOINT,
+    TORCH_SAVE,
+    UNCOMMITTED,
+    Detected,
+    detect,
+)
 from ._format.index import index_name, parse_index
-from ._format.manifest import MANIFEST_NAME, ChunkRef, Manifest
-from ._format.safetensors import SafetensorsHeader
+from ._format.manifest import MANIFEST_NAME, PENDING_NAME, ChunkRef, Manifest
+from ._format.names import is_tmp_name
 from ._hub import resolve_hub
-from ._io.transfer import reader_threads
 from ._knobs import knobs
-from ._progress import byte_progress
-from ._source import Checkpoint, _read_json_file, is_tmp, open_checkpoint
+from ._source import detect_local, not_readable, open_checkpoint
 from ._storage.local import hidden_sibling_message, missing_path_message
-from ._storage.paths import member_path, open_regular
-from ._storage.remote import PENDING_NAME, RemoteStore, resolve
+from ._storage.paths import member_path
+from ._storage.remote import RemoteStore, resolve
+from ._verify_crc import check_crcs, read_headers
+from ._verify_pickled import verify_pickled
+from ._verify_report import (
+    CrcItem,
+    Findings,
+    VerifyReport,
+    name_list,
+    nbytes_of,
+    unreferenced,
+)
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
-    UnsafePickleError,
-    UnsupportedFormatError,
 )
 
 __all__ = ["VerifyReport", "verify_checkpoint"]
-
-_MAX_NAMED = 5
-"""How many tensor names a problem line lists before saying "and N more"."""
-
-
-@dataclass(frozen=True)
-class VerifyReport:
-    """What ``verify_checkpoint`` found."""
-
-    path: str
-    """The path that was checked, as given."""
-    kind: str
-    """``shardpoint``, ``hf-index`` or ``hf-file``."""
-    problems: list[str]
-    """Everything that makes the checkpoint unusable, one line each, naming the file (and tensor).
-    Grouped by file, in the checkpoint's file order."""
-    warnings: list[str]
-    """What is worth knowing but does not stop a load: extra files, tensors without a crc."""
-    files_checked: int
-    """Data files examined (those the manifest or index lists, present or not)."""
-    tensors_checked: int
-    """Stored tensors (chunks) whose header entry was found and matched the manifest/index."""
-    bytes_checked: int
-    """Bytes of tensor data read and compared against their crc32c."""
-    checksums: bool
-    """True when stored bytes were compared against their crc32c (every tensor that could be
-    read; for ``.bin`` / ``.pt`` files the CRC-32 of every record of their zip archive);
-    False with ``checksums=False``, for foreign safetensors checkpoints (they record none),
-    or when some tensor has no recorded crc."""
-    unchecked: list[str] = field(default_factory=list)
-    """Files in the directory that are not checkpoint data and were not checked (config,
-    tokenizer, README, training state...), sorted. Stray files that look like this
-    checkpoint's data are not listed here: they are warnings."""
-    notes: list[str] = field(default_factory=list)
-    """How the checkpoint was read, where a person should know (a file read instead of the
-    one named, pickles read with ``weights_only=True``)."""
-
-    @property
-    def ok(self) -> bool:
-        """True when no problem was found: the checkpoint is whole."""
-        return not self.problems
-
-
-@dataclass(frozen=True)
-class _CrcItem:
-    """One stored tensor to checksum: a byte range of a data file and its expected crc."""
-
-    file: str
-    start: int
-    nbytes: int
-    crc32c: int
-    label: str
-
-
-@dataclass
-class _Findings:
-    """Problems collected per file (``""`` for the checkpoint as a whole), and warnings."""
-
-    by_file: dict[str, list[str]] = field(default_factory=dict)
-    warnings: list[str] = field(default_factory=list)
-
-    def problem(self, file: str, message: str) -> None:
-        self.by_file.setdefault(file, []).append(message)
-
-    def flat(self, file_order: Sequence[str]) -> list[str]:
-        ordered = ["", *file_order, *sorted(f for f in self.by_file if f not in file_order and f)]
-        return [msg for name in dict.fromkeys(ordered) for msg in self.by_file.get(name, [])]
 
 
 def verify_checkpoint(
@@ -166,49 +106,42 @@ def verify_checkpoint(
             missing_path_message(location).replace("nothing to load", "nothing to verify")
         )
     base = os.path.basename(os.path.normpath(location))
-    if os.path.isdir(location) and is_tmp(base):
+    if os.path.isdir(location) and is_tmp_name(base):
         message = hidden_sibling_message(location)
         return VerifyReport(location, "shardpoint", [message], [], 0, 0, 0, False)
     if os.path.isfile(location):
-        if location.endswith(PICKLE_WEIGHTS):
-            sibling = os.path.splitext(location)[0] + ".safetensors"
-            if not os.path.isfile(sibling):
-                return _verify_pickled(
-                    location, os.path.dirname(location) or ".", None,
-                    [os.path.basename(location)], checksums=checksums,
-                )
+        found = detect_local(location)
+        if found.instead_of is not None and found.file is not None:
+            sibling = os.path.join(os.path.dirname(location), found.file)
             note = (
                 f"verified {sibling} instead of {location}: load reads the .safetensors file of "
                 "the same stem beside it (same tensors, no unpickling)"
             )
             report = verify_checkpoint(sibling, checksums=checksums, progress=progress)
             return dataclasses.replace(report, notes=[note, *report.notes])
-        if not location.endswith(".safetensors"):
-            raise CheckpointNotFoundError(
-                f"{location} is a file but not a .safetensors, .bin, .pt, .pth or .ckpt file; "
-                "shardpoint verifies checkpoint directories and files of those kinds"
+        if found.kind == TORCH_SAVE:
+            return verify_pickled(
+                location, os.path.dirname(location) or ".", None,
+                [os.path.basename(location)], checksums=checksums,
             )
+        if found.kind != HF_FILE:
+            raise not_readable(location, found)
         # The user named this file: follow it if it is a link (as in a Hugging Face cache).
         directory, name = os.path.split(os.path.realpath(location))
         return _verify_foreign(location, directory, "hf-file", None, [name], checksums=checksums)
     if not os.path.isdir(location):
         raise CheckpointNotFoundError(f"{location} is neither a directory nor a checkpoint file")
     names = os.listdir(location)
-    if MANIFEST_NAME in names:
+    found = detect(names)
+    if found.kind == SHARDPOINT:
         return _verify_shardpoint(location, names, checksums=checksums, progress=progress)
-    if not any(n.endswith(".safetensors") for n in names):
-        bin_indexes = sorted(n for n in names if n.endswith(".bin.index.json"))
-        if bin_indexes:
-            index = (
-                "pytorch_model.bin.index.json"
-                if "pytorch_model.bin.index.json" in bin_indexes
-                else bin_indexes[0]
-            )
-            return _verify_pickled(location, location, index, [], checksums=checksums, listing=names)
-        single, _ = torch_weights_file(names)
-        if single is not None:
-            return _verify_pickled(location, location, None, [single], checksums=checksums, listing=names)
-    kind, found_index, files = _locate_foreign(location, names)
+    if found.kind == HF_BIN:
+        return verify_pickled(location, location, found.index, [], checksums=checksums, listing=names)
+    if found.kind == TORCH_SAVE and found.file is not None:
+        return verify_pickled(location, location, None, [found.file], checksums=checksums, listing=names)
+    if found.kind == UNCOMMITTED:
+        return _uncommitted_report(location)
+    kind, found_index, files = _foreign(location, found)
     return _verify_foreign(location, location, kind, found_index, files, checksums=checksums)
 
 
@@ -237,13 +170,10 @@ def _verify_remote(
     if MANIFEST_NAME in sizes:
         return _verify_shardpoint(location, list(sizes), checksums=checksums, progress=progress,
                                   storage_options=storage_options)
-    if PENDING_NAME in sizes:
-        message = (
-            f"{location} is a save that never committed ({PENDING_NAME} is there, {MANIFEST_NAME} "
-            "is not); it is not a checkpoint. Verify the previous one, or save again"
-        )
-        return VerifyReport(location, "shardpoint", [message], [], 0, 0, 0, False)
-    kind, index, files = _locate_foreign(location, list(sizes))
+    found = detect(sizes)
+    if found.kind == UNCOMMITTED:
+        return _uncommitted_report(location)
+    kind, index, files = _foreign(location, found, remote=True)
     return _verify_foreign(location, location, kind, index, files, checksums=checksums,
                            store=store, sizes=sizes)
 
@@ -279,7 +209,7 @@ def _verify_shardpoint(
     assert manifest is not None
     if ckpt.names is not None:
         names = ckpt.names  # the listing of the version that was opened
-    found = _Findings()
+    found = Findings()
 
     # Which stored tensors each file must hold, in manifest order.
     chunks_in: dict[str, list[tuple[str, str, ChunkRef]]] = {f: [] for f in manifest.files}
@@ -289,9 +219,9 @@ def _verify_shardpoint(
             for chunk in record.chunks:
                 chunks_in[chunk.file].append((label, record.dtype, chunk))
 
-    headers = _read_headers(ckpt, list(manifest.files), chunks_in, found)
+    headers = read_headers(ckpt, list(manifest.files), chunks_in, found)
     tensors_checked = 0
-    crc_items: list[_CrcItem] = []
+    crc_items: list[CrcItem] = []
     no_crc = 0
     for fname, header in headers.items():
         claimed: set[str] = set()
@@ -306,12 +236,12 @@ def _verify_shardpoint(
             if chunk.crc32c is None:
                 no_crc += 1
             else:
-                crc_items.append(_CrcItem(fname, entry.start, entry.nbytes, chunk.crc32c, label))
+                crc_items.append(CrcItem(fname, entry.start, entry.nbytes, chunk.crc32c, label))
         where = os.path.join(location, fname)
         extra = [key for key in header.entries if key not in claimed]
         if extra:
             found.warnings.append(
-                f"{where} holds {_name_list(extra)} that the manifest does not list; load ignores them"
+                f"{where} holds {name_list(extra)} that the manifest does not list; load ignores them"
             )
         if header.metadata.get("format") != "pt":
             found.warnings.append(
@@ -320,7 +250,7 @@ def _verify_shardpoint(
 
     expected_indexes = _check_indexes(ckpt, manifest, names, found)
     accounted = {MANIFEST_NAME, *manifest.files, *expected_indexes}
-    unchecked = _unreferenced(
+    unchecked = unreferenced(
         found, location, names, accounted, "safetensors", "the manifest does not list it"
     )
     if no_crc:
@@ -330,7 +260,7 @@ def _verify_shardpoint(
 
     bytes_checked = 0
     if checksums and crc_items:
-        bytes_checked = _check_crcs(ckpt, crc_items, found, progress=progress)
+        bytes_checked = check_crcs(ckpt, crc_items, found, progress=progress)
     return VerifyReport(
         path=location,
         kind="shardpoint",
@@ -345,7 +275,7 @@ def _verify_shardpoint(
 
 
 def _check_indexes(
-    ckpt: Checkpoint, manifest: Manifest, names: list[str], found: _Findings
+    ckpt: Checkpoint, manifest: Manifest, names: list[str], found: Findings
 ) -> set[str]:
     """Check each component's HF index against the manifest; return the index names expected."""
     location = ckpt.location
@@ -354,7 +284,7 @@ def _check_indexes(
         return expected
     for cname, comp in manifest.components.items():
         weight_map = {t: rec.chunks[0].file for t, rec in comp.tensors.items()}
-        total = sum(_nbytes(rec.dtype, rec.shape) for rec in comp.tensors.values())
+        total = sum(nbytes_of(rec.dtype, rec.shape) for rec in comp.tensors.values())
         iname = index_name(cname)
         where = os.path.join(location, iname)
         if len(set(weight_map.values())) <= 1 and iname not in names:
@@ -381,7 +311,7 @@ def _check_indexes(
             found.problem(
                 "",
                 f"{where}: weight_map disagrees with the manifest on "
-                f"{_name_list(list(dict.fromkeys(k for k, _ in wrong)))}; the index is damaged",
+                f"{name_list(list(dict.fromkeys(k for k, _ in wrong)))}; the index is damaged",
             )
         recorded = index.metadata.get("total_size")
         if recorded != total:
@@ -396,24 +326,22 @@ def _check_indexes(
 # ------------------------------------------------------------------------ foreign (HF)
 
 
-def _locate_foreign(location: str, names: list[str]) -> tuple[str, str | None, list[str]]:
-    """Which HF checkpoint a directory without manifest holds, chosen as ``open_checkpoint`` does:
-    (kind, index file or None, data files when there is no index)."""
-    indexes = sorted(n for n in names if n.endswith(".safetensors.index.json"))
-    singles = sorted(n for n in names if n.endswith(".safetensors"))
-    if "model.safetensors.index.json" in indexes:
-        indexes = ["model.safetensors.index.json"]
-    if "model.safetensors" in singles:
-        return "hf-file", None, ["model.safetensors"]
-    if len(indexes) == 1:
-        return "hf-index", indexes[0], []
-    if len(singles) == 1:
-        return "hf-file", None, singles
-    raise CheckpointNotFoundError(
-        f"{location} is not a checkpoint: no shardpoint.json, no *.safetensors.index.json, "
-        f"no single .safetensors file (found {len(singles)} .safetensors files, {len(indexes)} "
-        "indexes), no pytorch_model.bin.index.json and no pytorch_model.bin"
+def _uncommitted_report(location: str) -> VerifyReport:
+    message = (
+        f"{location} is a save that never committed ({PENDING_NAME} is there, {MANIFEST_NAME} "
+        "is not); it is not a checkpoint. Verify the previous one, or save again"
     )
+    return VerifyReport(location, "shardpoint", [message], [], 0, 0, 0, False)
+
+
+def _foreign(location: str, found: Detected, *, remote: bool = False) -> tuple[str, str | None, list[str]]:
+    """The HF safetensors checkpoint ``found`` names: (kind, index file or None, data files
+    when there is no index); any other kind is refused, as load refuses it."""
+    if found.kind == HF_INDEX and found.index is not None:
+        return "hf-index", found.index, []
+    if found.kind == HF_FILE and found.file is not None:
+        return "hf-file", None, [found.file]
+    raise not_readable(location, found, remote=remote)
 
 
 def _verify_foreign(
@@ -427,7 +355,7 @@ def _verify_foreign(
     store: RemoteStore | None = None,
     sizes: dict[str, int] | None = None,
 ) -> VerifyReport:
-    found = _Findings()
+    found = Findings()
     ckpt = Checkpoint(location, directory, kind, {}, flat=True, store=store, sizes=dict(sizes or {}))
     # ``location`` is the data file itself: errors name it, not ``location/name``.
     ckpt.single_file = location != directory
@@ -453,7 +381,7 @@ def _verify_foreign(
     if weight_map is not None:
         for key, fname in weight_map.items():
             listed[fname].append((key, "", ChunkRef(fname, key, (), (), None)))
-    headers = _read_headers(ckpt, files, listed, found)
+    headers = read_headers(ckpt, files, listed, found)
 
     tensors_checked = 0
     seen_in: dict[str, str] = {}
@@ -473,7 +401,7 @@ def _verify_foreign(
             unlisted = [k for k in header.entries if weight_map.get(k) != fname]
             if unlisted:
                 found.warnings.append(
-                    f"{where} holds {_name_list(unlisted)} that the index does not map to it; "
+                    f"{where} holds {name_list(unlisted)} that the index does not map to it; "
                     "loaders ignore them"
                 )
             for key, _, _ in listed[fname]:
@@ -495,7 +423,7 @@ def _verify_foreign(
         accounted = set(files) | ({index} if index else set())
         listing = sorted(ckpt.sizes) if store is not None else sorted(os.listdir(ckpt.dir_fd or directory))
         why = "the index does not list it" if index else "another file was chosen"
-        unchecked = _unreferenced(found, location, listing, accounted, "safetensors", why)
+        unchecked = unreferenced(found, location, listing, accounted, "safetensors", why)
     return VerifyReport(
         path=location,
         kind=kind,
@@ -511,362 +439,7 @@ def _verify_foreign(
 
 # ------------------------------------------------------------------------ .bin / .pt
 
-def _pickled_note(checksums: bool) -> str:
-    crc = "each one's zip records checked against their CRC-32, " if checksums else ""
-    return (
-        f"torch.save files: {crc}tensors read with torch.load(weights_only=True) (structure "
-        "only, never a full unpickle)"
-    )
-
-
-def _verify_pickled(
-    location: str,
-    directory: str,
-    index: str | None,
-    files: list[str],
-    *,
-    checksums: bool,
-    listing: Sequence[str] | None = None,
-) -> VerifyReport:
-    """``verify_checkpoint`` of ``torch.save`` weights, read as ``sp.load`` reads them: HF
-    ``.bin`` shards through their index (``index``), or one file (``files``)."""
-    from ._stream_source import components_from_object, torch_load
-
-    kind = "hf-bin" if index is not None else "torch-save"
-    single = location != directory
-    found = _Findings()
-    weight_map: dict[str, str] | None = None
-    if index is not None:
-        where = os.path.join(location, index)
-        try:
-            weight_map = parse_index(_read_json_file(where, where=where), where=where).weight_map
-        except CheckpointError as exc:
-            return VerifyReport(location, kind, [str(exc)], [], 0, 0, 0, False)
-        except OSError as exc:
-            return VerifyReport(location, kind, [f"{where} cannot be read: {exc}"], [], 0, 0, 0, False)
-        files = list(dict.fromkeys(weight_map.values()))
-    tensors_checked = bytes_checked = 0
-    without_crc: list[str] = []
-    for fname in files:
-        where = location if single else os.path.join(location, fname)
-        listed = [k for k, f in (weight_map or {}).items() if f == fname]
-        held = f"; it holds {_name_list(listed)}" if listed else ""
-        try:
-            path = location if single else member_path(directory, fname, where=location)
-            if not os.path.lexists(path):
-                found.problem(
-                    fname,
-                    f"{where} is missing: the index lists it but it is not there; the checkpoint "
-                    f"is incomplete (copy the file back or load another checkpoint){held}",
-                )
-                continue
-            if checksums:
-                got, has_crc, problems = _zip_crc(path, where)
-                bytes_checked += got
-                for message in problems:
-                    found.problem(fname, message)
-                if not has_crc:
-                    without_crc.append(where)
-            obj, _ = torch_load(path, trust_pickle=False, zip_only=True)
-        except (UnsafePickleError, UnsupportedFormatError):
-            raise  # not damage: verify cannot judge the file without unpickling it
-        except CheckpointError as exc:
-            found.problem(fname, f"{exc}{held}")
-            continue
-        except OSError as exc:
-            found.problem(fname, f"{where} cannot be read: {exc.strerror or exc}{held}")
-            continue
-        if weight_map is None:
-            try:
-                components, flat = components_from_object(obj, where=where, allow_pickle=False)
-            except CheckpointError as exc:
-                found.problem(fname, str(exc))
-                continue
-            finally:
-                del obj
-            tensors_checked += sum(len(c.stored) for c in components)
-            if not flat:
-                found.warnings.append(
-                    f"{where} holds a nested training state (components "
-                    f"{', '.join(repr(c.name) for c in components)}), not a flat state dict: "
-                    "sp.load and load_into refuse it; `shardpoint convert` converts it whole"
-                )
-            continue
-        if not isinstance(obj, Mapping):
-            found.problem(fname, f"{where} holds a {type(obj).__name__}, not a state dict shard")
-            continue
-        for key in listed:
-            if key not in obj:
-                found.problem(
-                    fname,
-                    f"{where}: tensor {key!r} is listed in the index but absent from this file; "
-                    "the checkpoint is damaged",
-                )
-            elif not isinstance(obj[key], torch.Tensor):
-                found.problem(
-                    fname, f"{where}: {key!r} is a {type(obj[key]).__name__}, not a tensor"
-                )
-            else:
-                tensors_checked += 1
-        unlisted = [str(k) for k in obj if weight_map.get(str(k)) != fname]
-        if unlisted:
-            found.warnings.append(
-                f"{where} holds {_name_list(unlisted)} that the index does not map to it; "
-                "loaders ignore them"
-            )
-        del obj
-    if without_crc:
-        found.warnings.append(
-            f"{', '.join(without_crc[:_MAX_NAMED])}: no CRC-32 recorded in the zip archive "
-            "(saved with torch.serialization's compute_crc32 off); their bytes were not checked"
-        )
-    unchecked: list[str] = []
-    if not single and listing is not None:
-        accounted = set(files) | ({index} if index else set())
-        why = "the index does not list it" if index else "pytorch_model.bin was chosen"
-        unchecked = _unreferenced(found, location, listing, accounted, "pickle", why)
-    return VerifyReport(
-        path=location,
-        kind=kind,
-        problems=found.flat(files),
-        warnings=found.warnings,
-        files_checked=len(files),
-        tensors_checked=tensors_checked,
-        bytes_checked=bytes_checked,
-        checksums=checksums and not without_crc,
-        unchecked=unchecked,
-        notes=[_pickled_note(checksums)],
-    )
-
-
-def _zip_crc(path: str, where: str) -> tuple[int, bool, list[str]]:
-    """Check every record of a zip-format ``torch.save`` file against its CRC-32, reading
-    in bounded pieces: (bytes read, whether CRCs are recorded, problems). A legacy
-    (non-zip) file has none: ``torch_load`` says what is wrong with it."""
-    with os.fdopen(open_regular(path, where=where), "rb") as f:  # a FIFO would hang
-        if f.read(4) != b"PK\x03\x04":
-            return 0, True, []
-        f.seek(0)
-        try:
-            archive = zipfile.ZipFile(f)
-            records = archive.infolist()
-        except Exception as exc:  # zipfile raises many kinds on a damaged archive
-            return 0, True, [
-                f"{where} is not a readable zip archive ({type(exc).__name__}: {exc}); the file is "
-                "truncated or damaged"
-            ]
-        if not any(r.CRC for r in records if r.file_size):
-            return 0, not any(r.file_size for r in records), []
-        read, problems = 0, []
-        for record in records:
-            if record.compress_type != zipfile.ZIP_STORED:
-                problems.append(
-                    f"{where}: record {record.filename!r} is compressed, which torch.save never "
-                    "does; the file is damaged or forged"
-                )
-                continue
-            try:
-                with archive.open(record) as member:
-                    while piece := member.read(1 << 20):
-                        read += len(piece)
-            except Exception as exc:  # BadZipFile("Bad CRC-32 ..."), EOFError on a truncated file
-                problems.append(
-                    f"{where}: record {record.filename!r} of the zip archive does not match its "
-                    f"CRC-32 or cannot be read ({type(exc).__name__}: {exc}); the file is damaged. "
-                    "Restore it from a copy"
-                )
-        return read, True, problems
-
 
 # ------------------------------------------------------------------------ shared
 
 
-def _unreferenced(
-    found: _Findings,
-    location: str,
-    listing: Sequence[str],
-    accounted: set[str],
-    family: str,
-    why: str,
-) -> list[str]:
-    """Files of the directory the checkpoint does not reference: a warning for each that
-    looks like this checkpoint's data (see ``_format.companions``); the others, returned,
-    are listed as not checked."""
-    unchecked = []
-    for name in sorted(listing):
-        if name in accounted or is_tmp(name):
-            continue
-        if role(name, family) == "weights":
-            found.warnings.append(
-                f"{os.path.join(location, name)} looks like checkpoint data but is not part of "
-                f"the checkpoint ({why}); load ignores it. If it is left from another save, "
-                "move it away"
-            )
-        else:
-            unchecked.append(name)
-    return unchecked
-
-
-def _read_headers(
-    ckpt: Checkpoint,
-    files: list[str],
-    chunks_in: dict[str, list[tuple[str, str, ChunkRef]]],
-    found: _Findings,
-) -> dict[str, SafetensorsHeader]:
-    """Validate every file's size and header; a file that fails is reported with what it held."""
-    headers: dict[str, SafetensorsHeader] = {}
-    for fname in files:
-        try:
-            headers[fname] = ckpt.header(fname)
-            continue
-        except CheckpointError as exc:
-            message = str(exc)
-        except OSError as exc:
-            where = _file_label(ckpt, fname)
-            message = f"{where} cannot be read: {exc.strerror or exc}"
-        held = list(dict.fromkeys(label for label, _, _ in chunks_in.get(fname, [])))
-        unnamed = [label for label in held if repr(label) not in message]
-        if unnamed:
-            message += f"; it holds {_name_list(held)}"
-        found.problem(fname, message)
-    return headers
-
-
-def _check_crcs(
-    ckpt: Checkpoint, items: list[_CrcItem], found: _Findings, *, progress: bool | None
-) -> int:
-    """Stream every item's bytes through crc32c, several files at once; return bytes read."""
-    cfg = knobs()
-    per_file: dict[str, list[_CrcItem]] = {}
-    for item in items:
-        per_file.setdefault(item.file, []).append(item)
-    total = sum(item.nbytes for item in items)
-    name = os.path.basename(os.path.normpath(ckpt.location))
-    lock = threading.Lock()
-    read = [0]
-
-    with byte_progress(total, f"verifying {name}", progress) as advance:
-
-        def run(fname: str) -> None:
-            got, problems = _crc_file(
-                ckpt, fname, per_file[fname], segment=cfg.io_segment_bytes, advance=advance
-            )
-            with lock:
-                read[0] += got
-                for message in problems:
-                    found.problem(fname, message)
-
-        threads = max(1, min(reader_threads(), len(per_file)))
-        if threads == 1:
-            for fname in per_file:
-                run(fname)
-        else:
-            with ThreadPoolExecutor(threads, thread_name_prefix="shardpoint-verify") as pool:
-                for fut in [pool.submit(run, f) for f in per_file]:
-                    fut.result()
-    return read[0]
-
-
-def _crc_file(
-    ckpt: Checkpoint,
-    fname: str,
-    items: list[_CrcItem],
-    *,
-    segment: int,
-    advance: Callable[[int], None] | None,
-) -> tuple[int, list[str]]:
-    """crc32c of each item of one file, read in ``segment``-byte pieces into one reused buffer."""
-    where = _file_label(ckpt, fname)
-    problems: list[str] = []
-    read = 0
-    if ckpt.store is not None:
-        return _crc_object(ckpt.store, fname, where, items, advance=advance)
-    try:
-        # The checkpoint's held descriptor (the version that was opened), duplicated.
-        fd = os.dup(ckpt.fd(fname))
-    except (OSError, CheckpointError) as exc:
-        return 0, [f"{where} cannot be read: {exc}"]
-    try:
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        buffer = memoryview(bytearray(max(1, min(segment, max(i.nbytes for i in items)))))
-        for item in sorted(items, key=lambda i: i.start):
-            crc, pos, end = 0, item.start, item.start + item.nbytes
-            try:
-                while pos < end:
-                    n = os.preadv(fd, [buffer[: min(len(buffer), end - pos)]], pos)
-                    if n <= 0:
-                        raise EOFError(pos)
-                    crc = crc32c(buffer[:n], crc)
-                    pos += n
-                    read += n
-                    if advance is not None:
-                        advance(n)
-            except EOFError:
-                problems.append(
-                    f"{where}, tensor {item.label!r}: unexpected end of file at byte {pos}; "
-                    "the file is truncated"
-                )
-                continue
-            except OSError as exc:
-                problems.append(f"{where}, tensor {item.label!r}: read failed at byte {pos}: {exc}")
-                continue
-            if crc != item.crc32c:
-                problems.append(
-                    f"{where}, tensor {item.label!r}: crc32c of the stored bytes is {crc:#010x}, "
-                    f"the manifest recorded {item.crc32c:#010x}; the file is damaged. Restore it "
-                    "from a copy, or use an earlier checkpoint"
-                )
-    finally:
-        os.close(fd)
-    return read, problems
-
-
-def _crc_object(
-    store: RemoteStore,
-    fname: str,
-    where: str,
-    items: list[_CrcItem],
-    *,
-    advance: Callable[[int], None] | None,
-) -> tuple[int, list[str]]:
-    """crc32c of each item of one remote object, one ranged read per piece."""
-    piece = knobs().remote_read_bytes
-    problems: list[str] = []
-    read = 0
-    for item in sorted(items, key=lambda i: i.start):
-        crc, pos, end = 0, item.start, item.start + item.nbytes
-        try:
-            while pos < end:
-                data = store.read_range(fname, pos, min(piece, end - pos))
-                crc = crc32c(data, crc)
-                pos += len(data)
-                read += len(data)
-                if advance is not None:
-                    advance(len(data))
-        except (OSError, CheckpointError) as exc:
-            problems.append(f"{where}, tensor {item.label!r}: read failed at byte {pos}: {exc}")
-            continue
-        if crc != item.crc32c:
-            problems.append(
-                f"{where}, tensor {item.label!r}: crc32c of the stored bytes is {crc:#010x}, "
-                f"the manifest recorded {item.crc32c:#010x}; the object is damaged. Restore it "
-                "from a copy, or use an earlier checkpoint"
-            )
-    return read, problems
-
-
-def _file_label(ckpt: Checkpoint, fname: str) -> str:
-    """How problems name data file ``fname``: the path the user gave, joined with the name."""
-    return ckpt.location if ckpt.location != ckpt.directory else os.path.join(ckpt.location, fname)
-
-
-def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    return math.prod(shape) * itemsize(NAME_TO_DTYPE[dtype])
-
-
-def _name_list(names: list[str]) -> str:
-    """``tensor 'a'`` / ``tensors 'a', 'b' and 3 more``."""
-    shown = ", ".join(repr(n) for n in names[:_MAX_NAMED])
-    more = f" and {len(names) - _MAX_NAMED} more" if len(names) > _MAX_NAMED else ""
-    return f"tensor{'s' if len(names) > 1 else ''} {shown}{more}"

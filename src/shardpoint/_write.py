@@ -23,6 +23,7 @@ from ._planning.shards import plan_shards, shard_file_names
 from ._prepare import PreparedState, hf_sizes
 from ._progress import byte_progress
 from ._storage import Transaction, open_transaction
+from ._version import __version__
 from .errors import InvalidStateError
 
 
@@ -177,8 +178,6 @@ def write_manifest(
     durable: bool,
 ) -> None:
     """Write the indexes, then the manifest (the commit marker) into the transaction."""
-    from . import __version__
-
     manifest = Manifest(
         save_id=save_id,
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

@@ -56,13 +56,17 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
-from .._format.companions import PICKLE_WEIGHTS, torch_weights_file
+from .._checkpoint import Checkpoint
+from .._format.detect import HF_BIN, TORCH_SAVE, detect
 from .._format.dtypes import NAME_TO_DTYPE, dtype_name, itemsize
 from .._format.index import index_name
 from .._format.manifest import MANIFEST_NAME
+from .._format.names import is_tmp_name
 from .._hub import resolve_hub
+from .._pickled_source import BinShardsSource, TorchSaveSource
 from .._sizes import human_size
-from .._source import Checkpoint, is_tmp, open_checkpoint
+from .._source import detect_local, open_checkpoint
+from .._tensor_source import SourceSpec
 from .main import add_cache_dir, add_storage_options, hub_storage_options
 from .output import emit, emit_json, printable
 
@@ -125,14 +129,19 @@ def describe_path(
     """``describe`` of whatever ``sp.load`` would read at ``path`` (``.bin`` weights too)."""
     location = os.fspath(path)
     notes = []
-    sibling = os.path.splitext(location)[0] + ".safetensors"
-    if location.endswith(PICKLE_WEIGHTS) and "://" not in location and os.path.isfile(sibling):
+    pickled: tuple[str, str, str | None] | None = None
+    found = detect_local(location) if "://" not in location and os.path.exists(location) else None
+    if found is not None and found.instead_of is not None and found.file is not None:
+        sibling = os.path.join(os.path.dirname(location), found.file)
         notes.append(
             f"showing {sibling} instead of {location}: load reads the .safetensors file of the "
             "same stem beside it (same tensors, no unpickling)"
         )
         path = location = sibling
-    pickled = None if "://" in location else _pickled_weights(location)
+    elif found is not None and found.kind == HF_BIN:
+        pickled = (HF_BIN, location, found.index)
+    elif found is not None and found.kind == TORCH_SAVE and found.file is not None:
+        pickled = (TORCH_SAVE, location if found.named_file else os.path.join(location, found.file), None)
     if pickled is not None:
         doc = describe_pickled(location, *pickled, pattern=pattern, limit=limit)
     else:
@@ -143,34 +152,14 @@ def describe_path(
     return doc
 
 
-def _pickled_weights(location: str) -> tuple[str, str, str | None] | None:
-    """(kind, path read, index) when ``location`` holds torch.save weights and no safetensors."""
-    if os.path.isfile(location):
-        sibling = os.path.splitext(location)[0] + ".safetensors"
-        if location.endswith(PICKLE_WEIGHTS) and not os.path.isfile(sibling):
-            return "torch-save", location, None
-        return None
-    if not os.path.isdir(location):
-        return None
-    names = os.listdir(location)
-    if MANIFEST_NAME in names or any(n.endswith(".safetensors") for n in names):
-        return None
-    indexes = sorted(n for n in names if n.endswith(".bin.index.json"))
-    if indexes:
-        index = "pytorch_model.bin.index.json" if "pytorch_model.bin.index.json" in indexes else indexes[0]
-        return "hf-bin", location, index
-    single, _ = torch_weights_file(names)
-    return None if single is None else ("torch-save", os.path.join(location, single), None)
-
-
 def _unchecked(location: str, doc: dict[str, Any], index: str | None) -> list[str]:
     """The directory's files that are not the checkpoint's data, manifest or index."""
+    names = os.listdir(location)
     used = {f["name"] for f in doc["files"]} | {MANIFEST_NAME, index or ""}
     used |= {index_name(c) for c in doc["components"]}
     if doc["format"] == "hf-index":
-        indexes = sorted(n for n in os.listdir(location) if n.endswith(".safetensors.index.json"))
-        used.add("model.safetensors.index.json" if "model.safetensors.index.json" in indexes else indexes[0])
-    return sorted(n for n in os.listdir(location) if n not in used and not is_tmp(n))
+        used.add(detect(names).index or "")
+    return sorted(n for n in names if n not in used and not is_tmp_name(n))
 
 
 def describe_pickled(
@@ -178,9 +167,7 @@ def describe_pickled(
 ) -> dict[str, Any]:
     """The --json object of torch.save weights, read as ``sp.load`` reads them (zip format,
     ``weights_only=True``, mapped: shapes and dtypes only, no tensor data)."""
-    from .._stream_source import BinShardsSource, SourceSpec, TorchSaveSource
-
-    spec = SourceSpec(real, kind, trust_pickle=False, zip_only=True)
+    spec = SourceSpec(real, kind, trust_pickle=False, zip_only=True, index=index)
     source = BinShardsSource(spec, []) if kind == "hf-bin" else TorchSaveSource(spec, [])
     try:
         file_of: dict[str, str] = getattr(source, "_file_of", {})

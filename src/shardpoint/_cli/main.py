@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any, NoReturn
 
-from .. import __version__
+from .._version import __version__
 from ..errors import CheckpointError
 from . import output
 

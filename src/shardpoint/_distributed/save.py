@@ -51,8 +51,6 @@ from .._write import SaveInfo, file_metadata, write_manifest
 from ..errors import CheckpointError
 from .group import Group, local_chunk
 
-Ident = tuple[str, str, tuple[int, ...], tuple[int, ...]]
-
 
 def _plan_local(prepared: PreparedState) -> tuple[list[ChunkPlan], dict[tuple[str, str], torch.Tensor]]:
     chunks = []

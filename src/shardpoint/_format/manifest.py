@@ -18,6 +18,9 @@ from .names import check_component_name, check_file_name
 from .safetensors import addressable, colons, parse_json_object, quick_shape, require_unique_keys
 
 MANIFEST_NAME = "shardpoint.json"
+PENDING_NAME = "shardpoint.pending"
+"""On an object store: written before anything else of a save and deleted after its
+manifest; a prefix holding it and no manifest is a save that never committed."""
 FORMAT_NAME = "shardpoint"
 FORMAT_VERSION = 2
 """Written by this shardpoint. Version 2 lets a chunk that is its whole tensor leave out

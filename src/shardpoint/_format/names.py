@@ -30,6 +30,20 @@ def check_file_name(name: object, *, where: str) -> str:
     return name
 
 
+TMP_MARKER = ".tmp-"
+"""In the name of a hidden directory or file a local save writes before its commit renames
+it into place (``.<name>.tmp-<hex>``)."""
+
+
+def is_tmp_name(name: str) -> bool:
+    """Whether ``name`` is a save's temporary (hidden, uncommitted) directory or file.
+
+    >>> is_tmp_name(".ckpt.tmp-0a1b"), is_tmp_name("ckpt")
+    (True, False)
+    """
+    return name.startswith(".") and TMP_MARKER in name
+
+
 RESERVED_TENSOR_NAME = "__metadata__"
 """The safetensors header's key for the file's metadata: no tensor may be named so."""
 

@@ -361,18 +361,50 @@ def read_header_with(
             f"{name} is {file_size} bytes, shorter than the 8-byte safetensors length prefix; "
             "the file is truncated"
         )
-    (length,) = struct.unpack("<Q", pread(8, 0))
+    prefix = pread(8, 0)
+    (length,) = struct.unpack("<Q", prefix)
     if length > max_header_bytes:
         raise CorruptCheckpointError(
             f"{name}: header length {length} exceeds the {max_header_bytes}-byte limit; "
-            "the file is damaged or not safetensors"
+            f"the file is damaged or not safetensors{_other_format(prefix)}"
         )
     if 8 + length > file_size:
         raise CorruptCheckpointError(
             f"{name}: header length {length} runs past the end of the {file_size}-byte file; "
-            "the file is truncated or not safetensors"
+            f"the file is truncated or not safetensors{_other_format(prefix)}"
         )
     raw = pread(length, 8)
     if len(raw) != length:
         raise CorruptCheckpointError(f"{name}: file shrank while its header was read")
     return validate_header(raw, file_size, name=name)
+
+
+def sniff(head: bytes | None) -> str | None:
+    """``zip``, ``pickle`` or ``safetensors`` from a file's first bytes; None if unsure.
+
+    >>> sniff(b"PK\\x03\\x04rest"), sniff(b"\\x80\\x04\\x95"), sniff(b"\\x02" + bytes(7) + b"{}")
+    ('zip', 'pickle', 'safetensors')
+    """
+    if not head:
+        return None
+    if head.startswith(b"PK\x03\x04"):
+        return "zip"
+    if head[:1] == b"\x80" and len(head) > 1 and 2 <= head[1] <= 5:  # PROTO opcode
+        return "pickle"
+    if len(head) >= 9:
+        (size,) = struct.unpack("<Q", head[:8])
+        if head[8:9] == b"{" and size >= 2:
+            return "safetensors"
+    return None
+
+
+def _other_format(prefix: bytes) -> str:
+    """What a file that fails as safetensors starts as, when its first bytes say so."""
+    looks = sniff(prefix)
+    if looks in ("zip", "pickle"):
+        what = "a zip archive" if looks == "zip" else "a pickle"
+        return (
+            f" (it starts as {what}: a torch.save file under a .safetensors name? Rename it to "
+            ".pt to read it as one)"
+        )
+    return ""

@@ -1,8 +1,8 @@
 """Where a save's files go: a local directory (``local.py``) or an fsspec URL (``remote.py``).
 
 Both transactions have the same few methods: ``write_files`` (the planned data files,
-returning their crc32c), ``write_bytes`` (indexes, the manifest), ``commit``, ``abort`` and
-``data_files``; ``directory`` is where every rank of a collective save writes.
+returning their crc32c), ``write_bytes`` (indexes, the manifest), ``commit`` and ``abort``;
+``directory`` is where every rank of a collective save writes.
 """
 
 from __future__ import annotations
@@ -33,8 +33,6 @@ class Transaction(Protocol):
     def commit(self, *, durable: bool) -> None: ...
 
     def abort(self) -> None: ...
-
-    def data_files(self) -> dict[str, int]: ...
 
 
 def open_transaction(

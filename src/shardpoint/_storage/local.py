@@ -43,12 +43,12 @@ from pathlib import Path
 
 from .._format.index import index_name
 from .._format.manifest import MANIFEST_NAME
+from .._format.names import TMP_MARKER, is_tmp_name
 from .._io.transfer import FileWrite, naming, write_files
 from .._knobs import knobs
 from ..errors import CheckpointError, CheckpointExistsError, StorageError
 from .paths import read_small_file
 
-TMP_MARKER = ".tmp-"
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
@@ -490,7 +490,7 @@ def recover_all(parent: str | os.PathLike[str], *, no_locks_means_dead: bool = F
         return
     finals = set()
     for name in names:
-        if not name.startswith(".") or TMP_MARKER not in name:
+        if not is_tmp_name(name):
             continue
         stem, _, suffix = name[1:].rpartition(TMP_MARKER)
         if stem and (_SAVE_TMP.fullmatch(suffix) or _OLD_TMP.fullmatch(suffix)) and temp_stem(stem) == stem:
@@ -548,10 +548,6 @@ def missing_path_message(location: str) -> str:
         f"renameat2). Rename it back (mv {aside[-1]} {location}), or save to {location} "
         "again or open a CheckpointManager on its folder, which puts it back; do not delete it"
     )
-
-
-def is_tmp_name(name: str) -> bool:
-    return name.startswith(".") and TMP_MARKER in name
 
 
 # ------------------------------------------------------------------ errors
@@ -637,12 +633,6 @@ class LocalTransaction:
     def write_bytes(self, name: str, data: bytes, *, durable: bool) -> None:
         with reported(self.final, f"writing {name}"):
             write_small_file(os.path.join(self.directory, name), data, durable=durable)
-
-    def data_files(self) -> dict[str, int]:
-        """Data files of the committed checkpoint: name -> size."""
-        final = str(self.final)
-        return {n: os.path.getsize(os.path.join(final, n)) for n in sorted(os.listdir(final))
-                if n.endswith(".safetensors")}
 
     def commit(self, *, durable: bool) -> None:
         """Make the checkpoint visible at ``final`` in one step (see the module docstring)."""

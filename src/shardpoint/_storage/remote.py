@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 import torch
 
 from .._checksum import combine_runs, crc32c
-from .._format.manifest import MANIFEST_NAME
+from .._format.manifest import MANIFEST_NAME, PENDING_NAME
 from .._io.transfer import FileWrite, ReadTask, byte_view, contiguous_cpu
 from .._knobs import knobs
 from ..errors import (
@@ -53,7 +53,6 @@ from ..errors import (
     StorageError,
 )
 
-PENDING_NAME = "shardpoint.pending"
 PENDING_TEXT = b"a shardpoint save or deletion is in progress or was interrupted\n"
 """Written before anything else of a save and deleted after its manifest."""
 
@@ -233,9 +232,6 @@ class RemoteStore:
         self.fs = fs
         self.root = root.rstrip("/")
         self.url = url.rstrip("/")
-        self._lock = threading.Lock()
-        self.bytes_read = 0
-        """Bytes this store read from the filesystem (ranges and small objects)."""
 
     def child(self, name: str) -> RemoteStore:
         return RemoteStore(self.fs, f"{self.root}/{name}", f"{self.url}/{name}")
@@ -331,10 +327,7 @@ class RemoteStore:
                 )
             return bytes(data)
 
-        data = retrying("reading", self.url_of(name), run)
-        with self._lock:
-            self.bytes_read += len(data)
-        return data
+        return retrying("reading", self.url_of(name), run)
 
     def get(self, name: str, *, limit: int) -> bytes:
         """A whole small object (index, manifest, pointer), refused when over ``limit``."""
@@ -349,10 +342,7 @@ class RemoteStore:
                 )
             return bytes(self.fs.cat_file(path))
 
-        data = retrying("reading", self.url_of(name), run)
-        with self._lock:
-            self.bytes_read += len(data)
-        return data
+        return retrying("reading", self.url_of(name), run)
 
     # ------------------------------------------------------------------ writing
 
@@ -752,10 +742,6 @@ class RemoteTransaction:
             self.store.delete([n for n in names if n == MANIFEST_NAME])
             self.store.delete([n for n in names if n not in (MANIFEST_NAME, PENDING_NAME)])
             self.store.delete([PENDING_NAME])
-
-    def data_files(self) -> dict[str, int]:
-        return {n: s for n, s in sorted(self.store.list().items()) if n.endswith(".safetensors")}
-
 
 def write_files_at(
     directory: str,

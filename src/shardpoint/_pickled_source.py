@@ -1,0 +1,277 @@
+"""``torch.save`` files and Hugging Face ``.bin`` shards, read one batch at a time.
+
+- ``torch.save`` file: ``torch.load(weights_only=True, mmap=True)``. Tensors are views of
+  the mapped file; a page is read when a tensor is used, and dropped again
+  (``madvise(MADV_DONTNEED)``, Linux) once its batch is done, so resident memory stays
+  about one batch. A file that needs a full unpickle is refused unless ``trust_pickle``.
+  Files in the legacy (pre-1.6, non-zip) format cannot be mapped: they are loaded whole.
+- HF ``.bin`` shards (``pytorch_model.bin.index.json``): the same, one shard at a time.
+
+Used by ``convert`` / ``diff`` (through ``_stream_source.open_source``), by ``sp.load`` /
+``load_into`` of ``.bin`` weights (``_read_pickled``), and by ``verify`` and ``inspect``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap as _mmap
+import os
+import pickle
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ._checkpoint import read_json_file
+from ._format.detect import detect
+from ._format.index import parse_index
+from ._format.names import check_file_name
+from ._storage.paths import member_path, open_regular
+from ._tensor_source import (
+    Ref,
+    SourceSpec,
+    TensorSource,
+    as_descriptors,
+    cast,
+    components_from_object,
+    meta_like,
+)
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    MissingShardError,
+    UnsafePickleError,
+    UnsupportedFormatError,
+)
+
+_MADV_DONTNEED = 4
+
+
+def _file_mappings(path: str) -> list[tuple[int, int]]:
+    """Address ranges where ``path`` is mapped into this process (Linux; else none)."""
+    real = os.path.realpath(path)
+    ranges = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                parts = line.split(None, 5)
+                if len(parts) == 6 and parts[5].rstrip("\n") == real:
+                    lo, hi = parts[0].split("-")
+                    ranges.append((int(lo, 16), int(hi, 16)))
+    except OSError:
+        return []
+    return ranges
+
+
+class _PageDropper:
+    """Drops the resident pages of mapped tensors, only inside the file's own mapping.
+
+    The mapping is private and never written, so dropped pages are simply read from the
+    file again if touched; memory outside the mapping (anonymous) is never touched.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.ranges = _file_mappings(path)
+        self._madvise = None
+        if self.ranges:
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                fn = libc.madvise
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                self._madvise = fn
+            except (OSError, AttributeError):  # pragma: no cover - not Linux/glibc
+                self.ranges = []
+
+    def drop(self, tensors: Sequence[torch.Tensor]) -> None:
+        if self._madvise is None:
+            return
+        page = _mmap.PAGESIZE
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            start, nbytes = storage.data_ptr(), storage.nbytes()
+            if nbytes == 0:
+                continue
+            lo, hi = start // page * page, -(-(start + nbytes) // page) * page
+            for mlo, mhi in self.ranges:
+                a, b = max(lo, mlo), min(hi, mhi)
+                if a < b:
+                    self._madvise(a, b - a, _MADV_DONTNEED)
+
+
+def _refusal_reason(exc: BaseException) -> str:
+    text = str(exc)
+    marker = "WeightsUnpickler error:"
+    if marker in text:
+        reason = text.split(marker, 1)[1].strip()
+        return reason.split(". Please", 1)[0].split("\n", 1)[0].strip()
+    return text.strip().split("\n", 1)[0][:200]
+
+
+def torch_load(path: str, *, trust_pickle: bool, zip_only: bool = False) -> tuple[Any, bool]:
+    """Load a ``torch.save`` file mapped (zip format) or whole (legacy); (object, mapped).
+
+    Raises UnsafePickleError naming the file when it needs a full unpickle and
+    ``trust_pickle`` is False; with ``zip_only`` a legacy file is refused before unpickling.
+    """
+    fd = open_regular(path, where=path)  # a FIFO or device would hang or never end
+    try:
+        magic = os.pread(fd, 4, 0)
+    finally:
+        os.close(fd)
+    if magic == b"PK\x03\x04":
+        mapped = True
+    elif magic[:1] == b"\x80" and zip_only:
+        raise UnsupportedFormatError(
+            f"{path} is not a zip-format torch.save file (a legacy pre-1.6 pickle); sp.load reads "
+            "only zip-format .bin/.pt weights. If you trust whoever wrote it, convert it once: "
+            "`shardpoint convert SRC DST --trust-pickle`"
+        )
+    elif magic[:1] == b"\x80":  # a pickle: the legacy (pre-1.6) torch.save format
+        mapped = False
+    else:
+        raise UnsupportedFormatError(
+            f"{path} is not a torch.save file (neither a zip archive nor a pickle); convert reads "
+            "torch.save files, safetensors, Hugging Face .bin shards and DCP directories"
+        )
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=not trust_pickle, mmap=mapped)
+    except pickle.UnpicklingError as exc:
+        if trust_pickle or "Weights only load failed" not in str(exc):
+            raise CorruptCheckpointError(
+                f"{path} could not be unpickled: {_refusal_reason(exc)}"
+            ) from None
+        raise UnsafePickleError(
+            f"{path} cannot be loaded with weights_only=True ({_refusal_reason(exc)}): reading "
+            "it needs a full unpickle, which can run arbitrary code from the file, so it is "
+            "refused. "
+            + (
+                "sp.load never runs a full unpickle; if you trust whoever wrote the file, convert "
+                "it once with `shardpoint convert SRC DST --trust-pickle` and load DST"
+                if zip_only
+                else "Pass trust_pickle=True (CLI: --trust-pickle) only if you trust whoever wrote this file"
+            )
+        ) from None
+    except (RuntimeError, EOFError, KeyError, ValueError, OSError) as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CorruptCheckpointError(
+            f"{path} is not a readable torch.save file ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); it may be truncated"
+        ) from None
+    return obj, mapped
+
+
+class TorchSaveSource(TensorSource):
+    """One ``torch.save`` file, mapped; tensors read (page-faulted) one batch at a time."""
+
+    def __init__(self, spec: SourceSpec, notes: list[str]) -> None:
+        obj, mapped = torch_load(spec.path, trust_pickle=spec.trust_pickle, zip_only=spec.zip_only)
+        real, flat = components_from_object(obj, where=spec.path, allow_pickle=spec.trust_pickle)
+        if not mapped:
+            notes.append(
+                f"{spec.path} is in the legacy (non-zip) torch.save format, which cannot be "
+                "memory-mapped: it was loaded into memory whole"
+            )
+        super().__init__(spec, as_descriptors(real), flat, notes)
+        self._tensors: dict[Ref, torch.Tensor] | None = {
+            (c.name, n): c.tensors[n] for c in real for n in c.stored
+        }
+        self._dropper = _PageDropper(spec.path) if mapped else None
+        self._last: list[torch.Tensor] = []
+
+    def read(self, refs: Sequence[Ref], dtype: torch.dtype | None) -> list[torch.Tensor]:
+        assert self._tensors is not None, "source is closed"
+        self._last = [self._tensors[r] for r in refs]
+        return [cast(t, dtype) for t in self._last]
+
+    def release(self) -> None:
+        if self._dropper is not None:
+            self._dropper.drop(self._last)
+        self._last = []
+
+    def close(self) -> None:
+        self._tensors = None
+        self._last = []
+
+
+class BinShardsSource(TensorSource):
+    """HF ``pytorch_model.bin.index.json`` + shards; one shard mapped at a time."""
+
+    def __init__(self, spec: SourceSpec, notes: list[str]) -> None:
+        self.spec = spec  # _load needs it before the dataclass fields are set
+        directory = spec.path
+        iname = spec.index or detect(os.listdir(directory)).index
+        if iname is None:
+            raise CheckpointNotFoundError(
+                f"{directory} holds no *.bin.index.json; it is not a directory of .bin shards"
+            )
+        where = os.path.join(directory, iname)
+        index = parse_index(
+            read_json_file(member_path(directory, iname, where=directory), where=where), where=where
+        )
+        self.directory = directory
+        self._file_of: dict[str, str] = {}
+        skeleton: dict[str, torch.Tensor] = {}
+        # First pass: shapes and dtypes, one shard mapped at a time (no tensor data read).
+        for fname in sorted(set(index.weight_map.values())):
+            shard = self._load(fname)
+            for key, tensor in shard.items():
+                if index.weight_map.get(key) != fname:
+                    continue  # not this shard's according to the index (as transformers reads it)
+                if not isinstance(tensor, torch.Tensor):
+                    raise CorruptCheckpointError(f"{self._label(fname)}: {key!r} is not a tensor")
+                skeleton[key] = meta_like(tensor.dtype, tensor.shape)
+                self._file_of[key] = fname
+            del shard
+        missing = [k for k in index.weight_map if k not in skeleton]
+        if missing:
+            fname = index.weight_map[missing[0]]
+            raise CorruptCheckpointError(
+                f"{self._label(fname)}: tensor {missing[0]!r} is listed in {iname} but absent "
+                f"from this file ({len(missing)} listed tensors are absent); the checkpoint is damaged"
+            )
+        components, flat = components_from_object(skeleton, where=directory, allow_pickle=False)
+        super().__init__(spec, components, flat, notes)
+        self._current: tuple[str, dict[str, torch.Tensor], _PageDropper] | None = None
+        self._last: list[torch.Tensor] = []
+
+    def _label(self, fname: str) -> str:
+        return os.path.join(self.directory, fname)
+
+    def _load(self, fname: str) -> dict[str, torch.Tensor]:
+        check_file_name(fname, where=self._label("pytorch_model.bin.index.json"))
+        path = member_path(self.directory, fname, where=self.directory)
+        if not os.path.exists(path):  # absent, or a dangling link
+            raise MissingShardError(
+                f"{path} is missing: the index lists it but it is not there; the checkpoint is "
+                "incomplete (copy the file back or load another checkpoint)"
+            )
+        obj, _ = torch_load(path, trust_pickle=self.spec.trust_pickle, zip_only=self.spec.zip_only)
+        if not isinstance(obj, Mapping):
+            raise CorruptCheckpointError(
+                f"{path} holds a {type(obj).__name__}, not a state dict shard"
+            )
+        return dict(obj)
+
+    def read(self, refs: Sequence[Ref], dtype: torch.dtype | None) -> list[torch.Tensor]:
+        out = []
+        for _, name in refs:
+            fname = self._file_of[name]
+            if self._current is None or self._current[0] != fname:
+                self.release()
+                self._current = None  # unmap the previous shard before mapping the next
+                self._current = (fname, self._load(fname), _PageDropper(self._label(fname)))
+            source = self._current[1][name]
+            self._last.append(source)
+            out.append(cast(source, dtype))
+        return out
+
+    def release(self) -> None:
+        if self._current is not None:
+            self._current[2].drop(self._last)
+        self._last = []
+
+    def close(self) -> None:
+        self._current = None
+        self._last = []

@@ -1,0 +1,180 @@
+"""A checkpoint of any format, read one batch of tensors at a time: the common part.
+
+A :class:`TensorSource` describes a checkpoint as components (name, JSON tree, stored
+tensor names, aliases) whose tensors are ``meta`` descriptors (dtype and shape, no data),
+and reads the tensors themselves only when asked, a few at a time, so nothing ever holds
+the whole checkpoint in memory. The formats are implemented beside it:
+``_pickled_source`` (``torch.save`` files, HF ``.bin`` shards) and ``_stream_source``
+(safetensors through :class:`~shardpoint._read.ReadBatch`, DCP), which also opens any
+path as the right one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ._flatten import flatten_state
+from ._format.dtypes import dtype_name
+from ._io.transfer import contiguous_cpu
+from ._prepare import Component, check_tensor, dedup, split_components
+from ._stateful import find_modules, make_to_state, parameter_names
+from .errors import InvalidStateError
+
+BATCH_BYTES = 64 << 20
+"""Tensors are read (and written, compared) in batches of about this many bytes; a larger
+tensor is a batch of its own. Peak memory of convert / diff is about one batch."""
+
+Ref = tuple[str, str]
+"""(component, stored tensor name): how a tensor is asked for."""
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """Enough to open a source again (in a worker process): picklable."""
+
+    path: str
+    """The file or directory actually read."""
+    kind: str
+    """``torch-save``, ``hf-bin``, ``safetensors`` or ``dcp``."""
+    trust_pickle: bool
+    zip_only: bool = False
+    """Read for ``sp.load`` / ``load_into``: only zip-format ``torch.save`` files (a legacy
+    file is one big pickle), and refusals point at ``convert --trust-pickle``."""
+    index: str | None = None
+    """For ``hf-bin``: the ``*.bin.index.json`` that ``_format.detect`` chose (None: detect it
+    again from the directory's listing)."""
+
+
+@dataclass
+class TensorSource:
+    """An opened checkpoint of any supported format, read a batch at a time."""
+
+    spec: SourceSpec
+    components: list[Component]
+    """Tensors are ``meta`` descriptors (stored dtype and shape); aliases included."""
+    flat: bool
+    """A flat state dict (the component ``model``), as ``sp.load`` would return it."""
+    notes: list[str] = field(default_factory=list)
+    """What a person should know about how the source was read (printed by the CLI)."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """User metadata of a shardpoint checkpoint (carried over by convert)."""
+
+    def describe(self) -> str:
+        return {
+            "torch-save": "torch.save file",
+            "hf-bin": "Hugging Face .bin shards",
+            "safetensors": "safetensors checkpoint",
+            "dcp": "torch.distributed.checkpoint (DCP) directory",
+        }[self.spec.kind]
+
+    def read(self, refs: Sequence[Ref], dtype: torch.dtype | None) -> list[torch.Tensor]:
+        """Contiguous CPU tensors for ``refs``, floating-point ones cast to ``dtype``.
+
+        They stay valid until :meth:`release` (which a mapped source uses to drop pages).
+        """
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """The tensors of the last :meth:`read` are no longer needed."""
+
+    def close(self) -> None:
+        """Drop every mapping and handle."""
+
+    @contextlib.contextmanager
+    def batch(self, refs: Sequence[Ref], dtype: torch.dtype | None) -> Iterator[list[torch.Tensor]]:
+        """``read`` as a context: the tensors are released when the block ends."""
+        tensors = self.read(refs, dtype)
+        try:
+            yield tensors
+        finally:
+            del tensors
+            self.release()
+
+    def descriptor(self, ref: Ref) -> torch.Tensor:
+        """The meta tensor (stored dtype and shape) of ``ref``."""
+        for comp in self.components:
+            if comp.name == ref[0]:
+                return comp.tensors[ref[1]]
+        raise KeyError(ref)
+
+
+def cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``tensor`` as a contiguous CPU tensor, floating point cast to ``dtype``."""
+    tensor = contiguous_cpu(tensor)
+    if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+        tensor = tensor.to(dtype)
+    return tensor
+
+
+def batches(sizes: Sequence[int], budget: int = BATCH_BYTES) -> list[list[int]]:
+    """Split indexes of consecutive items into runs of at most ``budget`` bytes.
+
+    >>> batches([10, 10, 30, 5], budget=20)
+    [[0, 1], [2], [3]]
+    """
+    out: list[list[int]] = []
+    total = 0
+    for i, nbytes in enumerate(sizes):
+        if out and out[-1] and total + nbytes <= budget:
+            out[-1].append(i)
+            total += nbytes
+        else:
+            out.append([i])
+            total = nbytes
+    return out
+
+
+# ------------------------------------------------------------------------- components
+
+
+def meta_like(dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    return torch.empty(tuple(shape), dtype=dtype, device="meta")
+
+
+def components_from_object(
+    obj: Any, *, where: str, allow_pickle: bool
+) -> tuple[list[Component], bool]:
+    """Components of a loaded object, as ``save`` would store it (meta tensors allowed).
+
+    Same flattening, checks and tied-weight dedup as ``save``; tensors keep their identity
+    (real ones for mapped files, ``meta`` placeholders for DCP and shards).
+    """
+    if isinstance(obj, torch.Tensor) or not isinstance(obj, (Mapping, torch.nn.Module)):
+        raise InvalidStateError(
+            f"{where} holds a {type(obj).__name__}, not a state dict or a mapping of components; "
+            "there is nothing to convert"
+        )
+    try:
+        raw, flat = split_components(obj)
+        to_state = make_to_state(parameter_names(find_modules(obj)))
+        components = []
+        for cname, value in raw.items():
+            tree, tensors = flatten_state(
+                value, path=cname, to_state=to_state, allow_pickle=allow_pickle
+            )
+            comp = Component(cname, tree, tensors)
+            for name, tensor in tensors.items():
+                if tensor.device.type == "meta":
+                    dtype_name(tensor.dtype, key=name)
+                else:
+                    check_tensor(name, cname, tensor)
+            dedup(comp)
+            components.append(comp)
+    except InvalidStateError as exc:
+        raise InvalidStateError(f"{where}: {exc}") from None
+    return components, flat
+
+
+def as_descriptors(components: list[Component]) -> list[Component]:
+    """The same components with every tensor replaced by a meta descriptor."""
+    out = []
+    for comp in components:
+        metas = {n: meta_like(comp.tensors[n].dtype, comp.tensors[n].shape) for n in comp.stored}
+        tensors = {n: metas[comp.aliases.get(n, n)] for n in comp.tensors}
+        out.append(Component(comp.name, comp.tree, tensors, list(comp.stored), dict(comp.aliases)))
+    return out
