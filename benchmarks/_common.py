@@ -624,8 +624,9 @@ def sweep_read_limit(
     buffered and (``direct``) ``O_DIRECT``, each reading the first ``sweep_bytes`` of the file
     with the caches dropped first. Returns (the fastest configuration, every (config, GB/s)).
 
-    Cheap by design: a few hundred MB per configuration, once per run; the interleaved rounds
-    then time the winner over the whole file as the limit row.
+    Cheap by design: a few hundred MB per configuration, once per run (the top three twice
+    more, the best median of three wins); the interleaved rounds then time the winner over
+    the whole file as the limit row.
     """
     modes = ["buffered", *(["direct"] if direct else [])]
     results: list[tuple[ReaderConfig, float]] = []
@@ -638,11 +639,20 @@ def sweep_read_limit(
                 got = read_with(config, path, end=sweep_bytes)
                 results.append((config, got / (time.perf_counter() - started) / 1e9))
     log(f"  [read limit sweep] {io_uring_status()}")
-    best = max(results, key=lambda r: r[1])[0]
     ranked = sorted(results, key=lambda r: -r[1])
+    # One sample each is noisy on a shared machine: the top three run twice more, and the
+    # one with the best median of its three wins.
+    finalists: dict[ReaderConfig, list[float]] = {c: [gbs] for c, gbs in ranked[:3]}
+    for _ in range(2):
+        for config, samples in finalists.items():
+            drop_caches([path])
+            started = time.perf_counter()
+            got = read_with(config, path, end=sweep_bytes)
+            samples.append(got / (time.perf_counter() - started) / 1e9)
+    best = max(finalists, key=lambda c: statistics.median(finalists[c]))
     log(
         f"  [read limit sweep] {len(results)} readers over {sweep_bytes / 1e6:.0f} MB each, cold; best: "
         + ", ".join(f"{c.label()} {gbs:.2f} GB/s" for c, gbs in ranked[:3])
-        + f"; worst {ranked[-1][0].label()} {ranked[-1][1]:.2f} GB/s"
+        + f"; worst {ranked[-1][0].label()} {ranked[-1][1]:.2f} GB/s; chosen (median of 3): {best.label()}"
     )
     return best, results
