@@ -599,7 +599,14 @@ def io_uring_status() -> str:
         return "io_uring: the liburing binding sets up a ring here, but the sweep has no io_uring reader yet"
     if b"ModuleNotFoundError" in done.stderr:
         return "io_uring: not swept (no liburing binding installed)"
-    return f"io_uring: not swept (setting up a ring with the liburing binding failed, exit status {done.returncode})"
+    import signal
+
+    how = (
+        f"killed by {signal.Signals(-done.returncode).name}"
+        if done.returncode < 0 and -done.returncode in signal.Signals._value2member_map_
+        else f"exit status {done.returncode}"
+    )
+    return f"io_uring: not swept (setting up a ring with the liburing binding failed: {how})"
 
 
 def read_with(config: ReaderConfig, path: str, end: int | None = None) -> int:
