@@ -642,11 +642,8 @@ def reshard_load(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, flo
     times = r.interleaved("reshard load, warm", cases, args.rounds)
     # Counted once more, untimed. rchar counts read syscalls: shardpoint's mapped copy of
     # page-cache-resident pieces bypasses them, so it is off for this count.
-    os.environ["SHARDPOINT_CACHED_COPY"] = "0"
-    try:
+    with sp.using(io=sp.IOOptions(cached_copy=False)):
         counting("sp", load_sp)()
-    finally:
-        del os.environ["SHARDPOINT_CACHED_COPY"]
     counting("dcp", load_dcp)()
     check("counted loads")()
     per_sp = r.gather(read["sp"])
@@ -664,7 +661,7 @@ def reshard_load(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, flo
     )
     r.log(
         f"\nbytes read per rank in the {args.reshard_from} -> {r.world} reshard (from /proc/self/io rchar; "
-        "sp with SHARDPOINT_CACHED_COPY=0, whose mapped copies rchar cannot see)"
+        "sp with IOOptions(cached_copy=False), whose mapped copies rchar cannot see)"
     )
     for rank in range(r.world):
         r.log(

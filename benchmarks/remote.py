@@ -45,7 +45,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
 import shardpoint as sp
-from shardpoint._knobs import knobs
+from shardpoint._options import current_options
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # the SeaweedFS launcher the tests use
@@ -111,13 +111,14 @@ def main(argv: list[str] | None = None) -> int:
         log_err("building the state dict ...")
         state = make_state_dict(shapes, args.seed)
         nbytes = tensor_bytes(state)
-        threads = knobs().remote_threads
+        remote = current_options().remote
+        threads = remote.threads
         print(
             f"shardpoint {sp.__version__}, torch {torch.__version__}, python {platform.python_version()}, "
             f"{os.cpu_count()} CPUs\nstate: {len(shapes)} fp32 tensors, {nbytes / 1e9:.2f} GB, "
             f"{SHARD_SIZE} shards; S3: SeaweedFS `weed mini` on {server.endpoint} (loopback)\n"
-            f"shardpoint remote threads {threads}, block {knobs().remote_block_bytes >> 20} MiB, "
-            f"read piece {knobs().remote_read_bytes >> 20} MiB",
+            f"shardpoint remote threads {threads}, block {remote.block_bytes >> 20} MiB, "
+            f"read piece {remote.read_bytes >> 20} MiB",
             flush=True,
         )
 

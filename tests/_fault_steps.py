@@ -17,7 +17,7 @@ Each counted call is a *step* with a readable label (``fsync model-00002-of-0000
 
 A dry run (``at=None``) records the steps of a fault-free save, so a test can walk a fault
 through every one of them. The writer pool must run one thread
-(``SHARDPOINT_WRITE_THREADS=1``) so the order of the steps is the same on every run.
+(``IOOptions(write_threads=1)``) so the order of the steps is the same on every run.
 """
 
 from __future__ import annotations

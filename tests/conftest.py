@@ -1,15 +1,18 @@
 """Shared fixtures: one real S3 server (SeaweedFS on loopback) for the whole session, used
-by ``test_remote.py`` and ``test_remote_faults.py``."""
+by ``test_remote.py`` and ``test_remote_faults.py``; ``use_options``, shardpoint's options
+in effect for the rest of a test."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
+import shardpoint as sp
 from _s3_server import SeaweedS3, ServerUnavailable
 
 
@@ -40,3 +43,11 @@ def url(s3: SeaweedS3, request: pytest.FixtureRequest) -> str:
     """A fresh prefix in the bucket for this test."""
     name = re.sub(r"[^A-Za-z0-9_-]", "-", request.node.name)[:60]
     return f"s3://{s3.bucket}/{name}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def use_options() -> Iterator[Callable[..., sp.Options]]:
+    """``use_options(io=sp.IOOptions(...))`` puts those options in effect (``sp.using``) from
+    there to the end of the test; returns the options then in effect. Later calls layer."""
+    with contextlib.ExitStack() as stack:
+        yield lambda *groups, **named: stack.enter_context(sp.using(*groups, **named))

@@ -31,6 +31,8 @@ _CHILD = textwrap.dedent(
     import json, resource, sys
     import torch, shardpoint as sp
     cases, slack, cap = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "cap"
+    held = sp.using(io=sp.IOOptions(read_threads=2))  # for this process's life
+    held.__enter__()
     def vm():
         with open("/proc/self/status") as f:
             for line in f:
@@ -60,8 +62,7 @@ _CHILD = textwrap.dedent(
 
 def _load_in_child(cases: list[tuple[Path, int]], *, cap: bool = True, script: str = _CHILD) -> list[dict[str, Any]]:
     """Load each (path, bytes its files hold) in one child process, in order."""
-    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2",
-           "SHARDPOINT_READ_THREADS": "2"}
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2"}
     arg = json.dumps([[str(p), n] for p, n in cases])
     done = subprocess.run([sys.executable, "-c", script, arg, str(SLACK), "cap" if cap else "nocap"],
                           capture_output=True, text=True, timeout=300, env=env)

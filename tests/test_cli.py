@@ -9,6 +9,7 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -338,10 +339,10 @@ def test_verify_flipped_data_byte(ckpt: Path, capsys: pytest.CaptureFixture[str]
 
 
 def test_verify_streams_in_small_segments(
-    ckpt: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    ckpt: Path, use_options: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # 24-byte reads: every tensor spans several reads, and the crc must carry across them.
-    monkeypatch.setenv("SHARDPOINT_IO_SEGMENT_BYTES", "24")
+    use_options(io=sp.IOOptions(segment_bytes=24))
     assert verify_checkpoint(ckpt).ok
     shard = ckpt / FILES[1]
     flip_byte(shard, tensor_start(shard, "layer.0.weight") + 200)

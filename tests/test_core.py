@@ -260,12 +260,12 @@ def test_foreign_single_file_and_directory(tmp_path):
     assert torch.equal(target["x"], sd["x"])
 
 
-def test_large_tensor_split_across_threads_verifies(tmp_path, monkeypatch):
+def test_large_tensor_split_across_threads_verifies(tmp_path, monkeypatch, use_options):
     """A tensor larger than one I/O piece is written/read by several threads; crcs combine."""
     import shardpoint._io.transfer as transfer
 
     monkeypatch.setattr(transfer, "PIECE_BYTES", 4096)
-    monkeypatch.setenv("SHARDPOINT_IO_SEGMENT_BYTES", "1000")
+    use_options(io=sp.IOOptions(segment_bytes=1000))
     t = torch.randn(10_000)
     sp.save({"t": t}, tmp_path / "ck")
     manifest = json.loads((tmp_path / "ck" / "shardpoint.json").read_text())

@@ -95,9 +95,9 @@ def assert_invisible(parent: Path, where: str) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _one_writer_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def _one_writer_thread(use_options: Any) -> Iterator[None]:
     """The steps of a save come in the same order on every run."""
-    monkeypatch.setenv("SHARDPOINT_WRITE_THREADS", "1")
+    use_options(io=sp.IOOptions(write_threads=1))
     yield
     last = sp_async.default_queue().last  # an async failure left unseen must not leak into other tests
     if last is not None:
@@ -135,6 +135,7 @@ def check_error_names_cause(error: BaseException, steps: FaultSteps, action: str
         assert "injected failure at step" in text, f"{where}: {error!r}"
         return
     assert isinstance(error, OSError), f"{where}: {error!r}"
+    assert isinstance(error, sp.CheckpointError), f"{where}: not a CheckpointError: {error!r}"
     assert error.errno == errno.EIO, f"{where}: {error!r}"
     assert os.strerror(errno.EIO) in text, f"{where}: {text}"
     named = [os.path.basename(p) for p in steps.fired_paths]
@@ -318,7 +319,7 @@ class KillHelper(HelperProcess):
     """A process that imports torch once and forks a child per round (this file as a script)."""
 
     def __init__(self, workdir: Path) -> None:
-        env = {**os.environ, "SHARDPOINT_WRITE_THREADS": "1", "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one writer thread: see _helper_main
         super().__init__(__file__, workdir, env=env)
         assert self.call({"op": "ping"}) == {"pong": True}
 
@@ -569,7 +570,12 @@ def test_enospc_at_every_file_of_a_save_on_a_full_tmpfs(small_tmpfs: Path) -> No
             sp.save(big_state(2), path, max_shard_size=MAX_SHARD, overwrite=True)
         except OSError as exc:
             assert exc.errno == errno.ENOSPC, f"{where}: {exc!r}"
+            assert isinstance(exc, sp.StorageError), f"{where}: not a StorageError: {exc!r}"
             assert "No space left on device" in str(exc), where
+            assert str(exc).endswith(
+                "Nothing was committed there by this save: the checkpoint that was there before, "
+                "if any, is unchanged, and this save's temporary directory is removed"
+            ), f"{where}: {exc}"
             named = re.findall(r"(model[-.][\w.-]*\.(?:safetensors|json)|shardpoint\.json|\.ckpt\.tmp-\w+)", str(exc))
             assert named, f"{where}: the error names no file: {exc}"
             failed_on.append(named[-1])
@@ -607,11 +613,13 @@ def test_enospc_during_a_manager_save_and_its_latest_update(small_tmpfs: Path) -
             mgr.save(3, big_state(3))
         except OSError as exc:
             assert exc.errno == errno.ENOSPC, f"{where}: {exc!r}"
+            assert isinstance(exc, sp.StorageError), f"{where}: not a StorageError: {exc!r}"
             fresh = sp.CheckpointManager(root)
             committed = 3 in fresh.steps()
             if committed:  # the step is whole; only the `latest` hint could not be written
                 hit_latest = True
                 assert ".latest.tmp-" in str(exc), f"{where}: {exc}"
+                assert f"Step 3 is committed at {root / 'step-000003'}; 'latest' may still name the step " in str(exc)
                 assert (root / "latest").read_text() == "step-000002\n"
             assert fresh.latest_step() == (3 if committed else 2), where
             target = big_state(0)
@@ -788,16 +796,14 @@ def test_pickle_sidecars_beside_safetensors_are_never_unpickled(
     assert not marker.exists()
 
 
-def test_index_over_the_json_size_limit_is_refused_before_parsing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_index_over_the_json_size_limit_is_refused_before_parsing(tmp_path: Path) -> None:
     ckpt = _saved(tmp_path)
     (ckpt / "shardpoint.json").unlink()
     index = ckpt / "model.safetensors.index.json"
     size = index.stat().st_size
-    monkeypatch.setenv("SHARDPOINT_MAX_JSON_BYTES", str(size - 1))
     with pytest.raises(CorruptCheckpointError, match=re.escape(f"{index} is {size} bytes, over the {size - 1}-byte limit")):
-        sp.load(ckpt)
+        sp.load(ckpt, options=sp.IOOptions(max_json_bytes=size - 1))
+    assert sp.load(ckpt, options=sp.IOOptions(max_json_bytes=size))  # at the limit: read
 
 
 def test_json_bomb_in_the_manifest_metadata_is_refused(tmp_path: Path) -> None:
@@ -924,6 +930,11 @@ def _free_race(cmd: dict[str, Any]) -> dict[str, Any]:
 def _helper_main() -> None:
     """Serve rounds: one JSON command per stdin line, one JSON reply per line."""
     torch.set_num_threads(1)  # single-threaded, so fork() is safe
+    # One writer thread, so the steps of a save come in the same order in every round (the
+    # forked children inherit this thread's options). Held by this frame, which serves until
+    # the process exits.
+    held = sp.using(io=sp.IOOptions(write_threads=1))
+    held.__enter__()
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # stray prints must not corrupt the protocol
     from shardpoint._storage import local as sp_local

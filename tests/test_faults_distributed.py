@@ -5,7 +5,7 @@ so every rank writes files of its own. Each rank records what it raised (type, m
 failed ranks, seconds) in a JSON file; the test compares them across ranks: all ranks raise
 a :class:`DistributedCheckpointError` with the same summary naming the failed rank, within
 a bounded time (a dead rank is noticed when its connection closes, long before
-``SHARDPOINT_COLLECTIVE_TIMEOUT``), nothing is committed, the previous checkpoint still
+``CollectiveOptions.timeout_s``), nothing is committed, the previous checkpoint still
 loads bit for bit, and no temporary directory is left (or, when the coordinator itself was
 killed, the next save removes it). ``tests/test_distributed.py`` already covers a rank
 failing its write on 2 ranks (sync, async, both layouts, overwrite).
@@ -242,7 +242,8 @@ def kill_worker(rank: int, world: int, root_str: str, victim: int, where: str) -
             os.kill(os.getpid(), signal.SIGKILL)
 
         collective.write_manifest = manifest_then_die  # type: ignore[assignment]
-    record(root, "killed", rank, lambda: sp.save(state, root / "previous", overwrite=True))
+    record(root, "killed", rank, lambda: sp.save(state, root / "previous", overwrite=True,
+                                                 options=sp.CollectiveOptions(timeout_s=600)))
     # No collective after this: a peer is dead. Leave without waiting for one.
 
 
@@ -251,10 +252,7 @@ def kill_worker(rank: int, world: int, root_str: str, victim: int, where: str) -
     [(2, "write"), (2, "write-first"), (0, "commit")],
     ids=["rank2-mid-write", "rank2-dead-before-the-coordinator-reports", "coordinator-mid-commit"],
 )
-def test_a_rank_killed_mid_save_fails_the_others_promptly(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, victim: int, where: str
-) -> None:
-    monkeypatch.setenv("SHARDPOINT_COLLECTIVE_TIMEOUT", "600")
+def test_a_rank_killed_mid_save_fails_the_others_promptly(tmp_path: Path, victim: int, where: str) -> None:
     run_ranks(kill_worker, WORLD, str(tmp_path), victim, where, timeout=180, may_be_killed=[victim])
     survivors = [r for r in range(WORLD) if r != victim]
     docs = outcomes(tmp_path, "killed", survivors)
@@ -292,13 +290,10 @@ def hang_worker(rank: int, world: int, root_str: str) -> None:
             return real(*args, **kwargs)
 
         collective.write_files = stuck  # type: ignore[assignment]
-    record(root, "hang", rank, lambda: sp.save(state, root / "ckpt"))
+    record(root, "hang", rank, lambda: sp.save(state, root / "ckpt", options=sp.CollectiveOptions(timeout_s=2)))
 
 
-def test_a_hanging_rank_is_given_up_on_after_the_collective_timeout(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("SHARDPOINT_COLLECTIVE_TIMEOUT", "2")
+def test_a_hanging_rank_is_given_up_on_after_the_collective_timeout(tmp_path: Path) -> None:
     run_ranks(hang_worker, WORLD, str(tmp_path), timeout=120)
     coordinator, stuck, other = outcomes(tmp_path, "hang", [0, 1, 2])
     # The coordinator names the rank that did not report in time...

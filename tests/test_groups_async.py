@@ -344,7 +344,7 @@ def test_manager_restore_agrees_on_the_step_when_one_ranks_view_lags(restored: P
     # restore(step=2): rank 1 does not see it, so both raise, alike, naming rank 1.
     assert outcomes[0]["error"] == (
         f"DistributedCheckpointError: choosing the step to restore from {root} failed on rank 0 "
-        f"(rank 0: CheckpointError: {root} has no committed step 2 in the view of rank 1 (rank 0 sees "
+        f"(rank 0: CheckpointNotFoundError: {root} has no committed step 2 in the view of rank 1 (rank 0 sees "
         "steps [1, 2]; rank 1 sees steps [1]); every rank must see the step it restores: restore a step "
         "all of them list, or wait for the file system to show the step on every rank)"
     )

@@ -868,16 +868,15 @@ def test_crc32c_mismatch_not_checked_with_verify_false(tmp_path: Path) -> None:
     assert target["b"].tolist() == [10.0, 11.0, 12.0, damaged]
 
 
-def test_crc32c_mismatch_honours_verify_environment(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_crc32c_mismatch_honours_the_verify_option(tmp_path: Path) -> None:
     ckpt = _two_shards(tmp_path)
     _flip_last_byte(ckpt / "model-00001-of-00002.safetensors")
-    monkeypatch.setenv("SHARDPOINT_VERIFY", "0")
-    assert sp.load(ckpt)["b"].tolist() == [10.0, 11.0, 12.0, 13.0]
-    monkeypatch.setenv("SHARDPOINT_VERIFY", "1")
+    with sp.using(io=sp.IOOptions(verify_checksums=False)):
+        assert sp.load(ckpt)["b"].tolist() == [10.0, 11.0, 12.0, 13.0]
+        with _raises(ChecksumMismatchError, "model-00001-of-00002.safetensors, tensor 'a': crc32c"):
+            sp.load(ckpt, verify=True)  # the argument wins over the option
     with _raises(ChecksumMismatchError, "model-00001-of-00002.safetensors, tensor 'a': crc32c"):
-        sp.load(ckpt)
+        sp.load(ckpt, options=sp.IOOptions(verify_checksums=True))
 
 
 def test_shard_swapped_in_from_another_save(tmp_path: Path, load_fn: Loader) -> None:
@@ -1149,15 +1148,14 @@ def test_manifest_bomb_nested_inside_valid_manifest(tmp_path: Path) -> None:
     assert str(info.value).startswith(f"{ckpt}")
 
 
-def test_manifest_over_the_json_size_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_manifest_over_the_json_size_limit(tmp_path: Path) -> None:
     ckpt = _one_file(tmp_path)
     manifest = ckpt / "shardpoint.json"
     size = manifest.stat().st_size
-    monkeypatch.setenv("SHARDPOINT_MAX_JSON_BYTES", str(size - 1))
     with _raises(
         CorruptCheckpointError, f"{manifest} is {size} bytes, over the {size - 1}-byte limit"
     ):
-        sp.load(ckpt)
+        sp.load(ckpt, options=sp.IOOptions(max_json_bytes=size - 1))
 
 
 @pytest.mark.parametrize(

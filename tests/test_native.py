@@ -124,10 +124,12 @@ def _data_start(directory, key):
 
 class _CountingNative:
     """The extension with its ``copy_cached`` counted: (calls, pieces it copied), and its
-    ``pread_direct`` calls counted (bytes each read), or failing with ``direct_errno``."""
+    ``pread_direct`` calls counted (bytes each read), or failing with ``direct_errno``;
+    ``used`` names every other function of it that was looked up."""
 
     def __init__(self, module, direct_errno=None):
         self._module = module
+        self.used: set[str] = set()
         self.calls = self.copied = 0
         self.prefixes: list[int] = []
         self.direct: list[int] = []
@@ -142,6 +144,8 @@ class _CountingNative:
         return done
 
     def __getattr__(self, name):
+        if not name.isupper():  # functions, not constants such as STREAM_COPY
+            self.used.add(name)
         return getattr(self._module, name)
 
     def copy_cached(self, fd, buffer, offset):
@@ -153,20 +157,19 @@ class _CountingNative:
 
 
 @pytest.mark.parametrize("loops", ["cached", "native", "python"])
-def test_loops_round_trip_and_detect_damage(tmp_path, monkeypatch, loops):
+def test_loops_round_trip_and_detect_damage(tmp_path, monkeypatch, use_options, loops):
     if loops != "python" and native is None:
         pytest.skip("shardpoint._native is not built here")
     if loops == "cached" and not native.STREAM_COPY:
         pytest.skip("this CPU has no AVX-512 + VPCLMULQDQ for the mapped copy")
-    counting = None
-    if loops == "python":
-        monkeypatch.setattr(transfer, "_native", None)
-    elif loops == "native":
-        monkeypatch.setenv("SHARDPOINT_CACHED_COPY", "0")
-    else:
-        counting = _CountingNative(native)
-        monkeypatch.setattr(transfer, "_native", counting)
-    monkeypatch.setenv("SHARDPOINT_IO_SEGMENT_BYTES", "4096")  # many segments per tensor
+    counting = _CountingNative(native) if native is not None else None
+    if counting is not None:
+        monkeypatch.setattr(transfer, "_native", counting)  # counts the extension's calls
+    use_options(io=sp.IOOptions(
+        native=loops != "python",
+        cached_copy=loops == "cached",
+        segment_bytes=4096,  # many segments per tensor
+    ))
     gen = torch.Generator().manual_seed(4)
     state = {
         "a": torch.randn(300, 257, generator=gen),
@@ -180,8 +183,12 @@ def test_loops_round_trip_and_detect_damage(tmp_path, monkeypatch, loops):
     assert set(loaded) == set(state)
     for key, value in state.items():
         assert torch.equal(loaded[key], value)
-    if counting is not None:  # the files were just written, so "d" came from the page cache
+    if loops == "cached":  # the files were just written, so "d" came from the page cache
         assert counting.copied == counting.calls == 1
+    elif loops == "native":  # IOOptions(cached_copy=False): the extension's pread, no mapped copy
+        assert counting.calls == 0 and {"pread_into", "pwrite_from"} <= counting.used, counting.used
+    elif counting is not None:  # IOOptions(native=False): the Python loops, the extension unused
+        assert counting.calls == 0 and counting.used == set(), counting.used
     # One byte of "a" and of "d" flipped: the loops' crc must catch each.
     for key, at in (("a", 150_000), ("d", 2_000_001)):
         f, start = _data_start(out, key)
@@ -291,7 +298,7 @@ def test_copy_cached_copies_only_what_is_cached_and_the_caller_reads_the_rest(tm
     ],
 )
 def test_write_segments_end_on_multiples_of_the_segment_in_the_file(monkeypatch, size, segment, expected):
-    """Aligned writes let the page cache keep large folios (see _knobs.io_segment_bytes)."""
+    """Aligned writes let the page cache keep large folios (see IOOptions.segment_bytes)."""
     calls = []
     monkeypatch.setattr(transfer, "_pwrite_all", lambda fd, chunk, at: calls.append((at, len(chunk))))
     data = memoryview(random.Random(8).randbytes(size))
@@ -365,11 +372,12 @@ def test_pread_direct_reads_any_alignment_and_reports_the_end_of_file(tmp_path):
 
 @needs_native
 @pytest.mark.parametrize("cached_copy", ["1", "0"])
-def test_cold_loads_go_past_the_page_cache_and_still_check_every_byte(tmp_path, monkeypatch, cached_copy):
+def test_cold_loads_go_past_the_page_cache_and_still_check_every_byte(
+    tmp_path, monkeypatch, use_options, cached_copy
+):
     """A file not in the page cache is read with O_DIRECT (found cold by the mapped copy, or
     where that is off by a non-blocking probe); a cached one never is; damage is caught."""
-    monkeypatch.setenv("SHARDPOINT_CACHED_COPY", cached_copy)
-    monkeypatch.setenv("SHARDPOINT_DIRECT_READS", "1")
+    use_options(io=sp.IOOptions(cached_copy=cached_copy == "1", direct_reads=True))
     gen = torch.Generator().manual_seed(9)
     state = {"big": torch.randn(3_000_001, generator=gen), "small": torch.randn(1000, generator=gen)}
     out = tmp_path / "ckpt"
@@ -390,11 +398,10 @@ def test_cold_loads_go_past_the_page_cache_and_still_check_every_byte(tmp_path, 
     (direct,) = counting.direct
     assert 3_000_001 * 4 - (1 << 20) < direct <= 3_000_001 * 4, "the cold tensor came through O_DIRECT"
 
-    monkeypatch.delenv("SHARDPOINT_DIRECT_READS")  # off by default
     counting.direct.clear()
     _evict(f)
-    assert torch.equal(sp.load(out)["big"], state["big"]) and counting.direct == []
-    monkeypatch.setenv("SHARDPOINT_DIRECT_READS", "1")
+    off = sp.IOOptions(cached_copy=cached_copy == "1", direct_reads=False)
+    assert torch.equal(sp.load(out, options=off)["big"], state["big"]) and counting.direct == []
 
     _, start = _data_start(out, "big")
     blob = bytearray(f.read_bytes())
@@ -434,7 +441,7 @@ def test_cached_prefix_counts_resident_bytes_up_to_the_first_page_that_is_not(tm
 
 
 @needs_native
-def test_a_file_system_refusing_direct_reads_is_read_through_the_page_cache(tmp_path, monkeypatch):
+def test_a_file_system_refusing_direct_reads_is_read_through_the_page_cache(tmp_path, monkeypatch, use_options):
     tensor = torch.randn(5_000_000, generator=torch.Generator().manual_seed(10))  # 20 MB: one piece
     out = tmp_path / "ckpt"
     sp.save({"t": tensor}, out)
@@ -443,8 +450,7 @@ def test_a_file_system_refusing_direct_reads_is_read_through_the_page_cache(tmp_
     refusing = _CountingNative(native, direct_errno=errno.EINVAL)
     monkeypatch.setattr(transfer, "PIECE_BYTES", 4 << 20)  # 5 pieces of the one file
     monkeypatch.setattr(transfer, "_native", refusing)
-    monkeypatch.setenv("SHARDPOINT_READ_THREADS", "1")
-    monkeypatch.setenv("SHARDPOINT_DIRECT_READS", "1")
+    use_options(io=sp.IOOptions(read_threads=1, direct_reads=True))
     assert torch.equal(sp.load(out)["t"], tensor)
     assert refusing.direct == [0], "refused once, then that file is read as usual"
     # Any other error is the disk's: it is raised, naming the file.

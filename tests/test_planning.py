@@ -83,17 +83,18 @@ def test_more_holders_than_rows():
     ],
 )
 def test_io_threads_follow_this_process_share_of_the_cpus(
-    monkeypatch, pool, machine, pinned_to, ranks_here, expected
+    monkeypatch, use_options, pool, machine, pinned_to, ranks_here, expected
 ):
+    import shardpoint as sp
     from shardpoint._io import transfer
 
     threads = transfer.writer_threads if pool == "writer" else transfer.reader_threads
-    knob = "SHARDPOINT_WRITE_THREADS" if pool == "writer" else "SHARDPOINT_READ_THREADS"
-    monkeypatch.delenv(knob, raising=False)
+    option = "write_threads" if pool == "writer" else "read_threads"
+    use_options(io=sp.IOOptions(**{option: 0}))  # 0: follow the CPUs, whatever the environment seeds
     monkeypatch.setattr(transfer.os, "cpu_count", lambda: machine)
     monkeypatch.setattr(transfer, "_cpu_count", lambda: pinned_to)
     assert threads(ranks_here) == expected
-    monkeypatch.setenv(knob, "7")  # the knob, when set, wins
+    use_options(io=sp.IOOptions(**{option: 7}))  # the option, when set, wins
     assert threads(ranks_here) == 7
 
 

@@ -51,11 +51,12 @@ PYTHON_BLOCKS = {
     "distributed": "get_optimizer_state_dict",
     "hf trainer": "ShardpointTrainer(model=gpt2",
     "hf cache": "hf://org/name",
-    "object storage": "s3://bucket/",
+    "object storage": "sp.CheckpointManager(\"s3://bucket/run\"",
     "lightning": "load_from_checkpoint(Net, best",
     "lightning sharded": "ShardpointModelParallelStrategy()",  # run by tests/test_lightning_sharded.py
     "accelerate": "shardpoint.integrations.accelerate",  # run by tests/test_accelerate.py
     "dcp reader": "ShardpointStorageReader",
+    "tuning": "sp.using(io=sp.IOOptions(verify_checksums=False))",
 }
 """Every python block of the README, by a line it holds; each is run by a test below."""
 
@@ -108,6 +109,17 @@ def _torchtitan_dcp(model: Any, path: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(state, checkpoint_id=path)
+
+
+def test_readme_tuning_example_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    before = sp.current_options()
+    exec(python_block(PYTHON_BLOCKS["tuning"]), {})
+    assert capsys.readouterr().out == f"{before.io.write_threads}\n"
+    assert sp.load(tmp_path / "out/tuned")["w"].tolist() == [1.0] * 4
+    assert sp.current_options() == before
 
 
 def test_readme_dcp_reader_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

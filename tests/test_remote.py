@@ -232,11 +232,11 @@ class InjectedError(RuntimeError):
 
 
 def test_an_exception_in_the_middle_of_an_upload_leaves_no_object_and_no_manifest(
-    url: str, opts: dict[str, Any], fs: Any, monkeypatch: pytest.MonkeyPatch
+    url: str, opts: dict[str, Any], fs: Any, monkeypatch: pytest.MonkeyPatch, use_options: Any
 ) -> None:
     import shardpoint._storage.remote as remote
 
-    monkeypatch.setenv("SHARDPOINT_REMOTE_BLOCK_BYTES", str(5 * MiB))  # S3's smallest part
+    use_options(remote=sp.RemoteOptions(block_bytes=5 * MiB))  # S3's smallest part
     state = {"big": torch.randn(3 * MiB), "small": torch.ones(10)}  # 12 MiB: 3 parts
     real_crc = remote.crc32c
     calls = [0]
@@ -267,20 +267,19 @@ def test_an_exception_in_the_middle_of_an_upload_leaves_no_object_and_no_manifes
 
 
 def test_a_network_cut_mid_upload_is_retried_then_raised_naming_the_object(
-    s3: SeaweedS3, proxy: TcpProxy, url: str, fs: Any, monkeypatch: pytest.MonkeyPatch
+    s3: SeaweedS3, proxy: TcpProxy, url: str, fs: Any
 ) -> None:
-    monkeypatch.setenv("SHARDPOINT_REMOTE_BLOCK_BYTES", str(5 * MiB))
-    monkeypatch.setenv("SHARDPOINT_REMOTE_RETRIES", "2")
-    monkeypatch.setenv("SHARDPOINT_REMOTE_BACKOFF_MS", "50")
     options = proxied_options(s3, proxy)
     state = {"big": torch.randn(3 * MiB)}
     proxy.cut_after_upstream = 2 * MiB  # in the middle of the first part; then stays down
     started = time.monotonic()
     with pytest.raises(sp.StorageError) as caught:
-        sp.save(state, url, storage_options=options)
+        sp.save(state, url, storage_options=options,
+                options=[sp.RemoteOptions(block_bytes=5 * MiB, retries=2, backoff_ms=50)])
     message = str(caught.value)
     assert f"uploading {url}/model.safetensors failed after 3 attempts" in message, message
-    assert "retry later, or raise SHARDPOINT_REMOTE_RETRIES" in message
+    assert "retry later, or allow more retries (options=sp.RemoteOptions(retries=...))" in message
+    assert "SHARDPOINT_" not in message  # an argument does it: no environment variable named
     assert isinstance(caught.value, OSError) and isinstance(caught.value, sp.CheckpointError)
     assert time.monotonic() - started < 60
     assert proxy.resets >= 1  # the cut did happen (the 3 attempts are in the message)
@@ -296,10 +295,9 @@ def test_a_network_cut_mid_upload_is_retried_then_raised_naming_the_object(
 
 
 def test_a_short_outage_is_retried_with_backoff(
-    s3: SeaweedS3, proxy: TcpProxy, url: str, monkeypatch: pytest.MonkeyPatch
+    s3: SeaweedS3, proxy: TcpProxy, url: str, use_options: Any
 ) -> None:
-    monkeypatch.setenv("SHARDPOINT_REMOTE_RETRIES", "5")
-    monkeypatch.setenv("SHARDPOINT_REMOTE_BACKOFF_MS", "100")
+    use_options(remote=sp.RemoteOptions(retries=5, backoff_ms=100))
     options = proxied_options(s3, proxy)
     s3fs.S3FileSystem(**options).ls(s3.bucket)  # the client is set up (slow) before the outage
     state = {"w": torch.randn(1000)}
@@ -428,7 +426,8 @@ import shardpoint as sp
 import shardpoint._storage.remote as remote
 
 url, options = sys.argv[1], json.loads(sys.argv[2])
-mgr = sp.CheckpointManager(url, keep_last=3, storage_options=options)
+mgr = sp.CheckpointManager(url, keep_last=3, storage_options=options,
+                           options=sp.RemoteOptions(block_bytes=5 * 2**20))  # S3's smallest part
 mgr.save(1, {"model": {"w": torch.full((3 * 2**20,), 1.0)}, "step": 1})
 os.write(1, b"committed 1\n")
 real = remote.crc32c
@@ -448,7 +447,7 @@ os.write(1, b"committed 2\n")
 def test_sigkill_mid_save_leaves_the_previous_step_loadable_and_the_partial_one_invisible(
     url: str, opts: dict[str, Any], fs: Any
 ) -> None:
-    env = dict(os.environ, SHARDPOINT_REMOTE_BLOCK_BYTES=str(5 * MiB), OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     child = subprocess.Popen(
         [sys.executable, "-c", _CHILD, url, json.dumps(opts)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True,

@@ -79,7 +79,7 @@ class Helper(HelperProcess):
     """The fork server (this file as a script): one JSON command per line, one reply per line."""
 
     def __init__(self, workdir: Path) -> None:
-        env = {**os.environ, "SHARDPOINT_REMOTE_THREADS": "1", "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one upload thread: see _helper_main
         super().__init__(__file__, workdir, env=env)
         assert self.call({"op": "ping"}) == {"pong": True}
 
@@ -101,9 +101,9 @@ def helper(s3: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Helper
 
 
 @pytest.fixture
-def one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+def one_thread(use_options: Any) -> None:
     """Steps in the same order here (dry runs) as in the helper's children."""
-    monkeypatch.setenv("SHARDPOINT_REMOTE_THREADS", "1")
+    use_options(remote=sp.RemoteOptions(threads=1))
 
 
 def save_job(url: str, opts: dict[str, Any], state: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -294,7 +294,6 @@ def test_sigkill_at_random_moments_of_an_s3_save(
     listings and loads, and not removed by the next save; counted in the summary.)"""
     overwrite = scenario == "overwrite"
     old, new = versioned(1, **BIG), versioned(2, **BIG)
-    env = {"SHARDPOINT_REMOTE_THREADS": "3"}
 
     def prepare(prefix: str) -> None:
         if overwrite:
@@ -302,7 +301,7 @@ def test_sigkill_at_random_moments_of_an_s3_save(
 
     def job(prefix: str, trace: Path) -> dict[str, Any]:
         return save_job(prefix, opts, {"version": 2, **BIG}, max_shard_size=BIG_SHARD, overwrite=overwrite,
-                        env=env, trace=str(trace))
+                        remote_threads=3, trace=str(trace))
 
     spans = []  # how long a save takes, from the child's start (connected) to its exit
     for d in range(2):
@@ -450,7 +449,7 @@ def test_sigkill_of_an_async_training_loop_on_s3_always_resumes_from_a_whole_ste
             break
         where = f"kill {k + 1}"
         after = rng.uniform(*TRAIN_DELAYS)
-        reply = helper.run({"job": "train", "url": url, "options": opts, "env": {"SHARDPOINT_REMOTE_THREADS": "4"}},
+        reply = helper.run({"job": "train", "url": url, "options": opts, "remote_threads": 4},
                            kill_after=after)
         assert reply["killed"], (where, reply, helper.log.read_text()[-3000:])
         seen = _parse(reply["stdout"])
@@ -662,7 +661,9 @@ def _child(
     try:
         for fd in close:
             os.close(fd)
-        os.environ.update(cmd.get("env", {}))
+        if "remote_threads" in cmd:  # for the rest of this child's life (held by this frame)
+            held = sp.using(remote=sp.RemoteOptions(threads=cmd["remote_threads"]))
+            held.__enter__()
         trace = os.open(cmd["trace"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if cmd.get("trace") else None
 
         def log(label: str) -> None:
@@ -934,6 +935,11 @@ def _share_botocore_data() -> None:
 def _helper_main() -> None:
     global _standby
     torch.set_num_threads(1)  # no intra-op thread pool, so fork() is safe
+    # One upload at a time, so a save's steps come in the same order in every child (forked
+    # children inherit this thread's options; a job may ask for more threads). Held by this
+    # frame, which serves until the process exits.
+    held = sp.using(remote=sp.RemoteOptions(threads=1))
+    held.__enter__()
     build(SMALL)  # the first optimizer step imports a lot lazily: do it once, here
     _share_botocore_data()
     replies = os.fdopen(os.dup(1), "w", buffering=1)

@@ -18,7 +18,7 @@ walked through each of them, once per action:
   object is committed);
 - ``pause``: ``on_pause(label)``, then the call (two saves racing, ``test_remote_crash.py``).
 
-Uploads run one at a time (``SHARDPOINT_REMOTE_THREADS=1``) so the steps come in the same
+Uploads run one at a time (``RemoteOptions(threads=1)``) so the steps come in the same
 order on every run.
 """
 
@@ -179,8 +179,8 @@ B_KEYS = keys_of(2)
 
 
 @pytest.fixture
-def one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SHARDPOINT_REMOTE_THREADS", "1")
+def one_thread(use_options: Any) -> None:
+    use_options(remote=sp.RemoteOptions(threads=1))
 
 
 # ----------------------------------------------------------------- every step of a save

@@ -14,6 +14,7 @@ from ._async import AsyncSave
 from ._convert import convert
 from ._diff import DiffReport, StorageNote, TensorDiff, diff
 from ._manager import CheckpointManager
+from ._options import CollectiveOptions, IOOptions, Options, RemoteOptions, current_options, using
 from ._stateful import RNGState, Stateful, empty_model
 from ._version import __version__
 from .errors import (
@@ -25,10 +26,15 @@ from .errors import (
     DistributedCheckpointError,
     IncompleteCheckpointError,
     InsufficientMemoryError,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
     InvalidSizeError,
     InvalidStateError,
     LoadMismatchError,
+    MissingDependencyError,
     MissingShardError,
+    PreviousSaveFailedError,
+    StateChangedError,
     StorageError,
     UnsafePathError,
     UnsafePickleError,
@@ -38,6 +44,12 @@ from .errors import (
 __all__ = [
     "AsyncSave",
     "CheckpointManager",
+    "CollectiveOptions",
+    "IOOptions",
+    "Options",
+    "RemoteOptions",
+    "current_options",
+    "using",
     "RNGState",
     "async_save",
     "empty_model",
@@ -50,12 +62,17 @@ __all__ = [
     "DistributedCheckpointError",
     "IncompleteCheckpointError",
     "InsufficientMemoryError",
+    "InvalidArgumentError",
+    "InvalidArgumentTypeError",
     "InvalidSizeError",
     "InvalidStateError",
     "LoadMismatchError",
     "LoadResult",
+    "MissingDependencyError",
     "MissingShardError",
+    "PreviousSaveFailedError",
     "SaveInfo",
+    "StateChangedError",
     "Stateful",
     "StorageError",
     "StorageNote",

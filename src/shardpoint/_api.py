@@ -11,20 +11,23 @@ from ._async import AsyncQueue, AsyncSave, default_queue, raise_unobserved_failu
 from ._distributed.group import Group, resolve_group
 from ._distributed.save import write_distributed
 from ._gc import collector_paused
+from ._options import OptionsArg, applied, merged, using
 from ._prepare import PreparedState, prepare_state
 from ._read import LoadResult, load, load_into
 from ._sizes import parse_size
 from ._write import SaveInfo, json_metadata, write_checkpoint
-from .errors import CheckpointError
+from .errors import InvalidArgumentError, InvalidArgumentTypeError
 
 __all__ = ["AsyncSave", "LoadResult", "SaveInfo", "async_save", "load", "load_into", "save"]
 
 
 def check_options(layout: str | None, storage_options: Any) -> None:
     if layout not in (None, "hf", "chunked"):
-        raise CheckpointError(f"unknown layout {layout!r}; use 'hf' (whole tensors) or 'chunked' (per-rank files)")
+        raise InvalidArgumentError(
+            f"unknown layout {layout!r}; use 'hf' (whole tensors) or 'chunked' (per-rank files)"
+        )
     if storage_options is not None and not isinstance(storage_options, Mapping):
-        raise CheckpointError(
+        raise InvalidArgumentTypeError(
             f"storage_options must be a dict of fsspec filesystem options, not {type(storage_options).__name__}"
         )
 
@@ -81,6 +84,7 @@ def save(
     progress: bool | None = None,
     durable: bool = True,
     allow_pickle: bool = False,
+    options: OptionsArg = None,
 ) -> SaveInfo:
     """Save a state dict (or nested training state) as an atomic, sharded checkpoint.
 
@@ -112,6 +116,10 @@ def save(
         durable: fsync files and directories before returning (default True).
         allow_pickle: pickle values that are not tensors, containers or JSON (loading them
             then needs ``allow_pickle=True`` too).
+        options: tunables for this call: an :class:`IOOptions` (threads, segment size),
+            :class:`RemoteOptions` (retries, upload parts), :class:`CollectiveOptions`
+            (timeout), several of them in a list, or an :class:`Options`; groups not given
+            are the ones in effect (:func:`shardpoint.using`, else the defaults).
 
     Returns:
         A :class:`SaveInfo` with the files written and their sizes.
@@ -145,6 +153,7 @@ def save(
         progress=progress,
         durable=durable,
         allow_pickle=allow_pickle,
+        options=options,
     )
 
 
@@ -161,12 +170,13 @@ def save_now(
     progress: bool | None = None,
     durable: bool = True,
     allow_pickle: bool = False,
+    options: OptionsArg = None,
 ) -> SaveInfo:
     """:func:`save` without its check for an unseen failure of a bare ``async_save`` (a
     ``CheckpointManager`` tracks its own async saves)."""
     max_bytes = parse_size(max_shard_size)
     check_options(layout, storage_options)
-    with collector_paused():
+    with applied(options), collector_paused():
         prepared = prepare_state(state, allow_pickle=allow_pickle)
         group = resolve_group(process_group, prepared.all_tensors())
         return write_prepared(
@@ -197,6 +207,7 @@ def async_save(
     durable: bool = True,
     allow_pickle: bool = False,
     on_commit: Callable[[SaveInfo], None] | None = None,
+    options: OptionsArg = None,
 ) -> AsyncSave:
     """Save in the background; return once the state is staged and safe to mutate.
 
@@ -208,6 +219,8 @@ def async_save(
 
     Args:
         on_commit: called on the background thread with the SaveInfo after the commit.
+        options: tunables (see :func:`shardpoint.save`): the ones in effect at this call
+            (``options=`` laid over :func:`shardpoint.using`'s) are the background write's.
 
     Returns:
         An :class:`AsyncSave` handle.
@@ -235,6 +248,7 @@ def async_save(
         durable=durable,
         allow_pickle=allow_pickle,
         on_commit=on_commit,
+        options=options,
     )
 
 
@@ -253,9 +267,11 @@ def async_save_on(
     durable: bool = True,
     allow_pickle: bool = False,
     on_commit: Callable[[SaveInfo], None] | None = None,
+    options: OptionsArg = None,
 ) -> AsyncSave:
     """:func:`async_save` through ``queue`` (a manager's own, or the default one)."""
     started = time.perf_counter()
+    chosen = merged(options)  # the background thread writes under the options of this call
     max_bytes = parse_size(max_shard_size)
     check_options(layout, storage_options)
     meta = json_metadata(metadata)
@@ -266,20 +282,21 @@ def async_save_on(
     group = queue.background_group(resolve_group(process_group, prepared.all_tensors()))
 
     def persist(staged: PreparedState) -> SaveInfo:
-        info = write_prepared(
-            staged,
-            target,
-            group=group,
-            layout=layout,
-            max_shard_bytes=max_bytes,
-            overwrite=overwrite,
-            metadata=meta,
-            durable=durable,
-            progress=progress,
-            storage_options=storage_options,
-        )
-        if on_commit is not None:
-            on_commit(info)
+        with using(chosen):
+            info = write_prepared(
+                staged,
+                target,
+                group=group,
+                layout=layout,
+                max_shard_bytes=max_bytes,
+                overwrite=overwrite,
+                metadata=meta,
+                durable=durable,
+                progress=progress,
+                storage_options=storage_options,
+            )
+            if on_commit is not None:
+                on_commit(info)
         return info
 
     return queue.submit(prepared, target, persist, started=started)

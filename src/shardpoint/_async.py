@@ -27,7 +27,7 @@ from ._distributed.group import Group, local_chunk
 from ._gc import collector_paused
 from ._prepare import Component, PreparedState
 from ._write import SaveInfo
-from .errors import CheckpointError
+from .errors import PreviousSaveFailedError
 
 _ALIGN = 64
 
@@ -185,7 +185,7 @@ class AsyncQueue:
         if exc is None or last.observed:
             return
         last.observed = True
-        raise CheckpointError(
+        raise PreviousSaveFailedError(
             f"the previous async save to {last.path} failed and nothing was committed there: "
             f"{exc}. Call .result() on async_save handles to see such errors where they happen"
         ) from exc

@@ -28,7 +28,7 @@ from ._format.manifest import (
 from ._format.names import check_file_name
 from ._format.safetensors import HeaderEntry, SafetensorsHeader, read_header, read_header_with
 from ._io.transfer import read_error
-from ._knobs import knobs
+from ._options import current_options
 from ._storage.paths import member_path, open_regular, read_small_file
 from ._storage.remote import RemoteStore, header_reader
 from .errors import (
@@ -236,7 +236,7 @@ class Checkpoint:
                     "the file is truncated, padded or from another save"
                 )
         try:
-            header = read_header(fd, size, name=where, max_header_bytes=knobs().max_header_bytes)
+            header = read_header(fd, size, name=where, max_header_bytes=current_options().io.max_header_bytes)
         except CheckpointError:
             raise
         except OSError as exc:
@@ -265,7 +265,7 @@ class Checkpoint:
         try:
             header = read_header_with(
                 header_reader(self.store, name, size), size, name=where,
-                max_header_bytes=knobs().max_header_bytes,
+                max_header_bytes=current_options().io.max_header_bytes,
             )
         except FileNotFoundError:
             raise missing from None
@@ -301,7 +301,7 @@ class Checkpoint:
 
 
 def read_json_file(path: str, *, where: str) -> bytes:
-    return read_small_file(path, where=where, limit=knobs().max_json_bytes)
+    return read_small_file(path, where=where, limit=current_options().io.max_json_bytes)
 
 
 def read_json_at(dir_fd: int, name: str, *, where: str) -> bytes:
@@ -314,7 +314,7 @@ def read_json_at(dir_fd: int, name: str, *, where: str) -> bytes:
 
 
 def _read_capped(fd: int, where: str) -> bytes:
-    limit = knobs().max_json_bytes
+    limit = current_options().io.max_json_bytes
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         raise CorruptCheckpointError(
             f"{where} is not a regular file (a FIFO, device, socket or directory); "

@@ -6,12 +6,12 @@ one crc32c per stored tensor.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from functools import lru_cache
 from types import ModuleType
 from typing import cast
 
+from ._options import env_flag
 from .errors import CheckpointError
 
 _POLY_REVERSED = 0x82F63B78
@@ -26,9 +26,10 @@ def _computes_crc32c(crc: Callable[..., int]) -> bool:
 def _load_native() -> ModuleType | None:
     """``shardpoint._native`` if it was built and computes crc32c right; else None.
 
-    ``SHARDPOINT_NATIVE=0`` turns it off (shardpoint then runs its Python loops).
+    ``SHARDPOINT_NATIVE=0`` turns it off (shardpoint then runs its Python loops); the same
+    variable seeds ``IOOptions.native``, which turns the loops off per call.
     """
-    if os.environ.get("SHARDPOINT_NATIVE", "1").strip() in ("0", "false", "no", "off"):
+    if not env_flag("SHARDPOINT_NATIVE", True):
         return None
     try:
         from . import _native

@@ -25,7 +25,7 @@ from ._sizes import parse_size
 from ._stream_source import open_source, open_spec
 from ._tensor_source import BATCH_BYTES, Ref, SourceSpec, TensorSource, batches, meta_like
 from ._write import SaveInfo, json_metadata, write_checkpoint
-from .errors import CheckpointError, CorruptCheckpointError
+from .errors import CorruptCheckpointError, InvalidArgumentError
 
 DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -47,13 +47,13 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     """
     if dtype is None or isinstance(dtype, torch.dtype):
         if isinstance(dtype, torch.dtype) and not dtype.is_floating_point:
-            raise CheckpointError(
+            raise InvalidArgumentError(
                 f"dtype {dtype} is not a floating-point dtype; use bf16, fp16 or fp32"
             )
         return dtype
     found = DTYPES.get(str(dtype).lower())
     if found is None:
-        raise CheckpointError(f"unknown dtype {dtype!r}; use bf16, fp16 or fp32")
+        raise InvalidArgumentError(f"unknown dtype {dtype!r}; use bf16, fp16 or fp32")
     return found
 
 
@@ -240,7 +240,7 @@ def select_components(source: TensorSource, names: Sequence[str] | None) -> None
     have = {c.name: c for c in source.components}
     missing = [n for n in names if n not in have]
     if missing or not names:
-        raise CheckpointError(
+        raise InvalidArgumentError(
             f"{source.spec.path} has no component named "
             f"{', '.join(repr(n) for n in missing) if missing else '(no name given)'}; it has "
             f"{', '.join(repr(n) for n in have)}: name one or more of these "
@@ -271,7 +271,7 @@ def run_convert(
     max_bytes = parse_size(max_shard_size)
     want = parse_dtype(dtype)
     if workers < 1:
-        raise CheckpointError(f"workers must be at least 1, not {workers}")
+        raise InvalidArgumentError(f"convert: workers must be at least 1, not {workers}")
     if isinstance(components, str):
         components = [components]
     source = open_source(src, trust_pickle=trust_pickle)

@@ -29,7 +29,9 @@ from ._format.dtypes import DTYPE_TO_NAME
 from ._hub import local_path
 from ._stream_source import open_source
 from ._tensor_source import BATCH_BYTES, Ref, TensorSource, batches
-from .errors import CheckpointError
+from .errors import (
+    InvalidArgumentError,
+)
 
 _ELEMENTS_PER_STEP = 1 << 20
 """Elements compared at once (each float64 temporary is 8 MB)."""
@@ -319,7 +321,7 @@ def diff(
         (False, 0.5)
     """
     if atol < 0 or rtol < 0 or math.isnan(atol) or math.isnan(rtol):
-        raise CheckpointError(f"atol and rtol must be >= 0 (got atol={atol}, rtol={rtol})")
+        raise InvalidArgumentError(f"diff: atol and rtol must be >= 0 (got atol={atol}, rtol={rtol})")
     local_a, local_b = local_path(a, cache_dir), local_path(b, cache_dir)
     src_a = open_source(local_a, trust_pickle=trust_pickle)
     try:

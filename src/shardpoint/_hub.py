@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 from ._storage.paths import read_small_file
-from .errors import CheckpointError, CheckpointNotFoundError, UnsafePathError
+from .errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError, UnsafePathError
 
 SCHEME = "hf://"
 
@@ -224,7 +224,7 @@ def resolve_hub(
     options = dict(storage_options or {})
     cache_dir = options.pop("cache_dir", None)
     if options:
-        raise CheckpointError(
+        raise InvalidArgumentError(
             f"storage_options {sorted(options)} do not apply to {path}: an hf:// reference is read "
             "from the local Hugging Face cache, never downloaded; only 'cache_dir' is accepted"
         )

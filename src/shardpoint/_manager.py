@@ -46,7 +46,7 @@ from ._api import async_save_on, save_now
 from ._async import AsyncQueue, AsyncSave
 from ._distributed.group import Group, resolve_group
 from ._format.manifest import MANIFEST_NAME
-from ._knobs import knobs
+from ._options import OptionsArg, current_options, merged
 from ._read import load_into
 from ._storage.local import (
     TMP_MARKER,
@@ -54,12 +54,21 @@ from ._storage.local import (
     moved_aside,
     recover,
     recover_all,
+    reported,
     write_small_file,
 )
 from ._storage.paths import read_small_file
 from ._storage.remote import RemoteStore, store_for
 from ._write import SaveInfo
-from .errors import CheckpointError, CorruptCheckpointError, LoadMismatchError
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    LoadMismatchError,
+    PreviousSaveFailedError,
+    StorageError,
+)
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
 LATEST_NAME = "latest"
@@ -113,6 +122,10 @@ class CheckpointManager:
             rank 0 of it manages the root (writes ``latest``, applies retention, removes
             stale temporary directories), ``restore`` loads the same step on every rank,
             and an error on any rank is raised on all of them.
+        options: tunables (:class:`IOOptions`, :class:`RemoteOptions`,
+            :class:`CollectiveOptions`, or an :class:`Options`) for every save and restore of
+            this manager and its reads of step metadata; fixed when the manager is made
+            (groups not given: those in effect then). None: those in effect at each call.
         save_kwargs: passed to every save (``max_shard_size=``, ``durable=``, ...).
 
     Example:
@@ -138,15 +151,18 @@ class CheckpointManager:
         async_save: bool = False,
         storage_options: Mapping[str, Any] | None = None,
         process_group: Any = None,
+        options: OptionsArg = None,
         **save_kwargs: Any,
     ) -> None:
         if mode not in ("min", "max"):
-            raise ValueError(f"mode must be 'min' or 'max', not {mode!r}")
+            raise InvalidArgumentError(f"CheckpointManager: mode must be 'min' or 'max', not {mode!r}")
         if keep_best and not metric:
-            raise ValueError("keep_best needs metric= (the name of the metric that ranks steps)")
+            raise InvalidArgumentError(
+                "CheckpointManager: keep_best needs metric= (the name of the metric that ranks steps)"
+            )
         for name, value in (("keep_last", keep_last), ("keep_best", keep_best)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive int or None, not {value!r}")
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise InvalidArgumentError(f"CheckpointManager: {name} must be a positive int or None, not {value!r}")
         self._remote = store_for(root, storage_options)
         self.root: Path | str = Path(root) if self._remote is None else self._remote.url
         self._dir = Path(root) if self._remote is None else Path()
@@ -158,6 +174,9 @@ class CheckpointManager:
         self.async_save = async_save
         self.save_kwargs = save_kwargs
         self.process_group = process_group
+        self.options = None if options is None else merged(options)
+        """The tunables of this manager's saves, restores and reads (None: those in effect
+        at each call)."""
         self._pending: AsyncSave | None = None
         self._pending_step: int | None = None
         self._queue = AsyncQueue()
@@ -260,7 +279,7 @@ class CheckpointManager:
 
     def _parse_metrics(self, step: int) -> dict[str, Any]:
         path = f"{self.step_path(step)}/{MANIFEST_NAME}"
-        limit = knobs().max_json_bytes
+        limit = (self.options or current_options()).io.max_json_bytes
         try:
             if self._remote is not None:
                 raw = self._remote.child(step_dir_name(step)).get(MANIFEST_NAME, limit=limit)
@@ -329,18 +348,20 @@ class CheckpointManager:
         raised here and ``step`` is not saved either.
         """
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be a non-negative int, not {step!r}")
+            raise InvalidArgumentError(f"CheckpointManager.save: step must be a non-negative int, not {step!r}")
         group = resolve_group(self.process_group, state)
         coordinator = group.is_coordinator  # the group's rank 0 manages the root
 
         def prepare() -> None:
             self._raise_pending_failure(f"Step {step} was not saved either; call save() again to save it")
             if coordinator:
-                if self._remote is None:
-                    self._dir.mkdir(parents=True, exist_ok=True)
-                with self._root_lock():
-                    self._remove_stale_temps()
-                    self._finish_interrupted_retention()
+                with reported(self.root, f"preparing its root for step {step}",
+                              lambda: f"Step {step} was not saved; the steps committed before are unchanged"):
+                    if self._remote is None:
+                        self._dir.mkdir(parents=True, exist_ok=True)
+                    with self._root_lock():
+                        self._remove_stale_temps()
+                        self._finish_interrupted_retention()
 
         group.phase(f"preparing to save step {step} under {self.root}", prepare)
         metadata = {"step": step, "metrics": _metrics_json(metrics)}
@@ -349,6 +370,8 @@ class CheckpointManager:
             kwargs["storage_options"] = self.storage_options
         if group.pg is not None:
             kwargs["process_group"] = group.pg
+        if self.options is not None:
+            kwargs["options"] = self.options
         path = self.step_path(step)
         if self.async_save:
 
@@ -372,7 +395,7 @@ class CheckpointManager:
         failed_step, exc = self._finish_pending()
         if exc is not None:
             done = failed_step is not None and failed_step in self.steps()
-            raise CheckpointError(
+            raise PreviousSaveFailedError(
                 f"the async save of step {failed_step} to {self.root} failed"
                 + (" after its commit" if done else "; nothing was committed for it")
                 + f": {exc}. {then}"
@@ -427,6 +450,8 @@ class CheckpointManager:
             load_kwargs["process_group"] = group.pg
         if self.storage_options is not None:
             load_kwargs.setdefault("storage_options", self.storage_options)
+        if self.options is not None:
+            load_kwargs.setdefault("options", self.options)
         retired: list[int] = []
         while True:
             chosen = self._choose_step(group, step, first=not retired)
@@ -444,7 +469,7 @@ class CheckpointManager:
                 if before is not None and self._identity(chosen) == before:
                     raise  # the step is still there, unchanged: a real error of the step
                 if step is not None:
-                    raise CheckpointError(
+                    raise CheckpointNotFoundError(
                         f"step {chosen} under {self.root} was retired by retention (or replaced "
                         "by another save) while it was being restored; another process is "
                         f"saving into this root. Restore again (the steps now: {self.steps()})"
@@ -452,7 +477,7 @@ class CheckpointManager:
                 retired.append(chosen)
                 if len(retired) >= _RESTORE_ATTEMPTS:
                     break
-        raise CheckpointError(
+        raise CheckpointNotFoundError(
             f"restore() from {self.root} chose steps {retired} in turn and each was retired by "
             "retention while it was being loaded (another process is saving into this root "
             "with keep_last); restore again, or keep more steps"
@@ -509,7 +534,8 @@ class CheckpointManager:
                         self._sole_writer = True  # no locks here: one writer per root is assumed
                         break
                     if time.monotonic() > deadline:
-                        raise CheckpointError(
+                        raise StorageError(
+                            errno.EWOULDBLOCK,
                             f"another process has held the lock on {self.root} for "
                             f"{_ROOT_LOCK_WAIT:.0f} s (another CheckpointManager saving into "
                             "this root, hung?); stop it, or give each run its own root"
@@ -535,6 +561,12 @@ class CheckpointManager:
                     recover(final, no_locks_means_dead=True)  # a manager owns its root
 
     def _after_commit(self, step: int) -> None:
+        with reported(self.root, f"updating '{LATEST_NAME}' and applying retention after step {step}",
+                      lambda: f"Step {step} is committed at {self.step_path(step)}; '{LATEST_NAME}' may still "
+                              "name the step before and retention may not have run; the next save does both"):
+            self._update_root(step)
+
+    def _update_root(self, step: int) -> None:
         with self._lock, self._root_lock():
             steps = self.steps()
             newest = max(steps) if steps else step
@@ -613,7 +645,7 @@ class CheckpointManager:
 
 def _agreed_step(root: str, views: list[list[int]], step: int | None) -> tuple[int | None, str | None]:
     """The step to restore given each rank's committed steps (one view in one process), and
-    a warning when a newer step is committed in some views only. Raises CheckpointError when
+    a warning when a newer step is committed in some views only. Raises CheckpointNotFoundError when
     ``step`` is not committed in every view, or the views share no step while some have one."""
     common = set(views[0]).intersection(*views[1:])
     seen = "; ".join(f"rank {rank} sees steps {view}" for rank, view in enumerate(views))
@@ -621,9 +653,9 @@ def _agreed_step(root: str, views: list[list[int]], step: int | None) -> tuple[i
         if step in common:
             return step, None
         if len(views) == 1:
-            raise CheckpointError(f"{root} has no committed step {step}; it has {views[0]}")
+            raise CheckpointNotFoundError(f"{root} has no committed step {step}; it has {views[0]}")
         lacking = ", ".join(str(rank) for rank, view in enumerate(views) if step not in view)
-        raise CheckpointError(
+        raise CheckpointNotFoundError(
             f"{root} has no committed step {step} in the view of rank {lacking} ({seen}); "
             "every rank must see the step it restores: restore a step all of them list, or "
             "wait for the file system to show the step on every rank"
@@ -638,7 +670,7 @@ def _agreed_step(root: str, views: list[list[int]], step: int | None) -> tuple[i
             f"{newer} is committed in the view of some ranks only ({seen})"
         )
     if any(views):
-        raise CheckpointError(
+        raise CheckpointNotFoundError(
             f"the ranks see no committed step in common under {root} ({seen}); every rank must "
             "see the step it restores: check that the root is the same shared directory on "
             "every rank"

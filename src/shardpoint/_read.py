@@ -30,7 +30,7 @@ from ._format.safetensors import HeaderEntry
 from ._gc import collector_paused
 from ._hub import resolve_hub
 from ._io.transfer import ReadTask, reader_threads, run_reads
-from ._knobs import knobs
+from ._options import OptionsArg, applied, current_options
 from ._planning.chunks import byte_runs, intersect
 from ._prepare import storage_key
 from ._progress import byte_progress
@@ -44,6 +44,7 @@ from .errors import (
     CheckpointError,
     CorruptCheckpointError,
     InsufficientMemoryError,
+    InvalidArgumentError,
     InvalidSizeError,
     InvalidStateError,
     LoadMismatchError,
@@ -345,7 +346,7 @@ def check_memory(ckpt: Checkpoint, total: int, files: set[str]) -> None:
 
 
 def resolve_verify(verify: bool | None) -> bool:
-    return knobs().verify_checksums if verify is None else verify
+    return current_options().io.verify_checksums if verify is None else verify
 
 
 # ---------------------------------------------------------------------------------- load
@@ -354,7 +355,10 @@ def resolve_verify(verify: bool | None) -> bool:
 def _mmap_tensor(ckpt: Checkpoint, record: TensorRecord, label: str, maps: dict[str, Any]) -> torch.Tensor:
     chunk = record.chunks[0]
     if len(record.chunks) != 1 or chunk.shape != record.shape:
-        raise CheckpointError(f"{ckpt.location}: tensor {label!r} is chunked; mmap needs whole tensors")
+        raise InvalidArgumentError(
+            f"{ckpt.location}: tensor {label!r} is chunked (saved in pieces by several ranks); "
+            "mmap=True needs whole tensors: load it with mmap=False"
+        )
     entry = ckpt.entry(chunk, record.dtype, label)
     if entry.nbytes == 0:
         return torch.empty(entry.shape, dtype=entry.dtype)
@@ -375,7 +379,7 @@ def _selection(ckpt: Checkpoint, keys: Sequence[str] | None) -> dict[str, list[s
         comp = ckpt.components["model"]
         unknown = [k for k in wanted if k not in comp.tensors and k not in comp.aliases]
         if unknown:
-            raise CheckpointError(
+            raise InvalidArgumentError(
                 f"{ckpt.location} has no tensor named {', '.join(map(repr, unknown[:10]))}"
                 + (f" (and {len(unknown) - 10} more)" if len(unknown) > 10 else "")
                 + "; `shardpoint inspect` lists the names"
@@ -383,7 +387,7 @@ def _selection(ckpt: Checkpoint, keys: Sequence[str] | None) -> dict[str, list[s
         return {"model": wanted}
     unknown = [k for k in wanted if k not in ckpt.components]
     if unknown:
-        raise CheckpointError(
+        raise InvalidArgumentError(
             f"{ckpt.location} has no component named {', '.join(map(repr, unknown))}; "
             f"it has {', '.join(map(repr, ckpt.components))}"
         )
@@ -402,6 +406,7 @@ def load(
     verify: bool | None = None,
     allow_pickle: bool = False,
     max_buffer_bytes: int | str | None = None,
+    options: OptionsArg = None,
 ) -> Any:
     """Load a checkpoint as a new state: a flat state dict, or the nested state saved.
 
@@ -424,11 +429,13 @@ def load(
         mmap: return CPU tensors backed by the files' pages (zero-copy, lazy; not verified).
         storage_options: options of the URL's fsspec filesystem (see :func:`shardpoint.save`).
         progress: show a progress bar (default: when stderr is a terminal).
-        verify: check crc32c (default on; ``SHARDPOINT_VERIFY=0`` turns it off).
+        verify: check crc32c (default: ``IOOptions.verify_checksums``, on).
         allow_pickle: unpickle values that were saved with ``allow_pickle=True``.
         max_buffer_bytes: size of each reader thread's reusable staging buffer, used only
             where bytes cannot land in the destination directly (a dtype cast, a GPU);
-            e.g. ``"16MiB"``. Default: the ``SHARDPOINT_STAGING_BUFFER_BYTES`` knob (64 MiB).
+            e.g. ``"16MiB"``. Default: ``IOOptions.staging_buffer_bytes`` (64 MiB).
+        options: tunables for this call (:class:`IOOptions`, :class:`RemoteOptions`, ...;
+            see :func:`shardpoint.save`).
 
     Returns:
         ``dict[str, Tensor]`` for a flat checkpoint; the nested state otherwise.
@@ -443,14 +450,18 @@ def load(
         >>> sp.load(d)["w"].tolist()
         [0.0, 1.0, 2.0, 3.0]
     """
-    path, storage_options = resolve_hub(path, storage_options)
-    path, pickled = route(path)
-    if pickled is not None:
-        if mmap:
-            raise CheckpointError(f"{os.fspath(path)} holds .bin (torch.save) weights; mmap=True needs safetensors")
-        return load_pickled(path, pickled, keys=keys, device=torch.device(device), dtype=dtype)
-    with collector_paused(), open_checkpoint(path, storage_options) as ckpt:
-        return _load(ckpt, keys, device, dtype, mmap, progress, verify, allow_pickle, max_buffer_bytes)
+    with applied(options):
+        path, storage_options = resolve_hub(path, storage_options)
+        path, pickled = route(path)
+        if pickled is not None:
+            if mmap:
+                raise InvalidArgumentError(
+                    f"{os.fspath(path)} holds .bin (torch.save) weights; mmap=True needs safetensors: "
+                    "load it with mmap=False, or convert it first (shardpoint convert)"
+                )
+            return load_pickled(path, pickled, keys=keys, device=torch.device(device), dtype=dtype)
+        with collector_paused(), open_checkpoint(path, storage_options) as ckpt:
+            return _load(ckpt, keys, device, dtype, mmap, progress, verify, allow_pickle, max_buffer_bytes)
 
 
 def _load(
@@ -465,7 +476,7 @@ def _load(
     max_buffer_bytes: int | str | None,
 ) -> Any:
     if mmap and ckpt.store is not None:
-        raise CheckpointError(f"{ckpt.location}: mmap=True needs local files; load it with mmap=False")
+        raise InvalidArgumentError(f"{ckpt.location}: mmap=True needs local files; load it with mmap=False")
     device = torch.device(device)
     batch = ReadBatch(ckpt, verify=resolve_verify(verify) and not mmap, staging_bytes=_buffer_size(max_buffer_bytes))
     maps: dict[str, Any] = {}
@@ -923,6 +934,7 @@ def load_into(
     dtype: torch.dtype | None = None,
     device_map: Mapping[str, str | torch.device] | None = None,
     max_buffer_bytes: int | str | None = None,
+    options: OptionsArg = None,
 ) -> LoadResult:
     """Load a checkpoint into existing objects, in place.
 
@@ -973,7 +985,9 @@ def load_into(
         max_buffer_bytes: size of each reader thread's reusable staging buffer (dtype
             casts, GPU destinations): peak host memory is what stays on the host plus
             about ``read threads x max_buffer_bytes`` (x 2 for a GPU, where the next read
-            overlaps the previous copy). Default: ``SHARDPOINT_STAGING_BUFFER_BYTES``.
+            overlaps the previous copy). Default: ``IOOptions.staging_buffer_bytes``.
+        options: tunables for this call (:class:`IOOptions`, :class:`RemoteOptions`,
+            :class:`CollectiveOptions`; see :func:`shardpoint.save`).
 
     Returns:
         A :class:`LoadResult` listing missing, unexpected and mismatched keys, tensors left
@@ -991,6 +1005,15 @@ def load_into(
         >>> sp.load_into(torch.nn.Linear(2, 2), d).ok
         True
     """
+    with applied(options):
+        return _load_into_call(target, path, strict, process_group, storage_options, progress, verify,
+                               allow_pickle, device, dtype, device_map, max_buffer_bytes)
+
+
+def _load_into_call(target: Any, path: str | os.PathLike[str], strict: bool, process_group: Any,
+                    storage_options: Mapping[str, Any] | None, progress: bool | None, verify: bool | None,
+                    allow_pickle: bool, device: str | torch.device, dtype: torch.dtype | None,
+                    device_map: Any, max_buffer_bytes: int | str | None) -> LoadResult:
     group = resolve_group(process_group, target)
     threads = None
     if group.distributed:  # the ranks on this machine share its CPUs

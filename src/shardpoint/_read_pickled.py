@@ -25,7 +25,7 @@ from ._pickled_source import BinShardsSource, TorchSaveSource
 from ._source import detect_local
 from ._storage.paths import member_path
 from ._tensor_source import SourceSpec, TensorSource, batches
-from .errors import CheckpointError, InvalidStateError
+from .errors import InvalidArgumentError, InvalidStateError
 
 
 def route(path: str | os.PathLike[str]) -> tuple[str | os.PathLike[str], SourceSpec | None]:
@@ -79,7 +79,7 @@ def load_pickled(
         wanted = list(comp.stored) + list(comp.aliases) if keys is None else [keys] if isinstance(keys, str) else list(keys)
         unknown = [k for k in wanted if k not in comp.tensors]
         if unknown:
-            raise CheckpointError(
+            raise InvalidArgumentError(
                 f"{os.fspath(path)} has no tensor named {', '.join(map(repr, unknown[:10]))}; "
                 "`shardpoint inspect` lists the names"
             )

@@ -49,7 +49,7 @@ from ._format.manifest import (
 )
 from ._format.names import is_tmp_name
 from ._io.transfer import read_error
-from ._knobs import knobs
+from ._options import current_options
 from ._storage.local import hidden_sibling_message, missing_path_message, moved_aside
 from ._storage.paths import member_path, open_regular
 from ._storage.remote import RemoteStore, resolve
@@ -314,7 +314,7 @@ def _open_remote(store: RemoteStore) -> Checkpoint:
     names, _ = store.entries()
     if not names:
         raise CheckpointNotFoundError(f"{location} holds no objects; nothing to load")
-    limit = knobs().max_json_bytes
+    limit = current_options().io.max_json_bytes
     found = detect(names)
     if found.kind == SHARDPOINT:
         where = store.url_of(MANIFEST_NAME)

@@ -30,7 +30,7 @@ import torch
 from ._checkpoint import Checkpoint
 from ._format.detect import DCP, HF_BIN, HF_FILE, HF_INDEX, SHARDPOINT, TORCH_SAVE
 from ._format.dtypes import dtype_from_name
-from ._knobs import knobs
+from ._options import current_options
 from ._pickled_source import BinShardsSource, TorchSaveSource
 from ._prepare import Component
 from ._read import ReadBatch
@@ -112,7 +112,7 @@ def _check_control_file(path: str, where: str) -> None:
         size = os.fstat(fd).st_size
     finally:
         os.close(fd)
-    limit = knobs().max_json_bytes
+    limit = current_options().io.max_json_bytes
     if size > limit:
         raise CorruptCheckpointError(
             f"{where} is {size} bytes, over the {limit}-byte limit for this kind of file; "

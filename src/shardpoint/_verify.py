@@ -34,7 +34,7 @@ from ._format.index import index_name, parse_index
 from ._format.manifest import MANIFEST_NAME, PENDING_NAME, ChunkRef, Manifest
 from ._format.names import is_tmp_name
 from ._hub import resolve_hub
-from ._knobs import knobs
+from ._options import current_options
 from ._source import detect_local, not_readable, open_checkpoint
 from ._storage.local import hidden_sibling_message, missing_path_message
 from ._storage.paths import member_path
@@ -181,7 +181,7 @@ def _verify_remote(
 def _read_json(ckpt: Checkpoint, name: str, where: str) -> bytes:
     """An index of ``ckpt``, local or remote, size-capped."""
     if ckpt.store is not None:
-        return ckpt.store.get(name, limit=knobs().max_json_bytes)
+        return ckpt.store.get(name, limit=current_options().io.max_json_bytes)
     member_path(ckpt.directory, name, where=ckpt.location)
     return ckpt.read_member(name, where=where)  # through the directory held open: one version
 

@@ -14,7 +14,7 @@ from ._checksum import crc32c
 from ._format.manifest import ChunkRef
 from ._format.safetensors import SafetensorsHeader
 from ._io.transfer import reader_threads
-from ._knobs import knobs
+from ._options import adopt, current_options
 from ._progress import byte_progress
 from ._storage.remote import RemoteStore
 from ._verify_report import CrcItem, Findings, file_label, name_list
@@ -52,7 +52,7 @@ def check_crcs(
     ckpt: Checkpoint, items: list[CrcItem], found: Findings, *, progress: bool | None
 ) -> int:
     """Stream every item's bytes through crc32c, several files at once; return bytes read."""
-    cfg = knobs()
+    cfg = current_options()
     per_file: dict[str, list[CrcItem]] = {}
     for item in items:
         per_file.setdefault(item.file, []).append(item)
@@ -65,7 +65,7 @@ def check_crcs(
 
         def run(fname: str) -> None:
             got, problems = _crc_file(
-                ckpt, fname, per_file[fname], segment=cfg.io_segment_bytes, advance=advance
+                ckpt, fname, per_file[fname], segment=cfg.io.segment_bytes, advance=advance
             )
             with lock:
                 read[0] += got
@@ -77,7 +77,9 @@ def check_crcs(
             for fname in per_file:
                 run(fname)
         else:
-            with ThreadPoolExecutor(threads, thread_name_prefix="shardpoint-verify") as pool:
+            with ThreadPoolExecutor(
+                threads, thread_name_prefix="shardpoint-verify", initializer=adopt, initargs=(current_options(),)
+            ) as pool:
                 for fut in [pool.submit(run, f) for f in per_file]:
                     fut.result()
     return read[0]
@@ -147,7 +149,7 @@ def _crc_object(
     advance: Callable[[int], None] | None,
 ) -> tuple[int, list[str]]:
     """crc32c of each item of one remote object, one ranged read per piece."""
-    piece = knobs().remote_read_bytes
+    piece = current_options().remote.read_bytes
     problems: list[str] = []
     read = 0
     for item in sorted(items, key=lambda i: i.start):

@@ -15,11 +15,16 @@ __all__ = [
     "CorruptCheckpointError",
     "DistributedCheckpointError",
     "IncompleteCheckpointError",
+    "InvalidArgumentError",
+    "InvalidArgumentTypeError",
     "InvalidStateError",
     "InvalidSizeError",
     "InsufficientMemoryError",
     "LoadMismatchError",
+    "MissingDependencyError",
     "MissingShardError",
+    "PreviousSaveFailedError",
+    "StateChangedError",
     "StorageError",
     "UnsafePathError",
     "UnsafePickleError",
@@ -85,7 +90,20 @@ class InsufficientMemoryError(CheckpointError, MemoryError):
     before anything is allocated. The message says how to load less (``mmap=True``, ``keys=``)."""
 
 
-class InvalidSizeError(CheckpointError, ValueError):
+class InvalidArgumentError(CheckpointError, ValueError):
+    """An argument (or an option, or the environment variable seeding one) has a value
+    shardpoint cannot use: an unknown ``layout`` or ``mode``, a negative count, a
+    ``storage_options`` given with a local path, an ``mmap=True`` a source cannot serve.
+    The message names the argument, the value given and the values accepted."""
+
+
+class InvalidArgumentTypeError(InvalidArgumentError, TypeError):
+    """An argument or option of the wrong type (a str where an int is needed). Both an
+    :class:`InvalidArgumentError` (so a ``ValueError``) and a ``TypeError``: ``except
+    TypeError`` and ``except ValueError`` both catch it."""
+
+
+class InvalidSizeError(InvalidArgumentError):
     """A size such as ``max_shard_size`` could not be parsed."""
 
 
@@ -98,6 +116,24 @@ class LoadMismatchError(CheckpointError, ValueError):
     def __init__(self, message: str, result: object = None) -> None:
         super().__init__(message)
         self.result = result
+
+
+class MissingDependencyError(CheckpointError, ImportError):
+    """An optional dependency this call needs is not installed (fsspec / s3fs for a URL,
+    ``torch.distributed.checkpoint`` for the DCP integration); the message names the package
+    to install."""
+
+
+class PreviousSaveFailedError(CheckpointError, RuntimeError):
+    """An async save failed in the background and nobody looked at its handle; raised by
+    the next save (``sp.save``, ``sp.async_save``, ``CheckpointManager.save``), which then
+    saves nothing. The original error is the ``__cause__``."""
+
+
+class StateChangedError(CheckpointError, RuntimeError):
+    """The state was changed while it was being saved (a tensor resized or replaced by
+    another thread); nothing was committed. Save when the state is not being changed, or
+    with ``async_save``, which copies it first."""
 
 
 class UnsafePickleError(CheckpointError, ValueError):

@@ -7,7 +7,7 @@ outcomes are exchanged, and if any rank failed, every rank raises the same
 On a gloo group the outcomes travel point to point through the coordinator (rank 0), so a
 rank that dies is noticed at once by the coordinator (its connection closes), which tells
 every other rank; no rank waits on a collective that a dead peer can never complete. A rank
-that hangs is given up on after ``SHARDPOINT_COLLECTIVE_TIMEOUT`` seconds.
+that hangs is given up on after ``CollectiveOptions.timeout_s`` seconds.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
-from .._knobs import knobs
+from .._options import current_options
 from ..errors import CheckpointError, DistributedCheckpointError, InvalidStateError
 
 T = TypeVar("T")
@@ -180,7 +180,7 @@ class Group:
         Messages are pickled: they only travel between the ranks of one job, as in
         torch's own object collectives.
         """
-        limit = knobs().collective_timeout_s
+        limit = current_options().collective.timeout_s
         if not self.is_coordinator:
             try:
                 message = pickle.dumps((error, report))
@@ -220,7 +220,7 @@ class Group:
                 if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
                     failed[rank] = (
                         f"sent no report within {limit} s: it hangs, or is slower than "
-                        "SHARDPOINT_COLLECTIVE_TIMEOUT allows"
+                        "its timeout allows (CollectiveOptions(timeout_s=...))"
                     )
                     break  # gloo closes every connection of this rank on a timeout
                 failed[rank] = dead

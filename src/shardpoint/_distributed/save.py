@@ -40,15 +40,16 @@ from .._format.index import index_name, render_index
 from .._format.manifest import ChunkRef, ComponentRecord, TensorRecord
 from .._format.safetensors import TensorSpec, plan_file
 from .._io.transfer import FileWrite, write_files, writer_threads
-from .._knobs import knobs
+from .._options import current_options
 from .._planning.chunks import ChunkPlan, assign_writers, byte_runs, split_replicated
 from .._planning.shards import plan_shards, shard_file_names
 from .._prepare import PreparedState
 from .._progress import byte_progress
 from .._storage import Transaction, open_transaction
+from .._storage.local import reported
 from .._storage.remote import resolve, write_files_at
 from .._write import SaveInfo, file_metadata, write_manifest
-from ..errors import CheckpointError
+from ..errors import InvalidArgumentError
 from .group import Group, local_chunk
 
 
@@ -102,7 +103,7 @@ def write_distributed(
     """Save collectively over ``group``; every rank calls this with its own shards."""
     started = time.perf_counter()
     if layout == "hf" and resolve(path, storage_options)[1] is not None:
-        raise CheckpointError(
+        raise InvalidArgumentError(
             f"{os.fspath(path)}: layout='hf' in a collective save needs a shared POSIX "
             "filesystem (ranks write parts of the same files), which an object store is not. "
             "Save with layout='chunked' (each rank uploads its own files), then "
@@ -144,11 +145,12 @@ def write_distributed(
         file_meta = file_metadata(job.save_id)
 
         threads = writer_threads(job.ranks_here)
-        segment = knobs().collective_segment_bytes
+        segment = current_options().collective.segment_bytes
 
         def write() -> tuple[None, _Written]:
             nbytes = sum(p.nbytes for p in job.to_write)
-            with byte_progress(nbytes, f"saving rank {group.rank}", progress) as advance:
+            with reported(path, "writing its data files"), \
+                    byte_progress(nbytes, f"saving rank {group.rank}", progress) as advance:
                 if job.hf_part is None:
                     pieces = {(p.component, p.name): _piece(p, local_tensors, local_offsets) for p in job.to_write}
                     refs, files = _write_chunked(job.to_write, pieces, job.directory, group.rank, max_shard_bytes,

@@ -27,8 +27,14 @@ from typing import Any, NamedTuple
 import torch
 
 from .._checksum import NATIVE, crc32c_combine, crc32c_update
-from .._knobs import knobs
-from ..errors import CheckpointError, ChecksumMismatchError, CorruptCheckpointError, StorageError
+from .._options import adopt, current_options
+from ..errors import (
+    CheckpointError,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    StateChangedError,
+    StorageError,
+)
 
 PIECE_BYTES = 64 << 20
 """Unit of work shared between threads; crcs of whole pieces are combined cheaply. (For
@@ -267,7 +273,10 @@ def _write_small_run(
         if size:
             source = _host_bytes(tensor)
             if source.numel() * source.element_size() != size:
-                raise AssertionError("tensor byte size changed during save")
+                raise StateChangedError(
+                    f"tensor {key!r} changed size while it was being saved (another thread resized "
+                    "it); nothing was committed. Save when the state is not being changed"
+                )
             memmove(base + pos, source.data_ptr(), size)
             crcs.append((key, crc32c_update(view[pos : pos + size], 0)))
             pos += size
@@ -306,9 +315,10 @@ def write_files(
     processes write disjoint parts of them. With ``durable`` each file is fsynced.
     ``segment``: bytes per ``pwrite`` (default the ``io_segment_bytes`` knob).
     """
-    cfg = knobs()
+    cfg = current_options()
+    native = _native if cfg.io.native else None
     threads = threads or writer_threads()
-    segment = segment or cfg.io_segment_bytes
+    segment = segment or cfg.io.segment_bytes
     fds: dict[str, int] = {}
     results: dict[tuple[str, str], list[tuple[int, int, int]]] = {}
     lock = threading.Lock()
@@ -370,9 +380,12 @@ def write_files(
             fname, key, tensor, offset, start, end = item
             data = byte_view(contiguous_cpu(tensor))
             if len(data) != tensor.numel() * tensor.element_size():
-                raise AssertionError("tensor byte size changed during save")
+                raise StateChangedError(
+                    f"{fname}: tensor {key!r} changed size while it was being saved (another thread "
+                    "resized it); nothing was committed. Save when the state is not being changed"
+                )
             fd = fds[fname]
-            write = _native.pwrite_from if _native is not None else _write_segments
+            write = native.pwrite_from if native is not None else _write_segments
             with naming(os.path.join(directory, fname)):
                 crc = write(fd, data[start:end], offset + start, segment)
             if advance is not None:
@@ -421,7 +434,7 @@ def writer_threads(processes_here: int = 1) -> int:
         >>> writer_threads() >= 1
         True
     """
-    configured = knobs().write_threads
+    configured = current_options().io.write_threads
     if configured > 0:
         return configured
     return max(1, min(MAX_WRITER_THREADS, _cpu_share(processes_here)))
@@ -450,7 +463,7 @@ def reader_threads(processes_here: int = 1) -> int:
         >>> 2 <= reader_threads() <= 4
         True
     """
-    configured = knobs().read_threads
+    configured = current_options().io.read_threads
     if configured > 0:
         return configured
     return max(2, min(MAX_READER_THREADS, 2 * _cpu_share(processes_here)))
@@ -463,7 +476,10 @@ def _run_all(fn: Callable[..., object], items: Sequence[object], threads: int) -
         for item in items:
             fn(item)
         return
-    with ThreadPoolExecutor(max_workers=min(threads, len(items)), thread_name_prefix="shardpoint-io") as pool:
+    with ThreadPoolExecutor(
+        max_workers=min(threads, len(items)), thread_name_prefix="shardpoint-io",
+        initializer=adopt, initargs=(current_options(),),
+    ) as pool:
         futures = [pool.submit(fn, item) for item in items]
         errors = []
         for fut in futures:
@@ -600,9 +616,10 @@ def run_reads(
     cannot land in the destination directly (a dtype cast, a GPU destination); default
     the ``SHARDPOINT_STAGING_BUFFER_BYTES`` knob.
     """
-    cfg = knobs()
+    cfg = current_options()
+    native = _native if cfg.io.native else None
     threads = threads or reader_threads()
-    staging_bytes = staging_bytes or cfg.staging_buffer_bytes
+    staging_bytes = staging_bytes or cfg.io.staging_buffer_bytes
     staging = _Staging()
     used_cuda: set[torch.device] = set()
     fds: dict[str, int] = {}
@@ -622,8 +639,8 @@ def run_reads(
     direct_fds: dict[str, int | None] = {}
     """Each file opened again with ``O_DIRECT``; None where the file system refuses it."""
     read_direct = None
-    if cfg.direct_reads and _native is not None and hasattr(os, "O_DIRECT"):
-        read_direct = _native.pread_direct
+    if cfg.io.direct_reads and native is not None and hasattr(os, "O_DIRECT"):
+        read_direct = native.pread_direct
 
     refused: set[str] = set()
     """Files whose reads with ``O_DIRECT`` failed with EINVAL (their fds close at the end:
@@ -680,10 +697,10 @@ def run_reads(
             work.append((i, task, start, end))
         i += 1
 
-    segment = cfg.io_segment_bytes
+    segment = cfg.io.segment_bytes
     copy_cached = None
-    if cfg.cached_copy and _native is not None and _native.STREAM_COPY:
-        copy_cached = _native.copy_cached
+    if cfg.io.cached_copy and native is not None and native.STREAM_COPY:
+        copy_cached = native.copy_cached
     # Copies from the page cache keep a core busy each; more at once than there are cores
     # only thrash (the read threads outnumber the cores for the disk's sake: cold reads wait).
     copy_slots = threading.Semaphore(_cpu_count())
@@ -715,7 +732,7 @@ def run_reads(
         check = task.crc32c is not None
         # Unchecked, a piece goes in one call: from the page cache that copies fastest.
         step = segment if check else max(len(view), 1)
-        read = _native.pread_into if _native is not None else _read_segments
+        read = native.pread_into if native is not None else _read_segments
         at = task.start + start
         parts: list[tuple[int, int]] = []  # (crc, length) of what each step filled, in order
         got = 0
@@ -731,7 +748,7 @@ def run_reads(
             if read_direct is not None and len(view) - got >= DIRECT_MIN_BYTES:
                 # The mapped copy stops where the cache does; without it, read what is cached
                 # through the cache, and go past it for the rest.
-                warm = 0 if mapped else _native.cached_prefix(fd, at + got, len(view) - got)  # type: ignore[union-attr]
+                warm = 0 if mapped else native.cached_prefix(fd, at + got, len(view) - got)  # type: ignore[union-attr]
                 if len(view) - got - warm >= DIRECT_MIN_BYTES and (dfd := direct_fd_for(task)) is not None:
                     if warm:
                         n, c = read(fd, view[got : got + warm], at + got, step, check)

@@ -45,7 +45,7 @@ from .._format.index import index_name
 from .._format.manifest import MANIFEST_NAME
 from .._format.names import TMP_MARKER, is_tmp_name
 from .._io.transfer import FileWrite, naming, write_files
-from .._knobs import knobs
+from .._options import current_options
 from ..errors import CheckpointError, CheckpointExistsError, StorageError
 from .paths import read_small_file
 
@@ -228,7 +228,7 @@ def _recorded_move_out(final: str, old_name: str) -> tuple[set[str], dict[str, t
     the files it carried over. None if there is no such record."""
     where = os.path.join(final, marker_name(old_name))
     try:
-        info = json.loads(read_small_file(where, where=where, limit=knobs().max_json_bytes))
+        info = json.loads(read_small_file(where, where=where, limit=current_options().io.max_json_bytes))
     except (OSError, CheckpointError, ValueError, RecursionError):
         return None
     if not isinstance(info, dict):
@@ -251,7 +251,7 @@ def _manifest_doc(directory: str) -> dict[str, object] | None:
     regular file, too large, not JSON). A disk error reading it is raised."""
     where = os.path.join(directory, MANIFEST_NAME)
     try:
-        doc = json.loads(read_small_file(where, where=where, limit=knobs().max_json_bytes))
+        doc = json.loads(read_small_file(where, where=where, limit=current_options().io.max_json_bytes))
     except (FileNotFoundError, CheckpointError, ValueError, RecursionError):
         return None
     return doc if isinstance(doc, dict) else None
@@ -564,23 +564,31 @@ _ADVICE = {
 }
 
 
+NOTHING_LEFT = (
+    "Nothing was committed there by this save: the checkpoint that was there before, if any, "
+    "is unchanged, and this save's temporary directory is removed"
+)
+
+
 @contextlib.contextmanager
-def reported(final: Path, doing: str) -> Iterator[None]:
+def reported(
+    final: str | os.PathLike[str], doing: str, left: Callable[[], str] = lambda: NOTHING_LEFT
+) -> Iterator[None]:
     """Turn an OSError of a local save into :class:`~shardpoint.errors.StorageError` naming
-    the checkpoint path, the errno's meaning and what to do (errno kept)."""
+    the checkpoint path, the file (where the OSError names one), the errno's meaning, what
+    to do and what the failure left behind (``left()``); ``errno`` is kept. An OSError
+    without an errno (a write that stored nothing) is reported as ``EIO``."""
     try:
         yield
     except CheckpointError:
         raise
     except OSError as exc:
-        if exc.errno is None:
-            raise
-        meaning = os.strerror(exc.errno)
-        advice = _ADVICE.get(exc.errno, "check the filesystem and try again")
+        code = exc.errno if exc.errno is not None else errno.EIO
+        meaning = os.strerror(code)
+        advice = _ADVICE.get(code, "check the filesystem and try again")
         raise StorageError(
-            exc.errno,
-            f"saving {final} failed while {doing}: {meaning} ({exc}); {advice}. "
-            "Nothing was committed there by this save",
+            code,
+            f"saving {os.fspath(final)} failed while {doing}: {meaning} ({exc}); {advice}. {left()}",
         ) from exc
 
 
@@ -636,8 +644,18 @@ class LocalTransaction:
 
     def commit(self, *, durable: bool) -> None:
         """Make the checkpoint visible at ``final`` in one step (see the module docstring)."""
-        with reported(self.final, "committing"):
+        with reported(self.final, "committing", self._left):
             self._commit(durable=durable)
+
+    def _left(self) -> str:
+        """What a failed commit left behind."""
+        if not self._done:
+            return NOTHING_LEFT
+        return (
+            f"The new checkpoint is in place at {self.final}, but the filesystem failed after the "
+            "rename (it may not survive a power loss); load it to check it, and save again if "
+            "it is not whole"
+        )
 
     def _commit(self, *, durable: bool) -> None:
         self._check_target()

@@ -43,13 +43,17 @@ import torch
 from .._checksum import combine_runs, crc32c
 from .._format.manifest import MANIFEST_NAME, PENDING_NAME
 from .._io.transfer import FileWrite, ReadTask, byte_view, contiguous_cpu
-from .._knobs import knobs
+from .._options import adopt, current_options
 from ..errors import (
     CheckpointError,
     CheckpointExistsError,
     ChecksumMismatchError,
     CorruptCheckpointError,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+    MissingDependencyError,
     MissingShardError,
+    StateChangedError,
     StorageError,
 )
 
@@ -109,7 +113,7 @@ def retrying(what: str, url: str, action: Callable[[], _T]) -> _T:
     """Run ``action``; retry transient errors with exponential backoff, then raise
     :class:`StorageError` naming ``url``. ``FileNotFoundError`` passes through unchanged
     (callers say what a missing object means)."""
-    cfg = knobs()
+    cfg = current_options()
     attempt = 0
     while True:
         try:
@@ -128,13 +132,13 @@ def retrying(what: str, url: str, action: Callable[[], _T]) -> _T:
                     else "check the URL, the bucket and storage_options"
                 )
                 raise StorageError(f"{what} {url} failed: {_describe(exc)}; {hint}") from exc
-            if attempt >= cfg.remote_retries:
+            if attempt >= cfg.remote.retries:
                 raise StorageError(
                     f"{what} {url} failed after {attempt + 1} attempts: {_describe(exc)}; the store "
                     "is unreachable or overloaded. Nothing was committed by a failed save; retry "
-                    "later, or raise SHARDPOINT_REMOTE_RETRIES"
+                    "later, or allow more retries (options=sp.RemoteOptions(retries=...))"
                 ) from exc
-            time.sleep(cfg.remote_backoff_ms / 1000 * (2**attempt))
+            time.sleep(cfg.remote.backoff_ms / 1000 * (2**attempt))
             attempt += 1
 
 
@@ -162,7 +166,7 @@ def _fsspec() -> Any:
     try:
         import fsspec
     except ImportError:
-        raise CheckpointError(
+        raise MissingDependencyError(
             "fsspec URLs need the optional dependencies: pip install 'shardpoint[s3]' "
             "(fsspec and s3fs; other stores need their fsspec package, e.g. gcsfs)"
         ) from None
@@ -184,13 +188,13 @@ def resolve(
             unknown protocol.
     """
     if storage_options is not None and not isinstance(storage_options, Mapping):
-        raise CheckpointError(
+        raise InvalidArgumentTypeError(
             f"storage_options must be a dict (e.g. {{'key': ..., 'secret': ...}}), not "
             f"{type(storage_options).__name__}"
         )
     if not is_url(path):
         if storage_options:
-            raise CheckpointError(
+            raise InvalidArgumentError(
                 f"storage_options were given but {path!s} is a local path; they apply to fsspec "
                 "URLs only (s3://bucket/prefix, gs://..., memory://...)"
             )
@@ -198,20 +202,22 @@ def resolve(
     protocol = path.split("://", 1)[0].split("::")[-1]
     if protocol in LOCAL_PROTOCOLS and "::" not in path:
         if storage_options:
-            raise CheckpointError(f"storage_options do not apply to the local URL {path}")
+            raise InvalidArgumentError(
+                f"storage_options do not apply to the local URL {path}; drop them, or use a remote URL"
+            )
         return local_path(path), None
     fsspec = _fsspec()
     try:
         fs, root = fsspec.core.url_to_fs(path, **dict(storage_options or {}))
     except ImportError as exc:
-        raise CheckpointError(
+        raise MissingDependencyError(
             f"{path}: the fsspec backend for {protocol}:// is not installed ({exc}); for S3: "
             "pip install 'shardpoint[s3]'"
         ) from None
     except ValueError as exc:
-        raise CheckpointError(f"{path}: fsspec cannot open this URL ({exc})") from None
+        raise InvalidArgumentError(f"{path}: fsspec cannot open this URL ({exc}); check its spelling") from None
     except TypeError as exc:
-        raise CheckpointError(
+        raise InvalidArgumentError(
             f"{path}: storage_options were not accepted by the {protocol}:// backend ({exc})"
         ) from None
     return path, RemoteStore(fs, root, path)
@@ -360,7 +366,7 @@ class RemoteStore:
         A transient failure restarts the whole object (``produce`` is called again).
         """
         path = self.path_of(name)
-        block = knobs().remote_block_bytes
+        block = current_options().remote.block_bytes
 
         def run() -> _T:
             f = self.fs.open(path, "wb", block_size=block, autocommit=False)
@@ -468,7 +474,10 @@ def _stream_file(
             pos = offset
         data = byte_view(contiguous_cpu(tensor))
         if len(data) != tensor.numel() * tensor.element_size():
-            raise AssertionError("tensor byte size changed during save")
+            raise StateChangedError(
+                f"{f.name}: tensor {key!r} changed size while it was being saved (another thread "
+                "resized it); nothing was committed. Save when the state is not being changed"
+            )
         crc = 0
         for start in range(0, len(data), block):
             if cancelled.is_set():
@@ -500,7 +509,7 @@ def upload_files(
 
     The first failure cancels the other uploads (each discarded) and is raised.
     """
-    cfg = knobs()
+    cfg = current_options()
     cancelled = threading.Event()
     results: dict[tuple[str, str], int] = {}
     lock = threading.Lock()
@@ -510,7 +519,7 @@ def upload_files(
             crcs = store.upload(
                 f.name,
                 lambda write: _stream_file(
-                    f, write, block=cfg.remote_block_bytes, cancelled=cancelled, advance=advance
+                    f, write, block=cfg.remote.block_bytes, cancelled=cancelled, advance=advance
                 ),
             )
         except FileNotFoundError as exc:  # S3 NoSuchUpload: the multipart upload was aborted
@@ -524,7 +533,7 @@ def upload_files(
         if on_uploaded is not None:
             on_uploaded(f.name)
 
-    _run_cancelling(one, list(files), min(cfg.remote_threads, max(1, len(files))), cancelled)
+    _run_cancelling(one, list(files), min(cfg.remote.threads, max(1, len(files))), cancelled)
     return results
 
 
@@ -543,7 +552,10 @@ def _run_cancelling(fn: Callable[[Any], None], items: Sequence[Any], threads: in
                 errors.append(exc)
             cancelled.set()
 
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="shardpoint-remote") as pool:
+    with ThreadPoolExecutor(
+        max_workers=threads, thread_name_prefix="shardpoint-remote",
+        initializer=adopt, initargs=(current_options(),),
+    ) as pool:
         list(pool.map(guarded, items))
     if errors:
         raise errors[0]
@@ -567,8 +579,8 @@ def run_remote_reads(
     ``ReadTask.path`` is the object's name under ``store``. Each piece is one ranged GET;
     crc32c is checked where the task carries one (pieces combined per task).
     """
-    cfg = knobs()
-    work = [(i, task, s, e) for i, task in enumerate(tasks) for s, e in _pieces(task, cfg.remote_read_bytes)]
+    cfg = current_options()
+    work = [(i, task, s, e) for i, task in enumerate(tasks) for s, e in _pieces(task, cfg.remote.read_bytes)]
     crcs: dict[int, list[tuple[int, int, int]]] = {}
     lock = threading.Lock()
     cancelled = threading.Event()
@@ -599,7 +611,7 @@ def run_remote_reads(
         if advance is not None:
             advance(end - start)
 
-    threads = min(cfg.remote_threads, max(1, len(work)))
+    threads = min(cfg.remote.threads, max(1, len(work)))
     if threads <= 1:
         for item in work:
             run(item)
@@ -685,7 +697,7 @@ class RemoteTransaction:
     ) -> dict[tuple[str, str], int]:
         """Upload the data files (``durable`` is implied: an upload is stored once committed)."""
         if write is not None:
-            raise CheckpointError(
+            raise InvalidArgumentError(
                 f"{self.store.url}: this writer needs a local directory; write the checkpoint "
                 "locally, then save it to the store with shardpoint.save(shardpoint.load(...), url)"
             )

@@ -67,7 +67,12 @@ from .._read import LoadResult, load_into
 from .._stateful import RNGState
 from .._storage.local import TMP_MARKER, recover_all
 from .._write import SaveInfo
-from ..errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    InvalidArgumentError,
+    LoadMismatchError,
+)
 
 __all__ = ["checkpoint_dirs", "load_state", "save_state"]
 
@@ -194,7 +199,7 @@ class _PerRank:
         mine = ranks[rank]
         dataloaders = list(self.accelerator._dataloaders)
         if len(mine["dataloaders"]) != len(dataloaders):
-            raise CheckpointError(
+            raise LoadMismatchError(
                 f"the checkpoint holds the states of {len(mine['dataloaders'])} prepared dataloader(s), "
                 f"the Accelerator has {len(dataloaders)}; prepare the same dataloaders, in the same "
                 "order, before load_state"
@@ -226,7 +231,7 @@ def _state(accelerator: Any, per_rank: _PerRank) -> dict[str, Any]:
     """The objects to save / load into, keyed like Accelerate's files."""
     unsupported = str(getattr(accelerator, "distributed_type", "NO"))
     if any(kind in unsupported for kind in ("FSDP", "DEEPSPEED", "MEGATRON", "XLA")):
-        raise CheckpointError(
+        raise InvalidArgumentError(
             f"shardpoint's Accelerate integration saves replicated (DDP or single-process) "
             f"training, not {unsupported}: its sharded states are written by that engine. Use "
             "accelerator.save_state for it"
@@ -331,7 +336,7 @@ def save_state(
     automatic = bool(config.automatic_checkpoint_naming)
     root = _checkpoints_root(accelerator) if automatic else None
     if root is not None and output_dir is not None:
-        raise CheckpointError(
+        raise InvalidArgumentError(
             f"save_state(output_dir={os.fspath(output_dir)!r}): with automatic_checkpoint_naming "
             f"every checkpoint goes to {root}/checkpoint_<iteration>; call save_state without "
             "output_dir, or turn automatic_checkpoint_naming off to choose the directory"
@@ -345,7 +350,7 @@ def save_state(
                 "of this integration does that), or pass overwrite=True to replace it"
             )
     elif output_dir is None:
-        raise CheckpointError(
+        raise InvalidArgumentError(
             "save_state needs output_dir when the Accelerator's ProjectConfiguration has no "
             "automatic_checkpoint_naming; pass the checkpoint directory"
         )
@@ -414,7 +419,7 @@ def load_state(
     resumed_from: int | None = None
     if input_dir is None:
         if not config.automatic_checkpoint_naming:
-            raise CheckpointError(
+            raise InvalidArgumentError(
                 "load_state needs input_dir when the Accelerator's ProjectConfiguration has no "
                 "automatic_checkpoint_naming; pass the checkpoint directory"
             )

@@ -39,14 +39,22 @@ import torch
 from .._format.dtypes import dtype_from_name
 from .._read import ReadBatch
 from .._source import Checkpoint, open_checkpoint
-from ..errors import CheckpointError, CorruptCheckpointError, UnsafePickleError
+from ..errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+    InvalidStateError,
+    MissingDependencyError,
+    UnsafePickleError,
+)
 
 
 def _dcp() -> Any:
     try:
         import torch.distributed.checkpoint as dcp
     except ImportError as exc:  # pragma: no cover - torch builds without distributed
-        raise CheckpointError(
+        raise MissingDependencyError(
             "shardpoint.integrations.dcp needs torch.distributed.checkpoint, which this torch "
             f"build lacks ({exc}); install a torch build with distributed support"
         ) from None
@@ -187,7 +195,7 @@ class ShardpointStorageReader(_base()):  # type: ignore[misc]
     def _open(self) -> Checkpoint:
         if self._ckpt is None:
             if self.path is None:
-                raise CheckpointError(
+                raise InvalidArgumentError(
                     "ShardpointStorageReader has no checkpoint to read: pass its path, "
                     "ShardpointStorageReader(path), or dcp.load(..., checkpoint_id=path)"
                 )
@@ -352,7 +360,7 @@ class ShardpointStorageWriter(_writer_base()):  # type: ignore[misc]
                 value = data.detach()
                 chunk = item.tensor_data.chunk
                 if tuple(chunk.sizes) != tuple(item.tensor_data.size):
-                    raise CheckpointError(
+                    raise InvalidStateError(
                         f"ShardpointStorageWriter: tensor {fqn!r} is a shard (offsets "
                         f"{list(chunk.offsets)} of {list(item.tensor_data.size)}); one process "
                         "must hold whole tensors. Save sharded states with sp.save on every rank"
@@ -374,7 +382,7 @@ class ShardpointStorageWriter(_writer_base()):  # type: ignore[misc]
 
         flat = getattr(planner, "state_dict", None)
         if not isinstance(flat, dict):
-            raise CheckpointError(
+            raise InvalidArgumentTypeError(
                 f"ShardpointStorageWriter({self.path!r}) on several ranks needs DCP's "
                 f"DefaultSavePlanner (or a subclass), not {type(planner).__name__}"
             )
@@ -391,7 +399,7 @@ class ShardpointStorageWriter(_writer_base()):  # type: ignore[misc]
 
     def _require_path(self) -> str:
         if self.path is None:
-            raise CheckpointError(
+            raise InvalidArgumentError(
                 "ShardpointStorageWriter has no checkpoint to write: pass its path, "
                 "ShardpointStorageWriter(path), or dcp.save(..., checkpoint_id=path)"
             )
@@ -404,7 +412,7 @@ class ShardpointStorageWriter(_writer_base()):  # type: ignore[misc]
         if self._ranks > 1:
             return  # committed by every rank together in write_data
         if self.path is None:
-            raise CheckpointError(
+            raise InvalidArgumentError(
                 "ShardpointStorageWriter has no checkpoint to write: pass its path, "
                 "ShardpointStorageWriter(path), or dcp.save(..., checkpoint_id=path)"
             )

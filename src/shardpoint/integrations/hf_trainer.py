@@ -50,7 +50,12 @@ from .._read import load_into
 from .._sizes import parse_size
 from .._stateful import RNGState
 from .._write import SaveInfo, write_checkpoint
-from ..errors import CheckpointError, LoadMismatchError
+from ..errors import (
+    CheckpointError,
+    InvalidArgumentError,
+    LoadMismatchError,
+    PreviousSaveFailedError,
+)
 from .transformers import _config_files, _default_shard_size
 
 __all__ = ["TESTED_TRANSFORMERS", "ShardpointTrainer", "ShardpointTrainerMixin", "is_shardpoint_checkpoint"]
@@ -101,14 +106,14 @@ class ShardpointTrainerMixin:
     ) -> None:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if getattr(training_args, "push_to_hub", False):
-            raise CheckpointError(
+            raise InvalidArgumentError(
                 "ShardpointTrainer does not push checkpoints to the Hub during training "
                 "(push_to_hub=True in TrainingArguments); train with push_to_hub=False and call "
                 "trainer.push_to_hub() afterwards, or use the plain transformers Trainer"
             )
         super().__init__(*args, **kwargs)
         if self.args.world_size > 1:
-            raise CheckpointError(
+            raise InvalidArgumentError(
                 f"ShardpointTrainer saves from one process; this run has world_size={self.args.world_size}. "
                 "Use the plain transformers Trainer for distributed (DDP, FSDP, DeepSpeed) runs"
             )
@@ -203,7 +208,7 @@ class ShardpointTrainerMixin:
             except CheckpointError:
                 raise
             except Exception as exc:
-                raise CheckpointError(
+                raise PreviousSaveFailedError(
                     f"the async Trainer checkpoint {pending.path} failed and was not committed: {exc}"
                 ) from exc
 

@@ -27,7 +27,7 @@ import torch
 from .._prepare import prepare_state, storage_key
 from .._sizes import parse_size
 from .._write import SaveInfo, json_metadata, write_checkpoint
-from ..errors import CheckpointError, InvalidStateError
+from ..errors import InvalidArgumentTypeError, InvalidStateError
 
 __all__ = ["from_pretrained", "save_pretrained"]
 
@@ -138,7 +138,7 @@ def save_pretrained(
     """
     unknown = sorted(set(save_kwargs) - set(_SAVE_KWARGS))
     if unknown:
-        raise CheckpointError(
+        raise InvalidArgumentTypeError(
             f"save_pretrained() got unsupported argument(s) {', '.join(unknown)}; "
             f"it takes max_shard_size and {', '.join(_SAVE_KWARGS)}"
         )

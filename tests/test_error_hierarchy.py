@@ -1,0 +1,183 @@
+"""Every error the public API raises for a bad argument or a runtime condition is a
+``CheckpointError`` subclass, also the matching builtin, with a message naming the value and
+what to do: a walk over the entry points with bad arguments and conditions."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import inspect
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardpoint as sp
+import shardpoint.errors as errors_module
+from shardpoint._io import transfer
+
+
+def test_every_error_class_is_a_checkpoint_error_and_a_builtin() -> None:
+    classes = [c for _, c in inspect.getmembers(errors_module, inspect.isclass) if c.__module__ == errors_module.__name__]
+    assert len(classes) == len(errors_module.__all__) == 21
+    for cls in classes:
+        assert issubclass(cls, sp.CheckpointError), cls
+        if cls is not sp.CheckpointError:
+            builtins = [b for b in cls.__mro__ if b.__module__ == "builtins" and b not in (Exception, BaseException, object)]
+            assert builtins, f"{cls.__name__} refines no builtin exception"
+        assert getattr(sp, cls.__name__) is cls  # exported
+    assert issubclass(sp.InvalidArgumentTypeError, TypeError) and issubclass(sp.InvalidArgumentTypeError, ValueError)
+    assert issubclass(sp.InvalidSizeError, sp.InvalidArgumentError)
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    path = tmp_path / "ckpt"
+    sp.save({"w": torch.arange(4.0)}, path)
+    return path
+
+
+def _cases(ckpt: Path, tmp: Path) -> list[tuple[str, Callable[[], Any], type[Exception], type[Exception], str]]:
+    """(what, call, shardpoint class, builtin, text the message holds)."""
+    state = {"w": torch.ones(2)}
+    return [
+        ("save layout", lambda: sp.save(state, tmp / "a", layout="columns"),
+         sp.InvalidArgumentError, ValueError, "unknown layout 'columns'; use 'hf' (whole tensors) or 'chunked'"),
+        ("save storage_options type", lambda: sp.save(state, tmp / "b", storage_options="key=x"),
+         sp.InvalidArgumentTypeError, TypeError, "storage_options must be a dict of fsspec filesystem options, not str"),
+        ("save max_shard_size", lambda: sp.save(state, tmp / "c", max_shard_size="lots"),
+         sp.InvalidSizeError, ValueError, "'lots'"),
+        ("local path with storage_options", lambda: sp.save(state, tmp / "d", storage_options={"key": "k"}),
+         sp.InvalidArgumentError, ValueError, "storage_options were given but"),
+        ("unknown URL protocol", lambda: sp.load("nosuchproto://bucket/x"),
+         sp.CheckpointError, ValueError, "nosuchproto://bucket/x"),
+        ("load keys", lambda: sp.load(ckpt, keys=["nope"]),
+         sp.InvalidArgumentError, ValueError, f"{ckpt} has no tensor named 'nope'; `shardpoint inspect` lists the names"),
+        ("load mmap of a URL", lambda: (sp.save(state, "memory://errors/m", overwrite=True),
+                                        sp.load("memory://errors/m", mmap=True)),
+         sp.InvalidArgumentError, ValueError, "memory://errors/m: mmap=True needs local files; load it with mmap=False"),
+        ("options type", lambda: sp.load(ckpt, options={"read_threads": 2}),
+         sp.InvalidArgumentTypeError, TypeError, "options= takes a shardpoint.Options, IOOptions"),
+        ("manager mode", lambda: sp.CheckpointManager(tmp / "r", mode="best"),
+         sp.InvalidArgumentError, ValueError, "CheckpointManager: mode must be 'min' or 'max', not 'best'"),
+        ("manager keep_last", lambda: sp.CheckpointManager(tmp / "r", keep_last=0),
+         sp.InvalidArgumentError, ValueError, "CheckpointManager: keep_last must be a positive int or None, not 0"),
+        ("manager keep_last bool", lambda: sp.CheckpointManager(tmp / "r", keep_last=True),
+         sp.InvalidArgumentError, ValueError, "keep_last must be a positive int or None, not True"),
+        ("manager keep_best", lambda: sp.CheckpointManager(tmp / "r", keep_best=2),
+         sp.InvalidArgumentError, ValueError, "keep_best needs metric="),
+        ("manager step", lambda: sp.CheckpointManager(tmp / "r").save(-1, state),
+         sp.InvalidArgumentError, ValueError, "CheckpointManager.save: step must be a non-negative int, not -1"),
+        ("manager restore step", lambda: sp.CheckpointManager(tmp / "r").restore(state, step=7),
+         sp.CheckpointNotFoundError, FileNotFoundError, "has no committed step 7"),
+        ("convert dtype", lambda: sp.convert(ckpt, tmp / "o1", dtype="fp8"),
+         sp.InvalidArgumentError, ValueError, "unknown dtype 'fp8'; use bf16, fp16 or fp32"),
+        ("convert integer dtype", lambda: sp.convert(ckpt, tmp / "o2", dtype=torch.int8),
+         sp.InvalidArgumentError, ValueError, "dtype torch.int8 is not a floating-point dtype"),
+        ("convert workers", lambda: sp.convert(ckpt, tmp / "o3", workers=0),
+         sp.InvalidArgumentError, ValueError, "convert: workers must be at least 1, not 0"),
+        ("convert component", lambda: sp.convert(ckpt, tmp / "o4", components=["optim"]),
+         sp.InvalidArgumentError, ValueError, "has no component named 'optim'"),
+        ("diff tolerance", lambda: sp.diff(ckpt, ckpt, atol=-1.0),
+         sp.InvalidArgumentError, ValueError, "diff: atol and rtol must be >= 0 (got atol=-1.0"),
+        ("hf:// storage_options", lambda: sp.load("hf://org/name", storage_options={"token": "x"}),
+         sp.InvalidArgumentError, ValueError, "storage_options ['token'] do not apply to hf://org/name"),
+    ]
+
+
+def test_bad_arguments_raise_checkpoint_errors_naming_the_value(ckpt: Path, tmp_path: Path) -> None:
+    failures = []
+    for what, call, cls, builtin, text in _cases(ckpt, tmp_path):
+        try:
+            call()
+        except Exception as exc:
+            if not (isinstance(exc, cls) and isinstance(exc, builtin) and text in str(exc)):
+                failures.append(f"{what}: {type(exc).__name__}: {exc}")
+        else:
+            failures.append(f"{what}: nothing raised")
+    assert failures == []
+
+
+def test_an_unseen_async_failure_is_a_previous_save_failed_error(ckpt: Path, tmp_path: Path) -> None:
+    handle = sp.async_save({"w": torch.ones(2)}, ckpt)  # exists, no overwrite: fails in the background
+    assert isinstance(handle.exception(), sp.CheckpointExistsError)
+    with pytest.raises(sp.PreviousSaveFailedError) as caught:
+        sp.save({"w": torch.ones(2)}, tmp_path / "next")
+    assert isinstance(caught.value, RuntimeError)
+    assert str(caught.value).startswith(f"the previous async save to {ckpt} failed and nothing was committed there")
+    assert isinstance(caught.value.__cause__, sp.CheckpointExistsError)
+    assert not (tmp_path / "next").exists()
+
+
+def test_a_tensor_that_changed_size_during_a_save_is_a_state_changed_error(tmp_path: Path) -> None:
+    """The write of a run of small tensors checks each against the plan's byte count (as if
+    another thread resized one after the plan was made)."""
+    with (tmp_path / "f").open("wb") as f, pytest.raises(sp.StateChangedError) as caught:
+        transfer._write_small_run(f.fileno(), [("a", torch.ones(2), 8), ("b", torch.ones(3), 8)], 0, 16)
+    assert isinstance(caught.value, RuntimeError)
+    assert str(caught.value).startswith("tensor 'b' changed size while it was being saved")
+
+
+def test_a_manager_root_locked_too_long_is_a_storage_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shardpoint._manager as manager
+
+    root = tmp_path / "run"
+    mgr = sp.CheckpointManager(root)
+    mgr.save(1, {"w": torch.ones(2)})
+    monkeypatch.setattr(manager, "_ROOT_LOCK_WAIT", 0.2)  # instead of 600 s
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another manager, hung while managing the root
+        with pytest.raises(sp.StorageError) as caught:
+            mgr.save(2, {"w": torch.ones(2)})
+    finally:
+        os.close(fd)
+    assert caught.value.errno == errno.EWOULDBLOCK
+    assert f"another process has held the lock on {root} for 0 s" in str(caught.value)
+    assert mgr.steps() == [1]
+
+
+_EACCES_CHILD = """
+import os, sys
+import torch, shardpoint as sp
+sp.save({"w": torch.ones(2)}, sys.argv[2])  # lazy imports done while we may still read them
+if os.geteuid() == 0:
+    os.setgid(65534); os.setuid(65534)  # nobody: the directory is not ours to write in
+try:
+    sp.save({"w": torch.ones(2)}, sys.argv[1])
+except sp.StorageError as exc:
+    print(exc.errno, isinstance(exc, PermissionError) or isinstance(exc, OSError), exc)
+"""
+
+
+def test_eacces_during_a_local_save_is_a_storage_error_naming_the_path() -> None:
+    """A real EACCES: a child process (dropping root to ``nobody`` where it runs as root)
+    saves into a directory it may not write."""
+    base = tempfile.mkdtemp(prefix="sp-eacces-")
+    try:
+        os.chmod(base, 0o755)
+        locked = os.path.join(base, "locked")
+        os.mkdir(locked, 0o555)
+        target = os.path.join(locked, "ckpt")
+        src = str(Path(sp.__file__).resolve().parents[1])
+        done = subprocess.run([sys.executable, "-c", _EACCES_CHILD, target, os.path.join(base, "warm")], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr
+        code, is_oserror, message = done.stdout.strip().split(" ", 2)
+        assert (int(code), is_oserror) == (errno.EACCES, "True"), done.stdout
+        assert message.startswith(f"[Errno 13] saving {target} failed while creating its temporary directory: "
+                                  "Permission denied"), message
+        assert "you may not write there: fix the directory's permissions or save somewhere else" in message
+        assert message.endswith("Nothing was committed there by this save: the checkpoint that was there "
+                                "before, if any, is unchanged, and this save's temporary directory is removed")
+        assert os.listdir(locked) == []
+    finally:
+        os.chmod(os.path.join(base, "locked"), 0o755)
+        shutil.rmtree(base)
