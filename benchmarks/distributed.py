@@ -302,6 +302,37 @@ def plain_read(path: str, buffer: Any) -> None:
         os.close(fd)
 
 
+RESHARD_PLAIN_THREADS = 2
+"""Threads of the resharded load's plain read (64 MiB requests), as save_load.py's."""
+
+
+def plain_read_into(path: str, views: list[memoryview], *, threads: int, request_bytes: int = 64 << 20) -> None:
+    """``preadv`` the file at ``path`` into ``views`` (its bytes in order, back to back),
+    ``request_bytes`` a request, on ``threads`` threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pieces, offset = [], 0
+    for view in views:
+        for start in range(0, len(view), request_bytes):
+            pieces.append((view[start : start + request_bytes], offset + start))
+        offset += len(view)
+    fd = os.open(path, os.O_RDONLY)
+
+    def read(piece: tuple[memoryview, int]) -> None:
+        view, pos = piece
+        while view:
+            n = os.preadv(fd, [view], pos)
+            if n <= 0:
+                raise OSError(f"{path}: short read at byte {pos}")
+            view, pos = view[n:], pos + n
+
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(read, pieces))
+    finally:
+        os.close(fd)
+
+
 # ----------------------------------------------------------------------------- the ranks
 
 
@@ -580,7 +611,22 @@ def reshard_load(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, flo
     def load_dcp() -> Any:
         return dcp.load(targets, checkpoint_id=paths["dcp"])
 
+    # The limit: this rank's bytes, written once to a plain file (untimed) and read warm
+    # straight into the targets' memory, the way save_load.py's plain reader reads.
+    plain = os.path.join(work, f"reshard-plain-rank{r.rank}.bin")
+    plain_write(plain, expected, durable=False)
+    plain_views = [memoryview(t.to_local().reshape(-1).view(-1).numpy()).cast("B") for t in targets.values()]
+
+    def load_plain() -> None:
+        plain_read_into(plain, plain_views, threads=RESHARD_PLAIN_THREADS)
+
     cases = [
+        Case(
+            "plain",
+            f"plain preadv of this rank's bytes, {RESHARD_PLAIN_THREADS} threads (limit)",
+            load_plain,
+            check=check("the plain read"),
+        ),
         Case(
             "sp",
             "sp.load_into (Shard(0) targets, process_group=WORLD)",
@@ -610,7 +656,7 @@ def reshard_load(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, flo
             {c.key: c.label for c in cases},
             times,
             shapes.nbytes(),
-            "sp",
+            "plain",
         )
     )
     r.log(
@@ -627,6 +673,7 @@ def reshard_load(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, flo
         "reshard_read": max(s / n for s, n in zip(per_sp, per_needed, strict=True)),
         "reshard_read_dcp": max(s / n for s, n in zip(per_dcp, per_needed, strict=True)),
         "reshard_time": median(times, "dcp") / median(times, "sp"),
+        "reshard_vs_limit": median(times, "sp") / median(times, "plain"),
     }
 
 
@@ -702,7 +749,7 @@ def main() -> None:
         "--gb", type=float, default=1.0, help="state size in GB (10^9 bytes), all ranks together"
     )
     parser.add_argument(
-        "--ranks", default="2", help="world sizes of the main section, e.g. 2 or 2,4"
+        "--ranks", default="2", help="world sizes of the main section, e.g. 2 or 2,4 (\"\": none)"
     )
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds after the warm-up")
     parser.add_argument(
@@ -729,7 +776,7 @@ def main() -> None:
     if args.reshard_gb is None:
         args.reshard_gb = max(args.gb / 4, 0.02)
     args.reshard_from, args.reshard_to = (int(x) for x in args.reshard.split(","))
-    worlds = [int(x) for x in args.ranks.split(",")]
+    worlds = [int(x) for x in args.ranks.split(",") if x]  # --ranks "": the reshard only
 
     import torch
 
@@ -794,6 +841,15 @@ def main() -> None:
             reshard["reshard_read"],
             "<=",
             1.1,
+            None,
+        )
+    )
+    checks.append(
+        (
+            f"reshard {args.reshard_from}->{args.reshard_to} warm: sp time / plain read of its bytes",
+            reshard["reshard_vs_limit"],
+            "<=",
+            1.3,
             None,
         )
     )

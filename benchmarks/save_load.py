@@ -39,6 +39,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from _common import (
     Case,
+    ReaderConfig,
     SectionResult,
     TargetCheck,
     accepts_direct,
@@ -51,11 +52,12 @@ from _common import (
     fsync_tree,
     log_err,
     peak_rss,
-    read_direct,
     read_into_cache,
+    read_with,
     remove,
     reset_peak_rss,
     run_interleaved,
+    sweep_read_limit,
 )
 from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
@@ -69,7 +71,6 @@ warnings.filterwarnings("ignore", message=".*process group.*")
 SHARD_SIZE = "500MB"
 PLAIN_READ_THREADS = 2
 PLAIN_PIECE_BYTES = 64 << 20
-DIRECT_STREAMS = 4
 VOCAB = 32_000
 
 Shapes = dict[str, tuple[int, ...]]
@@ -145,6 +146,59 @@ def fingerprints(state: StateDict) -> dict[str, int]:
     return {name: crc32c.crc32c(byte_view(t)) for name, t in state.items()}
 
 
+
+# ------------------------------------------------------------------------------- peers
+#
+# Optional peers (``pip install -e '.[bench]'``): each is skipped, with a printed line, when
+# its package is missing.
+
+
+def _optional(module: str) -> Any:
+    try:
+        return __import__(module, fromlist=["_"])
+    except ImportError as exc:
+        print(f"peer skipped: {module} is not installed ({exc}); pip install -e '.[bench]'", flush=True)
+        return None
+
+
+runai_streamer = _optional("runai_model_streamer")
+tensorizer = _optional("tensorizer")
+torch_checkpointing = _optional("torch_checkpointing")
+try:
+    from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+except ImportError:
+    HuggingFaceStorageReader = HuggingFaceStorageWriter = None
+    print("peer skipped: this torch has no DCP HuggingFaceStorageReader/Writer", flush=True)
+
+
+class _TorchCheckpointingItem:
+    """torch-checkpointing's view of a state dict: one item, saved and loaded in place."""
+
+    def __init__(self, state: StateDict) -> None:
+        self.state = state
+
+    def get_items(self) -> dict[str, Any]:
+        return {"model": torch_checkpointing.CheckpointItem(value=self.state, requires_copy=False)}
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        del state_dict  # the loader already copied into self.state, in place
+
+
+if torch_checkpointing is not None:
+    _TorchCheckpointingItem = type(  # type: ignore[misc]
+        "_TorchCheckpointingItem", (_TorchCheckpointingItem, torch_checkpointing.CheckpointBase), {}
+    )
+
+
+def _torch_checkpointing_parts() -> tuple[Any, Any]:
+    """(rank info of one process, local storage with buffered I/O: the default O_DIRECT
+    path fails on ext4 here)."""
+    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+
+    rank = torch_checkpointing.RankInfo(global_rank=0, global_world_size=1, role_rank=0, role_world_size=1)
+    return rank, LocalFileSystemStorageConfig(use_direct_io=False)
+
+
 # -------------------------------------------------------------------------------- saves
 #
 # Each saver writes the state dict to ``out`` (which does not exist yet). With
@@ -199,6 +253,33 @@ def save_dcp(state: StateDict, out: str, durable: bool) -> None:
         fsync_tree(out)
 
 
+def save_dcp_hf(state: StateDict, out: str, durable: bool) -> None:
+    # HuggingFaceStorageWriter does not fsync: fsync_tree adds it, as for every other peer.
+    dcp.save(state, storage_writer=HuggingFaceStorageWriter(out))
+    if durable:
+        fsync_tree(out)
+
+
+def save_torch_checkpointing(state: StateDict, out: str, durable: bool) -> None:
+    rank, storage = _torch_checkpointing_parts()
+    config = torch_checkpointing.SyncCheckpointSaverConfig(
+        writer_config=torch_checkpointing.CheckpointWriterConfig(barrier_config=None, write_to_temp_dir=False)
+    )
+    saver = torch_checkpointing.make_sync_checkpoint_saver(config=config, rank_info=rank, storage_config=storage)
+    saver.save(out, _TorchCheckpointingItem(state))
+    if durable:
+        fsync_tree(out)
+
+
+def save_tensorizer(state: StateDict, out: str, durable: bool) -> None:
+    os.mkdir(out)
+    serializer = tensorizer.TensorSerializer(os.path.join(out, "model.tensors"))
+    serializer.write_state_dict(state)
+    serializer.close()
+    if durable:
+        fsync_tree(out)
+
+
 Saver = Callable[[StateDict, str, bool], None]
 
 SAVERS: dict[str, tuple[str, Saver]] = {
@@ -209,6 +290,12 @@ SAVERS: dict[str, tuple[str, Saver]] = {
     "torch": ("torch.save", save_torch),
     "dcp": ("DCP save (1 process)", save_dcp),
 }
+if HuggingFaceStorageWriter is not None:
+    SAVERS["dcp_hf"] = ("DCP save, HuggingFaceStorageWriter", save_dcp_hf)
+if torch_checkpointing is not None:
+    SAVERS["tc"] = ("torch-checkpointing save (buffered)", save_torch_checkpointing)
+if tensorizer is not None:
+    SAVERS["tensorizer"] = ("tensorizer TensorSerializer", save_tensorizer)
 
 # -------------------------------------------------------------------------------- loads
 #
@@ -243,11 +330,15 @@ def load_plain(model: StateDict, src: str) -> None:
         os.close(fd)
 
 
-def load_disk_direct(model: StateDict, src: str) -> None:
-    """The disk's own limit: plain.bin read with O_DIRECT (no page cache, no copy into
-    ``model``), 4 streams of 64 MB requests into page-aligned buffers. Cold loads only."""
-    del model
-    read_direct(os.path.join(src, "plain.bin"), streams=DIRECT_STREAMS, request_bytes=PLAIN_PIECE_BYTES)
+def load_limit(config: ReaderConfig) -> Loader:
+    """The device's limit: plain.bin read by the fastest plain reader of the sweep
+    (:func:`sweep_read_limit`), no tensor work, no copy into ``model``. Cold loads only."""
+
+    def load(model: StateDict, src: str) -> None:
+        del model
+        read_with(config, os.path.join(src, "plain.bin"))
+
+    return load
 
 
 def load_shardpoint(model: StateDict, src: str) -> None:
@@ -284,6 +375,34 @@ def load_dcp(model: StateDict, src: str) -> None:
     dcp.load(model, storage_reader=dcp.FileSystemReader(src))
 
 
+def load_dcp_hf(model: StateDict, src: str) -> None:
+    dcp.load(model, storage_reader=HuggingFaceStorageReader(src))
+
+
+def load_torch_checkpointing(model: StateDict, src: str) -> None:
+    rank, storage = _torch_checkpointing_parts()
+    reader = torch_checkpointing.CheckpointReader(rank, storage)
+    torch_checkpointing.CheckpointLoader(reader).load(src, _TorchCheckpointingItem(model))
+
+
+def load_runai(model: StateDict, src: str) -> None:
+    """runai-model-streamer's SafetensorsStreamer over the hub shards (its defaults)."""
+    paths = [p for p in files_under(src) if p.endswith(".safetensors")]
+    with runai_streamer.SafetensorsStreamer() as streamer:
+        streamer.stream_files(paths)
+        for name, tensor in streamer.get_tensors():
+            model[name].copy_(tensor)
+
+
+def load_tensorizer(model: StateDict, src: str) -> None:
+    """tensorizer's TensorDeserializer (its defaults), each tensor copied into ``model``.
+    Timed in a process of its own per call (:class:`ChildLoad`): it keeps the state's size
+    of memory after a load."""
+    with tensorizer.TensorDeserializer(os.path.join(src, "model.tensors"), device="cpu") as tensors:
+        for name, tensor in tensors.items():
+            model[name].copy_(tensor)
+
+
 Loader = Callable[[StateDict, str], None]
 
 LOADERS: dict[str, tuple[str, str, Loader]] = {
@@ -296,11 +415,72 @@ LOADERS: dict[str, tuple[str, str, Loader]] = {
     "torch": ("torch.load(mmap=True) + copy_", "torch", load_torch_mmap),
     "dcp": ("DCP load (in place)", "dcp", load_dcp),
 }
+if HuggingFaceStorageReader is not None:
+    LOADERS["dcp_hf"] = ("DCP load, HuggingFaceStorageReader", "dcp_hf", load_dcp_hf)
+if torch_checkpointing is not None:
+    LOADERS["tc"] = ("torch-checkpointing load (buffered)", "tc", load_torch_checkpointing)
+if runai_streamer is not None:
+    LOADERS["runai"] = ("runai-model-streamer SafetensorsStreamer, HF shards", "hub", load_runai)
+if tensorizer is not None:
+    LOADERS["tensorizer"] = ("tensorizer TensorDeserializer (own process)", "tensorizer", load_tensorizer)
 
-COLD_LOADERS: dict[str, tuple[str, str, Loader]] = {
-    # Not a load (it fills nothing): what the disk delivers without the page cache.
-    "disk": ("plain.bin O_DIRECT, 4 streams (disk, no copy)", "plain", load_disk_direct),
-}
+IN_OWN_PROCESS = {"tensorizer"}
+"""Loaders timed in a fresh process per call (started untimed, then told to go)."""
+
+
+def _child_load(loader_key: str, src: str, shapes: Shapes, conn: Any) -> None:
+    """A fresh process: allocate the model, say ready, load when told, answer checks."""
+    model = make_model(shapes)
+    conn.send("ready")
+    while True:
+        command = conn.recv()
+        if command == "load":
+            try:
+                LOADERS[loader_key][2](model, src)
+                conn.send("done")
+            except BaseException as exc:
+                conn.send(f"error: {type(exc).__name__}: {exc}")
+                raise
+        elif command == "fingerprints":
+            conn.send(fingerprints(model))
+        else:
+            return
+
+
+class ChildLoad:
+    """One loader in a process of its own per call: :meth:`start` (untimed) spawns it and
+    waits until its model is allocated; :meth:`load` is the timed call."""
+
+    def __init__(self, key: str, src: str, shapes: Shapes) -> None:
+        self.key, self.src, self.shapes = key, src, shapes
+        self.proc: Any = None
+        self.conn: Any = None
+
+    def start(self) -> None:
+        self.stop()
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_child_load, args=(self.key, self.src, self.shapes, child))
+        self.proc.start()
+        child.close()
+        if self.conn.recv() != "ready":
+            raise RuntimeError(f"{self.key}: the loading process did not start")
+
+    def load(self) -> None:
+        self.conn.send("load")
+        answer = self.conn.recv()
+        if answer != "done":
+            raise RuntimeError(f"load {self.key} failed in its process: {answer}")
+
+    def fingerprints(self) -> dict[str, int]:
+        self.conn.send("fingerprints")
+        return self.conn.recv()  # type: ignore[no-any-return]
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.conn.send("exit")
+            self.proc.join()
+            self.proc = None
 
 # ------------------------------------------------------------------------------ sections
 
@@ -338,38 +518,64 @@ def load_section(
 ) -> SectionResult:
     """Interleaved loads into ``model``; the warm-up round of a warm section checks the bytes."""
     cases = []
-    # The disk limit reads with O_DIRECT, where the file system takes it (see accepts_direct).
-    direct = cold and accepts_direct(outputs["plain"])
-    loaders = {**LOADERS, **COLD_LOADERS} if direct else LOADERS
+    loaders = dict(LOADERS)
+    if cold:
+        # The limit row: the fastest plain reader of plain.bin, swept once per run on a part
+        # of it (O_DIRECT where the file system takes it, see accepts_direct).
+        plain_bin = os.path.join(outputs["plain"], "plain.bin")
+        best, _ = sweep_read_limit(plain_bin, direct=accepts_direct(outputs["plain"]), log=log_err)
+        loaders = {"limit": (f"best plain reader: {best.label()} (limit)", "plain", load_limit(best)), **loaders}
+    shapes = {name: tuple(t.shape) for name, t in model.items()}
+    children: list[ChildLoad] = []
     for key, (label, source, loader) in loaders.items():
         src = outputs[source]
         paths = files_under(src)
+        child = ChildLoad(key, src, shapes) if key in IN_OWN_PROCESS else None
 
-        def run(loader: Loader = loader, src: str = src) -> None:
-            loader(model, src)
+        def run(loader: Loader = loader, src: str = src, child: ChildLoad | None = child) -> None:
+            if child is not None:
+                child.load()
+            else:
+                loader(model, src)
+
+        def fresh(child: ChildLoad | None = child) -> None:
+            """A loader timed in its own process gets a new one (untimed) before each call."""
+            if child is not None:
+                child.start()
+
+        def result(child: ChildLoad | None = child) -> dict[str, int]:
+            return child.fingerprints() if child is not None else fingerprints(model)
 
         if cold:
 
-            def prepare(paths: list[str] = paths) -> None:
+            def prepare(paths: list[str] = paths, fresh: Callable[[], None] = fresh) -> None:
+                fresh()
                 drop_caches(paths)
 
             def check() -> None:
                 return None
         else:
 
-            def prepare(paths: list[str] = paths) -> None:
+            def prepare(paths: list[str] = paths, fresh: Callable[[], None] = fresh) -> None:
+                fresh()
                 for tensor in model.values():
                     tensor.zero_()  # so that the check sees what this peer wrote
                 read_into_cache(paths)
 
-            def check(key: str = key) -> None:
-                bad = [k for k, crc in fingerprints(model).items() if crc != expected[k]]
+            def check(key: str = key, result: Callable[[], dict[str, int]] = result) -> None:
+                bad = [k for k, crc in result().items() if crc != expected[k]]
                 if bad:
                     raise RuntimeError(f"load {key} left {len(bad)} tensors wrong, e.g. {bad[0]}")
 
+        if child is not None:
+            children.append(child)
         cases.append(Case(key, label, run, prepare, check))
     name = "load cold" if cold else "load warm"
-    return run_interleaved(name, cases, rounds=rounds, nbytes=tensor_bytes(model))
+    try:
+        return run_interleaved(name, cases, rounds=rounds, nbytes=tensor_bytes(model))
+    finally:
+        for child in children:
+            child.stop()
 
 
 # --------------------------------------------------------------------------- peak memory
@@ -464,7 +670,7 @@ def evaluate_targets(
         cold = sections["load_cold"]
         # The disk sets the pace of a cold load: the faster of the two limit readers is what
         # a load at the disk's speed would take in this run.
-        limit = min(cold.median(key) for key in ("plain", "disk") if key in cold.seconds)
+        limit = min(cold.median(key) for key in ("plain", "limit") if key in cold.seconds)
         checks.append(
             TargetCheck(
                 "load cold: safe_open shards / sp (crc)",
@@ -515,8 +721,8 @@ def informational_ratios(sections: dict[str, SectionResult]) -> list[str]:
         ("load_cold", "load cold: sp verify=False / sp (crc)", "sp_noverify", "sp"),
         ("load_warm", "load warm: sp (crc) / plain", "sp", "plain"),
         ("load_cold", "load cold: sp (crc) / plain readinto", "sp", "plain"),
-        ("load_cold", "load cold: sp (crc) / disk O_DIRECT", "sp", "disk"),
-        ("load_cold", "load cold: safe_open shards / disk O_DIRECT", "st_shards", "disk"),
+        ("load_cold", "load cold: sp (crc) / best plain reader (limit)", "sp", "limit"),
+        ("load_cold", "load cold: safe_open shards / best plain reader (limit)", "st_shards", "limit"),
     ]
     return [
         f"  info  {name:<52} {sections[key].ratio(a, b):8.2f}x"
@@ -716,7 +922,7 @@ def run(args: argparse.Namespace, memory: str) -> int:
         if any(c.bound is not None for c in checks):
             print(
                 "  (at the limit: the ratio a load reading at the disk's speed measured in this run,\n"
-                "   the faster of plain preadv and O_DIRECT, would have scored against the same peer)"
+                "   the faster of plain preadv and the best plain reader of the sweep, would have scored against the same peer)"
             )
         print("\n".join(informational_ratios(sections)))
         failed = sum(not c.passed for c in checks)

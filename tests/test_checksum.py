@@ -27,7 +27,12 @@ def test_fast_implementation_is_in_use():
     # The extension builds on install; a silent fall back to Python loops would cost load speed.
     assert _checksum.NATIVE is not None, "shardpoint._native did not build; see setup.py"
     flags = _cpu_flags()
-    want = "vpclmulqdq" if {"vpclmulqdq", "avx512f", "avx512bw", "avx512vl"} <= flags else "pclmulqdq"
+    if {"vpclmulqdq", "avx512f", "avx512bw", "avx512vl"} <= flags:
+        want = "vpclmulqdq"
+    elif {"vpclmulqdq", "avx2"} <= flags:  # 256-bit folding (AMD Zen 3, AVX-512 off)
+        want = "vpclmulqdq-256"
+    else:
+        want = "pclmulqdq"
     if "pclmulqdq" in flags:
         in_use = _checksum.IMPLEMENTATION
         assert in_use == f"shardpoint._native ({want})"

@@ -25,7 +25,7 @@ from shardpoint.errors import ChecksumMismatchError, CorruptCheckpointError
 native = _checksum.NATIVE
 needs_native = pytest.mark.skipif(native is None, reason="shardpoint._native is not built here")
 
-PATHS = ("table", "sse4.2", "pclmulqdq", "vpclmulqdq")
+PATHS = ("table", "sse4.2", "pclmulqdq", "vpclmulqdq-256", "vpclmulqdq")
 
 
 def _available(path: str) -> bool:

@@ -110,8 +110,8 @@ fold_constant(unsigned bits)
     return k;
 }
 
-static fold_k k_16, k_32, k_48, k_64, k_256;
-static int have_sse42, have_pclmul, have_vpclmul;
+static fold_k k_16, k_32, k_48, k_64, k_128, k_256;
+static int have_sse42, have_pclmul, have_vpclmul, have_vpclmul256;
 
 static void
 cpu_features(void)
@@ -130,6 +130,11 @@ cpu_features(void)
     __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
     int zmm_state = (lo & 0xE6) == 0xE6; /* the OS saves the opmask and all 512-bit registers */
     have_vpclmul = have_pclmul && avx512f && avx512bw && avx512vl && vpclmul && zmm_state;
+    /* AVX2 machines with 256-bit carry-less multiply (AMD Zen 3 and later, Intel Ice Lake
+     * and later without AVX-512 enabled): the same folding, two 128-bit lanes a register. */
+    int avx2 = (b >> 5) & 1;
+    int ymm_state = (lo & 0x6) == 0x6; /* the OS saves the 256-bit registers */
+    have_vpclmul256 = have_pclmul && avx2 && vpclmul && ymm_state;
 }
 
 __attribute__((target("sse4.2"))) static uint32_t
@@ -278,6 +283,56 @@ store_fence(void)
     _mm_sfence();
 }
 
+#define SP_AVX2 "sse4.2,pclmul,avx2,vpclmulqdq"
+
+__attribute__((target(SP_AVX2))) static inline __m256i
+fold256(__m256i v, __m256i k)
+{
+    return _mm256_xor_si256(_mm256_clmulepi64_epi128(v, k, 0x00), _mm256_clmulepi64_epi128(v, k, 0x11));
+}
+
+__attribute__((target(SP_AVX2))) static inline __m256i
+broadcast256(fold_k k)
+{
+    return _mm256_broadcastsi128_si256(_mm_set_epi64x((long long)k.hi, (long long)k.lo));
+}
+
+/* crc_vpclmul with 256-bit registers, for AVX2 machines without AVX-512: four of them
+ * (128 bytes) folded 128 bytes ahead, then to one register, then 32 bytes at a time; about
+ * twice the 128-bit path (in-cache, AMD EPYC with AVX2: 17-19 GiB/s against 8.5-9.4 of CPU
+ * time). Only the check: the fused copy (copy_cached) stays AVX-512 only, since on that
+ * machine a mapped copy cost more CPU than pread, unverified. n >= 128. */
+__attribute__((target(SP_AVX2))) static uint32_t
+crc_vpclmul256(uint32_t reg, const uint8_t *p, size_t n)
+{
+    __m256i x0 = _mm256_loadu_si256((const __m256i *)p), x1 = _mm256_loadu_si256((const __m256i *)(p + 32));
+    __m256i x2 = _mm256_loadu_si256((const __m256i *)(p + 64)), x3 = _mm256_loadu_si256((const __m256i *)(p + 96));
+    x0 = _mm256_xor_si256(x0, _mm256_zextsi128_si256(_mm_cvtsi32_si128((int)reg)));
+    p += 128;
+    n -= 128;
+    __m256i k128 = broadcast256(k_128), k32 = broadcast256(k_32);
+    while (n >= 128) {
+        __m256i y0 = _mm256_loadu_si256((const __m256i *)p), y1 = _mm256_loadu_si256((const __m256i *)(p + 32));
+        __m256i y2 = _mm256_loadu_si256((const __m256i *)(p + 64)), y3 = _mm256_loadu_si256((const __m256i *)(p + 96));
+        x0 = _mm256_xor_si256(fold256(x0, k128), y0);
+        x1 = _mm256_xor_si256(fold256(x1, k128), y1);
+        x2 = _mm256_xor_si256(fold256(x2, k128), y2);
+        x3 = _mm256_xor_si256(fold256(x3, k128), y3);
+        p += 128;
+        n -= 128;
+    }
+    x0 = _mm256_xor_si256(fold256(x0, k32), x1);
+    x0 = _mm256_xor_si256(fold256(x0, k32), x2);
+    x0 = _mm256_xor_si256(fold256(x0, k32), x3);
+    while (n >= 32) {
+        x0 = _mm256_xor_si256(fold256(x0, k32), _mm256_loadu_si256((const __m256i *)p));
+        p += 32;
+        n -= 32;
+    }
+    __m128i zero = _mm_setzero_si128();
+    return finish(zero, zero, _mm256_castsi256_si128(x0), _mm256_extracti128_si256(x0, 1), p, n);
+}
+
 #endif /* SP_X86 */
 
 static const char *implementation = "table";
@@ -290,6 +345,8 @@ crc32c_update(uint32_t crc, const uint8_t *p, size_t n)
 #ifdef SP_X86
     if (have_vpclmul && n >= 256)
         return ~crc_vpclmul(reg, p, n);
+    if (have_vpclmul256 && n >= 128)
+        return ~crc_vpclmul256(reg, p, n);
     if (have_pclmul && n >= 64)
         return ~crc_pclmul(reg, p, n);
     if (have_sse42)
@@ -308,8 +365,9 @@ init_crc(void)
     k_32 = fold_constant(256);
     k_48 = fold_constant(384);
     k_64 = fold_constant(512);
+    k_128 = fold_constant(1024);
     k_256 = fold_constant(2048);
-    implementation = have_vpclmul ? "vpclmulqdq" : have_pclmul ? "pclmulqdq" : have_sse42 ? "sse4.2" : "table";
+    implementation = have_vpclmul ? "vpclmulqdq" : have_vpclmul256 ? "vpclmulqdq-256" : have_pclmul ? "pclmulqdq" : have_sse42 ? "sse4.2" : "table";
 #endif
 }
 
@@ -781,6 +839,8 @@ py_crc32c_using(PyObject *self, PyObject *args)
         reg = n >= 64 ? crc_pclmul(reg, p, n) : crc_hw(reg, p, n);
     else if (strcmp(name, "vpclmulqdq") == 0 && have_vpclmul)
         reg = n >= 256 ? crc_vpclmul(reg, p, n) : crc_hw(reg, p, n);
+    else if (strcmp(name, "vpclmulqdq-256") == 0 && have_vpclmul256)
+        reg = n >= 128 ? crc_vpclmul256(reg, p, n) : crc_hw(reg, p, n);
 #endif
     else
         ok = 0;
