@@ -358,7 +358,7 @@ def test_typed_hyperparameters_train_resume_and_load_without_pickle(tmp_path) ->
 def test_load_from_checkpoint_errors(tmp_path) -> None:
     with pytest.raises(sp.CheckpointNotFoundError, match=r"nothing\.ckpt does not exist"):
         load_from_checkpoint(TinyModule, tmp_path / "nothing.ckpt")
-    with pytest.raises(TypeError, match=r"load_from_checkpoint needs a LightningModule or LightningDataModule class, got <class 'int'>"):
+    with pytest.raises(sp.errors.InvalidArgumentTypeError, match=r"load_from_checkpoint needs a LightningModule or LightningDataModule class, got <class 'int'>"):
         load_from_checkpoint(int, tmp_path / "nothing.ckpt")
     # A torch.save checkpoint (written without the plugin) is named as such, with what to use.
     torch.save({"state_dict": TinyModule().state_dict(), "epoch": 0, "global_step": 1}, tmp_path / "plain.ckpt")
@@ -450,7 +450,9 @@ def test_remove_and_replace_files_and_links(tmp_path) -> None:
 
 
 def test_storage_options_refused(tmp_path) -> None:
-    with pytest.raises(TypeError, match="storage_options"):
+    from shardpoint.errors import InvalidArgumentTypeError
+
+    with pytest.raises(InvalidArgumentTypeError, match="storage_options"):
         ShardpointCheckpointIO().save_checkpoint(
             {"state_dict": {}}, tmp_path / "x.ckpt", storage_options={"a": 1}
         )
@@ -473,3 +475,27 @@ def test_removal_of_a_queued_save_happens_when_it_commits(tmp_path) -> None:
     sync.remove_checkpoint(tmp_path / "c.ckpt")
     sync.save_checkpoint(ckpt, tmp_path / "c.ckpt")
     assert os.path.isdir(tmp_path / "c.ckpt")
+
+
+def test_a_checkpoint_that_cannot_be_removed_is_a_storage_error_naming_it(tmp_path) -> None:
+    """remove_checkpoint where the folder refuses the rename (an immutable parent: EPERM even
+    for root): a StorageError with errno, naming the checkpoint and saying it was left."""
+    import subprocess
+
+    from shardpoint.errors import StorageError
+
+    io = ShardpointCheckpointIO()
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, tmp_path / "p" / "a.ckpt")
+    if subprocess.run(["chattr", "+i", str(tmp_path / "p")], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available on this filesystem")
+    try:
+        with pytest.raises(StorageError) as info:
+            io.remove_checkpoint(tmp_path / "p" / "a.ckpt")
+    finally:
+        subprocess.run(["chattr", "-i", str(tmp_path / "p")], check=True)
+    assert info.value.errno == 1
+    assert str(info.value) == (
+        f"cannot remove checkpoint {tmp_path / 'p' / 'a.ckpt'}: [Errno 1] Operation not permitted; it was "
+        "left in place. Check the directory's permissions, or remove it yourself"
+    )
+    assert os.path.isdir(tmp_path / "p" / "a.ckpt")

@@ -46,6 +46,7 @@ from ._api import async_save_on, save_now
 from ._async import AsyncQueue, AsyncSave
 from ._distributed.group import Group, resolve_group
 from ._format.manifest import MANIFEST_NAME
+from ._format.names import is_tmp_name
 from ._options import OptionsArg, current_options, merged
 from ._read import load_into
 from ._storage.local import (
@@ -634,7 +635,7 @@ class CheckpointManager:
         recover_all(self._dir, no_locks_means_dead=self._sole_writer)
         for entry in os.scandir(self._dir):
             name = entry.name
-            if not (name.startswith(".") and TMP_MARKER in name):
+            if not is_tmp_name(name):
                 continue
             if name.startswith(f".{LATEST_NAME}{TMP_MARKER}") and not entry.is_dir(follow_symlinks=False):
                 with contextlib.suppress(OSError):

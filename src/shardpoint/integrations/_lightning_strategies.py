@@ -42,7 +42,12 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from .._format.manifest import MANIFEST_NAME
 from .._read import _report_lines, load_into
 from .._source import open_checkpoint
-from ..errors import CheckpointError, InvalidStateError, LoadMismatchError
+from ..errors import (
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+    InvalidStateError,
+    LoadMismatchError,
+)
 from .lightning import (
     COMPONENT_OF_KEY,
     METADATA_KEY,
@@ -145,7 +150,7 @@ class ShardpointStrategyMixin:
             io.checkpoint_io = ShardpointCheckpointIO()  # an AsyncCheckpointIO() without a plugin
             return io
         if not isinstance(inner, ShardpointCheckpointIO):
-            raise CheckpointError(
+            raise InvalidArgumentError(
                 f"{type(self).__name__} saves shardpoint checkpoints only, but its checkpoint IO is a "
                 f"{type(inner).__name__}: pass a ShardpointCheckpointIO (or none) as its checkpoint_io "
                 f"or in Trainer(plugins=[...]), or use Lightning's own {_lightning_base(self)} for "
@@ -175,12 +180,12 @@ class ShardpointStrategyMixin:
         atomically; a file there (a ``torch.save`` checkpoint) is removed first.
 
         Raises:
-            TypeError: ``storage_options`` was given (not supported).
+            InvalidArgumentTypeError: ``storage_options`` was given (not supported; also a TypeError).
             InvalidStateError: a value cannot be stored (see ``ShardpointCheckpointIO(allow_pickle=...)``).
             DistributedCheckpointError: a rank failed; raised on every rank, naming it.
         """
         if storage_options is not None:
-            raise TypeError(
+            raise InvalidArgumentTypeError(
                 f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported; "
                 "leave storage_options unset"
             )

@@ -72,7 +72,12 @@ from .._sizes import parse_size
 from .._source import open_checkpoint
 from .._storage.local import TMP_MARKER
 from .._write import json_metadata, write_checkpoint
-from ..errors import CheckpointError, InvalidStateError, UnsupportedFormatError
+from ..errors import (
+    InvalidArgumentTypeError,
+    InvalidStateError,
+    StorageError,
+    UnsupportedFormatError,
+)
 
 if TYPE_CHECKING:  # imported on first use by __getattr__ (they import lightning.pytorch)
     from ._lightning_strategies import (
@@ -275,11 +280,11 @@ class ShardpointCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         (an old ``torch.save`` checkpoint, a ``save_last="link"`` link) is removed first.
 
         Raises:
-            TypeError: ``storage_options`` was given (not supported).
+            InvalidArgumentTypeError: ``storage_options`` was given (not supported; also a TypeError).
             InvalidStateError: a value cannot be stored (see ``allow_pickle``).
         """
         if storage_options is not None:
-            raise TypeError(
+            raise InvalidArgumentTypeError(
                 f"`Trainer.save_checkpoint(..., storage_options=...)` is not supported by "
                 f"{type(self).__name__}; leave storage_options unset"
             )
@@ -429,7 +434,12 @@ def _remove_path(location: str) -> None:
     except FileNotFoundError:
         return  # removed meanwhile
     except OSError as exc:
-        raise CheckpointError(f"cannot remove checkpoint {location}: {exc}") from exc
+        err = StorageError(
+            f"cannot remove checkpoint {location}: [Errno {exc.errno}] {exc.strerror or exc}; it was left "
+            "in place. Check the directory's permissions, or remove it yourself"
+        )
+        err.errno = exc.errno
+        raise err from exc
     shutil.rmtree(aside, ignore_errors=True)
 
 
@@ -444,7 +454,7 @@ def _saving_module_for(cls: type) -> Any:
             continue
         if isinstance(cls, type) and issubclass(cls, (pl.LightningModule, pl.LightningDataModule)):
             return importlib.import_module(f"{package}.core.saving"), pl
-    raise TypeError(
+    raise InvalidArgumentTypeError(
         f"load_from_checkpoint needs a LightningModule or LightningDataModule class, got {cls!r}"
     )
 
