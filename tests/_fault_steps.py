@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shardpoint._io import transfer as sp_transfer
-from shardpoint._storage import local as sp_local
+from shardpoint._storage import posix as sp_posix
 
 FD_CALLS = ("pwrite", "write", "ftruncate", "fsync")
 PATH_CALLS = ("open", "mkdir", "unlink", "rmdir")
@@ -71,7 +71,7 @@ class FaultSteps:
         """The paths that step touched."""
         self.enabled = True
         self._real: dict[str, Any] = {name: getattr(os, name) for name in (*FD_CALLS, *PATH_CALLS, *TWO_PATH_CALLS)}
-        self._real_renameat2 = sp_local._renameat2
+        self._real_renameat2 = sp_posix._renameat2
 
     # -------------------------------------------------------------------- install
 
@@ -85,7 +85,7 @@ class FaultSteps:
         for name in TWO_PATH_CALLS:
             setattr_(os, name, self._two_path_wrapper(name))
         if self._real_renameat2 is not None:
-            setattr_(sp_local, "_renameat2", self._renameat2)
+            setattr_(sp_posix, "_renameat2", self._renameat2)
         # The C write loop calls pwrite(2) itself; the Python loop goes through ``os``.
         setattr_(sp_transfer, "_native", None)
 

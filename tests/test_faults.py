@@ -271,11 +271,11 @@ def test_exception_at_every_step_of_a_manager_save(
 
 def test_eio_on_rename_without_renameat2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the kernel lacks renameat2, commit falls back to rename(2): EIO there too."""
-    from shardpoint._storage import local as sp_local
+    from shardpoint._storage import posix as sp_posix
 
     path = tmp_path / "ckpt"
     sp.save(make_state(1), path, max_shard_size=MAX_SHARD)
-    monkeypatch.setattr(sp_local, "_renameat2", None)
+    monkeypatch.setattr(sp_posix, "_renameat2", None)
     steps = dry_run(tmp_path, monkeypatch, _save_call("overwrite", path, 2))
     renames = [i for i, s in enumerate(steps, start=1) if s.startswith("rename ")]
     assert len(renames) == 2, steps  # the old one aside, then the new one into place
@@ -891,9 +891,9 @@ def _race(cmd: dict[str, Any]) -> dict[str, Any]:
     finally:
         for name, fn in saved.items():
             setattr(os, name, fn)
-        from shardpoint._storage import local as sp_local
+        from shardpoint._storage import posix as sp_posix
 
-        sp_local._renameat2 = probe._real_renameat2
+        sp_posix._renameat2 = probe._real_renameat2
         shutil.rmtree(scratch)
     a_cmd["at"] = first_step(probe.steps, "renameat2")
     paused_r, paused_w = os.pipe()
@@ -937,16 +937,16 @@ def _helper_main() -> None:
     held.__enter__()
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # stray prints must not corrupt the protocol
-    from shardpoint._storage import local as sp_local
+    from shardpoint._storage import posix as sp_posix
 
     real = {name: getattr(os, name) for name in ("open", "pwrite", "write", "ftruncate", "fsync", "mkdir",
                                                   "rename", "replace", "unlink", "rmdir")}
-    real_renameat2 = sp_local._renameat2
+    real_renameat2 = sp_posix._renameat2
     for line in sys.stdin:
         cmd = json.loads(line)
         for name, fn in real.items():  # a race probe patches this process; undo it
             setattr(os, name, fn)
-        sp_local._renameat2 = real_renameat2
+        sp_posix._renameat2 = real_renameat2
         if cmd["op"] == "ping":
             reply: dict[str, Any] = {"pong": True}
         elif cmd["op"] == "race":

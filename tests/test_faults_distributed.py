@@ -112,7 +112,7 @@ def raise_worker(rank: int, world: int, root_str: str, reports: str) -> None:
 
     import shardpoint._distributed.save as collective
     from shardpoint._distributed.group import Group
-    from shardpoint._storage import local as sp_local
+    from shardpoint._storage import posix as sp_posix
 
     if reports == "collectives":  # the path of groups without point to point (NCCL)
         Group._reports_point_to_point = lambda self: False  # type: ignore[method-assign]
@@ -138,7 +138,7 @@ def raise_worker(rank: int, world: int, root_str: str, reports: str) -> None:
         ("write-hf", 1, collective, "write_files", fail, "hf"),
         ("commit", 0, collective, "write_manifest", fail, "sync"),
         ("commit-async", 0, collective, "write_manifest", fail, "async"),
-        ("commit-rename-eio", 0, sp_local, "_renameat2", eio_rename, "overwrite"),
+        ("commit-rename-eio", 0, sp_posix, "_renameat2", eio_rename, "overwrite"),
     ]
     for name, victim, module, attr, replacement, how in cases:
         target = root / ("previous" if how == "overwrite" else name)

@@ -30,7 +30,7 @@ import shardpoint as sp
 from _dist_utils import run_ranks
 from shardpoint import _async as sp_async
 from shardpoint._distributed.group import holds_dtensor, resolve_group
-from shardpoint._manager import _agreed_step
+from shardpoint._manager_steps import agreed_step as _agreed_step
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_fsdp.py"
 FAST = {"durable": False}

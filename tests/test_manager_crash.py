@@ -703,9 +703,9 @@ def test_no_renameat2_resave_killed_between_the_renames_is_put_back(
     """In process, the state a kill between the two renames leaves (old step moved aside,
     the finished new copy in its temp dir): the manager puts the old copy back when
     constructed, on steps(), restore() and save(); it never deletes a whole copy."""
-    from shardpoint._storage import local as sp_local
+    from shardpoint._storage import posix as sp_posix
 
-    monkeypatch.setattr(sp_local, "_renameat2", None)
+    monkeypatch.setattr(sp_posix, "_renameat2", None)
     real = os.rename
 
     class Killed(BaseException):

@@ -36,6 +36,7 @@ from safetensors.torch import load_file
 
 import shardpoint as sp
 from shardpoint._storage import local as sp_local
+from shardpoint._storage import posix as sp_posix
 from shardpoint._verify import verify_checkpoint
 
 HERE = Path(__file__).resolve()
@@ -134,7 +135,7 @@ def test_overwrite_without_renameat2_keeps_the_users_files_too(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool
 ) -> None:
     if not exchange:
-        monkeypatch.setattr(sp_local, "_renameat2", None)
+        monkeypatch.setattr(sp_posix, "_renameat2", None)
     path = tmp_path / "ck"
     sp.save({"w": torch.zeros(4)}, path)
     (path / "NOTES.md").write_text("notes")

@@ -26,19 +26,11 @@ writes, so crash after crash never piles up more than ``keep_last + 1`` steps.
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
-import json
 import math
 import os
-import re
-import shutil
 import threading
-import time
-import uuid
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,20 +38,11 @@ from ._api import async_save_on, save_now
 from ._async import AsyncQueue, AsyncSave
 from ._distributed.group import Group, resolve_group
 from ._format.manifest import MANIFEST_NAME
-from ._format.names import is_tmp_name
+from ._manager_steps import STEP_RE, agreed_step, metrics_json, metrics_of_manifest, step_dir_name
 from ._options import OptionsArg, current_options, merged
 from ._read import load_into
-from ._storage.local import (
-    TMP_MARKER,
-    fsync_dir,
-    moved_aside,
-    recover,
-    recover_all,
-    reported,
-    write_small_file,
-)
-from ._storage.paths import read_small_file
-from ._storage.remote import RemoteStore, store_for
+from ._storage.posix import reported
+from ._storage.store import open_store
 from ._write import SaveInfo
 from .errors import (
     CheckpointError,
@@ -68,10 +51,8 @@ from .errors import (
     InvalidArgumentError,
     LoadMismatchError,
     PreviousSaveFailedError,
-    StorageError,
 )
 
-_STEP_RE = re.compile(r"^step-(\d+)$")
 LATEST_NAME = "latest"
 _LATEST_LIMIT = 64
 """``latest`` holds one step name; a larger file is not one (never read)."""
@@ -80,28 +61,6 @@ _RESTORE_ATTEMPTS = 5
 it was loading."""
 _ROOT_LOCK_WAIT = 600.0
 """Seconds a save waits for another process's manager to finish managing the same root."""
-
-
-_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:06d}"
-
-
-def _metrics_json(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Metrics as JSON values: one-element tensors and numpy scalars become floats, and the
-    non-finite floats (a diverged loss) the strings ``"nan"``, ``"inf"``, ``"-inf"``."""
-    out: dict[str, Any] = {}
-    for name, value in (metrics or {}).items():
-        if hasattr(value, "item") and not isinstance(value, (bool, int, float, str)):
-            # torch / numpy scalars; anything that is not one number is refused as not JSON
-            with contextlib.suppress(ValueError, RuntimeError):
-                value = value.item()
-        if isinstance(value, float) and not math.isfinite(value):
-            value = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-        out[name] = value
-    return out
 
 
 class CheckpointManager:
@@ -164,9 +123,8 @@ class CheckpointManager:
         for name, value in (("keep_last", keep_last), ("keep_best", keep_best)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise InvalidArgumentError(f"CheckpointManager: {name} must be a positive int or None, not {value!r}")
-        self._remote = store_for(root, storage_options)
-        self.root: Path | str = Path(root) if self._remote is None else self._remote.url
-        self._dir = Path(root) if self._remote is None else Path()
+        self._store = open_store(root, storage_options)
+        self.root: Path | str = self._store.location
         self.storage_options = storage_options
         self.keep_last = keep_last
         self.keep_best = keep_best
@@ -185,30 +143,21 @@ class CheckpointManager:
         self._lock = threading.Lock()
         self._metrics_cache: dict[int, tuple[tuple[int, ...], dict[str, Any] | BaseException]] = {}
         """Step -> (its manifest's identity, the metrics read from it or why they could not be)."""
-        self._sole_writer = False
-        """True where the root has no locks: this manager then takes every dead-looking
-        temporary directory of its root for a dead save's, as one writer per root."""
-        self._put_back_moved_aside()
+        self._store.put_back_moved_aside()
 
     # ------------------------------------------------------------------ queries
 
     def step_path(self, step: int) -> Path | str:
         """Where step ``step`` lives: a directory, or a URL on an object store."""
-        if self._remote is not None:
-            return self._remote.url_of(step_dir_name(step))
-        return self._dir / step_dir_name(step)
+        return self._store.child(step_dir_name(step)).location
 
     def steps(self) -> list[int]:
         """Committed steps, oldest first (a step dir without a manifest is not one)."""
-        if self._remote is not None:
-            return _remote_steps(self._remote)
-        if not self._dir.is_dir():
-            return []
-        self._put_back_moved_aside()
+        self._store.put_back_moved_aside()
         found = []
-        for entry in os.scandir(self._dir):
-            match = _STEP_RE.match(entry.name)
-            if match and entry.is_dir() and os.path.isfile(os.path.join(entry.path, MANIFEST_NAME)):
+        for name, committed in self._store.children().items():
+            match = STEP_RE.match(name)
+            if match and committed:
                 found.append(int(match.group(1)))
         return sorted(found)
 
@@ -225,15 +174,10 @@ class CheckpointManager:
         name, or not a regular file (a FIFO or a link to a device is never opened to wait
         or read from)."""
         try:
-            if self._remote is not None:
-                data = self._remote.get(LATEST_NAME, limit=_LATEST_LIMIT)
-            else:
-                where = str(self._dir / LATEST_NAME)
-                data = read_small_file(where, where=where, limit=_LATEST_LIMIT)
-            raw = data.decode("utf-8", errors="replace")
+            raw = self._store.read_small(LATEST_NAME, limit=_LATEST_LIMIT).decode("utf-8", errors="replace")
         except (OSError, CheckpointError):
             return None
-        match = _STEP_RE.match(raw.strip())
+        match = STEP_RE.match(raw.strip())
         return int(match.group(1)) if match else None
 
     def metrics(self, step: int) -> dict[str, Any]:
@@ -254,15 +198,15 @@ class CheckpointManager:
         """The step's metrics; OSError when the manifest cannot be read (the disk's error),
         CorruptCheckpointError when what it reads is not a manifest.
 
-        On a local root the outcome is kept per manifest file (device, inode, size, times):
-        a committed manifest never changes, and every save ranks and retires steps, so a
-        state of 10^5 tensors (a 15 MB manifest per step) would otherwise be parsed again for
-        each kept step at each save.
+        Where the store tracks versions (a local root) the outcome is kept per manifest
+        file (device, inode, size, times): a committed manifest never changes, and every
+        save ranks and retires steps, so a state of 10^5 tensors (a 15 MB manifest per step)
+        would otherwise be parsed again for each kept step at each save.
         """
-        if self._remote is not None:
+        if not self._store.tracks_versions:
             return self._parse_metrics(step)
-        path = f"{self.step_path(step)}/{MANIFEST_NAME}"
-        before = _identity(path)
+        step_store = self._store.child(step_dir_name(step))
+        before = step_store.version(MANIFEST_NAME)
         cached = self._metrics_cache.get(step)
         if before is not None and cached is not None and cached[0] == before:
             if isinstance(cached[1], BaseException):
@@ -272,7 +216,7 @@ class CheckpointManager:
             metrics: dict[str, Any] | BaseException = self._parse_metrics(step)
         except CorruptCheckpointError as exc:
             metrics = exc
-        if before is not None and _identity(path) == before:
+        if before is not None and step_store.version(MANIFEST_NAME) == before:
             self._metrics_cache[step] = (before, metrics)
         if isinstance(metrics, BaseException):
             raise metrics
@@ -282,22 +226,10 @@ class CheckpointManager:
         path = f"{self.step_path(step)}/{MANIFEST_NAME}"
         limit = (self.options or current_options()).io.max_json_bytes
         try:
-            if self._remote is not None:
-                raw = self._remote.child(step_dir_name(step)).get(MANIFEST_NAME, limit=limit)
-            else:
-                raw = read_small_file(path, where=path, limit=limit)
+            raw = self._store.child(step_dir_name(step)).read_small(MANIFEST_NAME, limit=limit)
         except CorruptCheckpointError as exc:  # not a regular file, over the size limit
             raise CorruptCheckpointError(f"{path}: cannot read the step's metrics ({exc})") from None
-        try:
-            doc = json.loads(raw)
-            stored = dict(doc.get("metadata", {}).get("metrics", {}))
-        except (ValueError, TypeError, AttributeError, RecursionError) as exc:
-            reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-            raise CorruptCheckpointError(
-                f"{path}: cannot read the step's metrics ({reason}); the step's manifest is "
-                "damaged: restore another step, or check it with `shardpoint verify`"
-            ) from None
-        return {k: _NON_FINITE.get(v, v) if isinstance(v, str) else v for k, v in stored.items()}
+        return metrics_of_manifest(raw, where=path)
 
     def _readable_metrics(self, step: int) -> dict[str, Any] | None:
         """The step's metrics, or None when its manifest is damaged (after a warning naming
@@ -358,14 +290,13 @@ class CheckpointManager:
             if coordinator:
                 with reported(self.root, f"preparing its root for step {step}",
                               lambda: f"Step {step} was not saved; the steps committed before are unchanged"):
-                    if self._remote is None:
-                        self._dir.mkdir(parents=True, exist_ok=True)
-                    with self._root_lock():
+                    self._store.make()
+                    with self._store.locked(_ROOT_LOCK_WAIT):
                         self._remove_stale_temps()
                         self._finish_interrupted_retention()
 
         group.phase(f"preparing to save step {step} under {self.root}", prepare)
-        metadata = {"step": step, "metrics": _metrics_json(metrics)}
+        metadata = {"step": step, "metrics": metrics_json(metrics)}
         kwargs = {"overwrite": True, "progress": False, **self.save_kwargs, "metadata": metadata}
         if self.storage_options is not None:
             kwargs["storage_options"] = self.storage_options
@@ -465,7 +396,7 @@ class CheckpointManager:
                 load_into(target, self.step_path(chosen), **load_kwargs)
                 return chosen
             except (OSError, CheckpointError) as exc:
-                if isinstance(exc, LoadMismatchError) or self._remote is not None or group.distributed:
+                if isinstance(exc, LoadMismatchError) or not self._store.tracks_versions or group.distributed:
                     raise  # over a group, the error is already the same on every rank
                 if before is not None and self._identity(chosen) == before:
                     raise  # the step is still there, unchanged: a real error of the step
@@ -498,68 +429,19 @@ class CheckpointManager:
             return None, self.steps()
 
         def decide(views: list[list[int]]) -> list[tuple[int | None, str | None]]:
-            return [_agreed_step(str(self.root), views, step)] * len(views)
+            return [agreed_step(str(self.root), views, step)] * len(views)
 
         _, (chosen, note) = group.exchange(where, listing, decide=decide, deciding=where)
         if note is not None:
             warnings.warn(note, stacklevel=3)
         return chosen
 
-    def _identity(self, step: int) -> tuple[int, int] | None:
+    def _identity(self, step: int) -> tuple[int, ...] | None:
         """(device, inode) of the step's manifest; None when the step is gone."""
-        try:
-            st = os.stat(self._dir / step_dir_name(step) / MANIFEST_NAME)
-        except OSError:
-            return None
-        return st.st_dev, st.st_ino
+        version = self._store.child(step_dir_name(step)).version(MANIFEST_NAME)
+        return None if version is None else version[:2]
 
     # ------------------------------------------------------------------ internals
-
-    @contextlib.contextmanager
-    def _root_lock(self) -> Iterator[None]:
-        """Hold an exclusive ``flock`` on the root directory: managers in other processes
-        (or other managers of this one) saving into the same root take turns to clean up,
-        update ``latest`` and apply retention, so none removes what another is writing."""
-        if self._remote is not None:
-            yield
-            return
-        fd = os.open(self._dir, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            deadline = time.monotonic() + _ROOT_LOCK_WAIT
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except OSError as exc:
-                    if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                        self._sole_writer = True  # no locks here: one writer per root is assumed
-                        break
-                    if time.monotonic() > deadline:
-                        raise StorageError(
-                            errno.EWOULDBLOCK,
-                            f"another process has held the lock on {self.root} for "
-                            f"{_ROOT_LOCK_WAIT:.0f} s (another CheckpointManager saving into "
-                            "this root, hung?); stop it, or give each run its own root"
-                        ) from None
-                    time.sleep(0.01)
-            yield
-        finally:
-            os.close(fd)  # releases the lock
-
-    def _put_back_moved_aside(self) -> None:
-        """Put back a step that an overwrite without ``renameat2`` moved aside and never
-        moved the new copy in (a crash between the two renames): never lose a whole step."""
-        if self._remote is not None or not self._dir.is_dir():
-            return
-        try:
-            names = os.listdir(self._dir)
-        except OSError:
-            return
-        for name in names:
-            if name.startswith(".step-") and f"{TMP_MARKER}old-" in name:
-                final = self._dir / name[1:].partition(TMP_MARKER)[0]
-                if not os.path.lexists(final) and moved_aside(final):
-                    recover(final, no_locks_means_dead=True)  # a manager owns its root
 
     def _after_commit(self, step: int) -> None:
         with reported(self.root, f"updating '{LATEST_NAME}' and applying retention after step {step}",
@@ -568,22 +450,10 @@ class CheckpointManager:
             self._update_root(step)
 
     def _update_root(self, step: int) -> None:
-        with self._lock, self._root_lock():
+        with self._lock, self._store.locked(_ROOT_LOCK_WAIT):
             steps = self.steps()
             newest = max(steps) if steps else step
-            pointer = (step_dir_name(newest) + "\n").encode()
-            if self._remote is not None:
-                self._remote.put(LATEST_NAME, pointer)  # one PUT: whole or absent
-            else:
-                tmp = self._dir / f".{LATEST_NAME}{TMP_MARKER}{uuid.uuid4().hex}"
-                try:
-                    write_small_file(str(tmp), pointer, durable=True)
-                    os.replace(tmp, self._dir / LATEST_NAME)
-                except BaseException:
-                    with contextlib.suppress(OSError):
-                        os.unlink(tmp)  # a disk that is full must not keep a torn pointer
-                    raise
-                fsync_dir(self._dir)
+            self._store.replace_small(LATEST_NAME, (step_dir_name(newest) + "\n").encode())
             self._apply_retention(newest)
 
     def _finish_interrupted_retention(self) -> None:
@@ -595,12 +465,12 @@ class CheckpointManager:
 
     def _apply_retention(self, latest: int) -> None:
         """Delete the steps beyond ``keep_last`` that are not ``latest`` nor among the
-        ``keep_best``. On a local root a step whose manifest is damaged is not counted
-        and never deleted (a warning names it)."""
+        ``keep_best``. Where small reads are cheap (a local root) a step whose manifest is
+        damaged is not counted and never deleted (a warning names it)."""
         if self.keep_last is None:
             return
         steps = self.steps()
-        if self._remote is None:
+        if self._store.small_reads_are_cheap:
             steps = [s for s in steps if self._readable_metrics(s) is not None]
         keep = set(steps[-self.keep_last :]) | {latest}
         if self.keep_best:
@@ -610,107 +480,10 @@ class CheckpointManager:
                 self._delete(step)
 
     def _delete(self, step: int) -> None:
-        if self._remote is not None:
-            self._remote.child(step_dir_name(step)).delete_tree()  # the manifest first
-            return
-        path = self._dir / step_dir_name(step)
-        doomed = self._dir / f".{path.name}{TMP_MARKER}del-{uuid.uuid4().hex}"
-        try:
-            os.rename(path, doomed)
-        except FileNotFoundError:
-            return
-        shutil.rmtree(doomed, ignore_errors=True)
+        self._store.child(step_dir_name(step)).delete_tree()
 
     def _remove_stale_temps(self) -> None:
         """Tidy what crashed saves left (under the root lock: no other manager's retention
-        or ``latest`` update is in flight). Saves' temporary directories go through
-        :func:`~shardpoint._storage.local.recover_all`: those of saves still running (locked)
-        are left alone, dead ones removed, a step moved aside by an interrupted overwrite
-        without ``renameat2`` put back. Half-deleted steps (``.tmp-del-``) and dead
-        ``latest`` temp files are removed."""
-        if self._remote is not None:
-            for name in _remote_uncommitted(self._remote):
-                self._remote.child(name).delete_tree()
-            return
-        recover_all(self._dir, no_locks_means_dead=self._sole_writer)
-        for entry in os.scandir(self._dir):
-            name = entry.name
-            if not is_tmp_name(name):
-                continue
-            if name.startswith(f".{LATEST_NAME}{TMP_MARKER}") and not entry.is_dir(follow_symlinks=False):
-                with contextlib.suppress(OSError):
-                    os.unlink(entry.path)
-            elif f"{TMP_MARKER}del-" in name and entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path, ignore_errors=True)
-
-
-def _agreed_step(root: str, views: list[list[int]], step: int | None) -> tuple[int | None, str | None]:
-    """The step to restore given each rank's committed steps (one view in one process), and
-    a warning when a newer step is committed in some views only. Raises CheckpointNotFoundError when
-    ``step`` is not committed in every view, or the views share no step while some have one."""
-    common = set(views[0]).intersection(*views[1:])
-    seen = "; ".join(f"rank {rank} sees steps {view}" for rank, view in enumerate(views))
-    if step is not None:
-        if step in common:
-            return step, None
-        if len(views) == 1:
-            raise CheckpointNotFoundError(f"{root} has no committed step {step}; it has {views[0]}")
-        lacking = ", ".join(str(rank) for rank, view in enumerate(views) if step not in view)
-        raise CheckpointNotFoundError(
-            f"{root} has no committed step {step} in the view of rank {lacking} ({seen}); "
-            "every rank must see the step it restores: restore a step all of them list, or "
-            "wait for the file system to show the step on every rank"
-        )
-    if common:
-        chosen = max(common)
-        newer = sorted({s for view in views for s in view if s > chosen})
-        if not newer:
-            return chosen, None
-        return chosen, (
-            f"restoring step {chosen} from {root}, the newest step every rank sees: step "
-            f"{newer} is committed in the view of some ranks only ({seen})"
-        )
-    if any(views):
-        raise CheckpointNotFoundError(
-            f"the ranks see no committed step in common under {root} ({seen}); every rank must "
-            "see the step it restores: check that the root is the same shared directory on "
-            "every rank"
-        )
-    return None, None
-
-
-# ----------------------------------------------------------------------- object stores
-
-
-def _remote_layout(store: RemoteStore) -> dict[str, set[str]]:
-    """``step-<n>`` prefix -> names of the objects directly in it (one listing of the root)."""
-    steps: dict[str, set[str]] = {}
-    for name in store.find():
-        top, sep, rest = name.partition("/")
-        if sep and _STEP_RE.match(top):
-            steps.setdefault(top, set()).add(rest)
-    return steps
-
-
-def _remote_steps(store: RemoteStore) -> list[int]:
-    """Committed steps under a remote root: prefixes ``step-<n>/`` holding a manifest."""
-    found = []
-    for top, names in _remote_layout(store).items():
-        match = _STEP_RE.match(top)
-        if match and MANIFEST_NAME in names:
-            found.append(int(match.group(1)))
-    return sorted(found)
-
-
-def _remote_uncommitted(store: RemoteStore) -> list[str]:
-    """Step prefixes with objects but no manifest: saves that were interrupted."""
-    return sorted(top for top, names in _remote_layout(store).items() if MANIFEST_NAME not in names)
-
-
-def _identity(path: str) -> tuple[int, ...] | None:
-    """What tells one manifest file from another at ``path`` (None: none is there)."""
-    try:
-        st = os.stat(path, follow_symlinks=False)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        or ``latest`` update is in flight): dead temporary directories, half-deleted steps,
+        a torn ``latest``, and steps of interrupted remote saves (see ``Store.tidy``)."""
+        self._store.tidy(STEP_RE, small_files=[LATEST_NAME])

@@ -50,9 +50,10 @@ from ._format.manifest import (
 from ._format.names import is_tmp_name
 from ._io.transfer import read_error
 from ._options import current_options
-from ._storage.local import hidden_sibling_message, missing_path_message, moved_aside
+from ._storage.local_recovery import hidden_sibling_message, missing_path_message, moved_aside
 from ._storage.paths import member_path, open_regular
-from ._storage.remote import RemoteStore, resolve
+from ._storage.remote_store import RemoteStore
+from ._storage.store import resolve
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,

@@ -36,9 +36,10 @@ from ._format.names import is_tmp_name
 from ._hub import resolve_hub
 from ._options import current_options
 from ._source import detect_local, not_readable, open_checkpoint
-from ._storage.local import hidden_sibling_message, missing_path_message
+from ._storage.local_recovery import hidden_sibling_message, missing_path_message
 from ._storage.paths import member_path
-from ._storage.remote import RemoteStore, resolve
+from ._storage.remote_store import RemoteStore
+from ._storage.store import resolve
 from ._verify_crc import check_crcs, read_headers
 from ._verify_pickled import verify_pickled
 from ._verify_report import (

@@ -1,0 +1,69 @@
+"""A prefix of an fsspec filesystem as a :class:`~shardpoint._storage.store.Store`.
+
+:class:`FsspecStore` is a :class:`~shardpoint._storage.remote_store.RemoteStore` (the
+object operations, every request retried) with the checkpoint-level ones: children are
+sub-prefixes (committed when they hold ``shardpoint.json``), a small file is one PUT
+(whole or absent), a deletion takes the manifest first, and a save is a
+:class:`~shardpoint._storage.remote_transaction.RemoteTransaction` (the manifest last).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection
+from contextlib import AbstractContextManager, nullcontext
+
+from .._format.manifest import MANIFEST_NAME
+from .remote_store import RemoteStore
+from .remote_transaction import RemoteTransaction
+
+
+class FsspecStore(RemoteStore):
+    """A prefix on an fsspec filesystem (``s3://bucket/run``, ``memory://x``)."""
+
+    tracks_versions = False
+    small_reads_are_cheap = False
+    shared_files = False
+    """An object is written whole by one writer: ranks cannot write parts of one file."""
+
+    @property
+    def location(self) -> str:
+        return self.url
+
+    def children(self) -> dict[str, bool]:
+        """One listing of everything below: sub-prefix -> whether it holds a manifest."""
+        names: dict[str, set[str]] = {}
+        for name in self.find():
+            top, sep, rest = name.partition("/")
+            if sep:
+                names.setdefault(top, set()).add(rest)
+        return {top: MANIFEST_NAME in inside for top, inside in names.items()}
+
+    def read_small(self, name: str, *, limit: int) -> bytes:
+        return self.get(name, limit=limit)
+
+    def replace_small(self, name: str, data: bytes) -> None:
+        self.put(name, data)  # one PUT: whole or absent
+
+    def version(self, name: str) -> tuple[int, ...] | None:
+        return None
+
+    def make(self) -> None:
+        return None
+
+    def locked(self, wait_s: float) -> AbstractContextManager[None]:
+        return nullcontext()  # no locks on an object store: one manager per root
+
+    def put_back_moved_aside(self) -> None:
+        return None  # nothing is ever moved aside here
+
+    def tidy(self, children: re.Pattern[str], small_files: Collection[str] = ()) -> None:
+        """Delete the child prefixes matching ``children`` that hold objects but no
+        manifest: saves that were interrupted (their pending marker is there). Small
+        files are written in one request: none is ever torn."""
+        for name, committed in sorted(self.children().items()):
+            if not committed and children.match(name):
+                self.child(name).delete_tree()
+
+    def open_transaction(self, *, overwrite: bool) -> RemoteTransaction:
+        return RemoteTransaction(self, overwrite=overwrite)

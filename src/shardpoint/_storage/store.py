@@ -1,0 +1,192 @@
+"""The storage seam: a path is resolved to its :class:`Store` once, at the API edge.
+
+:func:`open_store` turns what the user passed (a directory, a ``file://`` URL, or any other
+fsspec URL with its ``storage_options``) into a :class:`Store`: a
+:class:`~shardpoint._storage.local_store.LocalStore` (a directory: pwrite/preadv, the C
+loops, ``O_DIRECT``, ``renameat2``) or an :class:`~shardpoint._storage.fsspec_store.FsspecStore`
+(a prefix of an object store). Callers above ``_storage/`` ask the store, never whether a
+path is a URL; the differences that remain (an atomic rename vs the manifest last) are in
+the store's transaction, and the few capabilities that differ are named properties.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Collection, Mapping, Sequence
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, Protocol
+
+from .._io.transfer import FileWrite
+from ..errors import InvalidArgumentError, InvalidArgumentTypeError, MissingDependencyError
+from .fsspec_store import FsspecStore
+from .local_store import LocalStore
+from .remote import upload_files
+from .transaction import Transaction
+
+LOCAL_PROTOCOLS = ("file", "local")
+
+
+class Store(Protocol):
+    """Where checkpoints live: a local directory or a prefix of an object store.
+
+    A store stands for one directory (prefix); :meth:`child` is the one below it by name.
+    """
+
+    @property
+    def location(self) -> Path | str:
+        """The directory (a ``Path``) or URL this store stands for, as errors name it."""
+
+    @property
+    def tracks_versions(self) -> bool:
+        """Whether :meth:`version` tells a file from its replacement (a local inode; an
+        object store: no), so that a step retired while it was read can be told apart."""
+
+    @property
+    def small_reads_are_cheap(self) -> bool:
+        """Whether reading a small file costs no request (a local disk): retention then
+        reads every step's manifest and never counts or deletes a damaged one."""
+
+    def child(self, name: str) -> Store:
+        """The directory (prefix) ``name`` directly below this one."""
+
+    def children(self) -> dict[str, bool]:
+        """Directories directly below: name -> whether it holds a committed checkpoint."""
+
+    def read_small(self, name: str, *, limit: int) -> bytes:
+        """A small file (a pointer, a manifest), refused when over ``limit`` or not a regular
+        file (``CorruptCheckpointError``); ``FileNotFoundError`` when absent."""
+
+    def replace_small(self, name: str, data: bytes) -> None:
+        """Write a small file whole, atomically (temp + fsync + rename; one PUT)."""
+
+    def version(self, name: str) -> tuple[int, ...] | None:
+        """What tells file ``name`` from a replacement (None: absent, or not tracked)."""
+
+    def make(self) -> None:
+        """Create the directory if it is missing (an object store has nothing to create)."""
+
+    def locked(self, wait_s: float) -> AbstractContextManager[None]:
+        """Hold the store's lock (other managers of this root wait), up to ``wait_s`` for it."""
+
+    def put_back_moved_aside(self) -> None:
+        """Put back a child that an interrupted overwrite moved aside (local only)."""
+
+    def tidy(self, children: re.Pattern[str], small_files: Collection[str] = ()) -> None:
+        """Remove what crashed saves and deletions left here: dead temporary directories,
+        half-deleted children, torn temporaries of the ``small_files`` (see
+        :meth:`replace_small`), and child prefixes whose names match ``children`` holding
+        objects but no manifest (interrupted remote saves)."""
+
+    def delete_tree(self) -> None:
+        """Delete this checkpoint so that no half-deleted one ever loads (local: renamed to a
+        hidden name first; an object store: the manifest first)."""
+
+    def open_transaction(self, *, overwrite: bool) -> Transaction:
+        """Start a save here; its commit makes it visible (see the transaction modules)."""
+
+
+def open_store(path: Any, storage_options: Mapping[str, Any] | None = None) -> LocalStore | FsspecStore:
+    """The store of ``path``: a local directory (or ``file://`` URL), or any fsspec URL.
+
+    Raises:
+        InvalidArgumentTypeError: ``storage_options`` is not a mapping.
+        InvalidArgumentError: ``storage_options`` given with a local path, or an URL fsspec
+            cannot open.
+        MissingDependencyError: fsspec, or the backend of the URL's protocol, is missing.
+    """
+    where, store = resolve(path, storage_options)
+    return LocalStore(where) if store is None else store
+
+
+def open_transaction(
+    path: str | os.PathLike[str], *, overwrite: bool, storage_options: Mapping[str, Any] | None
+) -> Transaction:
+    """A transaction saving to ``path``: local (temp dir + atomic rename) or remote (ordered)."""
+    return open_store(path, storage_options).open_transaction(overwrite=overwrite)
+
+
+def write_files_at(
+    directory: str,
+    files: Sequence[FileWrite],
+    *,
+    durable: bool,
+    advance: Callable[[int], None] | None,
+    storage_options: Mapping[str, Any] | None,
+    local: Callable[..., dict[tuple[str, str], int]],
+) -> dict[tuple[str, str], int]:
+    """Write ``files`` into a local directory (with ``local``) or upload them under a URL."""
+    store = store_for(directory, storage_options)
+    if store is None:
+        return local(directory, files, durable=durable, advance=advance)
+    return upload_files(store, files, advance=advance)
+
+
+def is_url(path: object) -> bool:
+    return isinstance(path, str) and "://" in path
+
+
+def _fsspec() -> Any:
+    try:
+        import fsspec
+    except ImportError:
+        raise MissingDependencyError(
+            "fsspec URLs need the optional dependencies: pip install 'shardpoint[s3]' "
+            "(fsspec and s3fs; other stores need their fsspec package, e.g. gcsfs)"
+        ) from None
+    return fsspec
+
+
+def local_path(path: str) -> str:
+    """``file:///x/y`` -> ``/x/y``."""
+    return str(_fsspec().core.strip_protocol(path))
+
+
+def resolve(path: Any, storage_options: Mapping[str, Any] | None) -> tuple[Any, FsspecStore | None]:
+    """(local path, None) for a local path or ``file://`` URL; (url, store) for any other URL.
+
+    Raises:
+        CheckpointError: ``storage_options`` given with a local path, fsspec missing, or an
+            unknown protocol.
+    """
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise InvalidArgumentTypeError(
+            f"storage_options must be a dict (e.g. {{'key': ..., 'secret': ...}}), not "
+            f"{type(storage_options).__name__}"
+        )
+    if not is_url(path):
+        if storage_options:
+            raise InvalidArgumentError(
+                f"storage_options were given but {path!s} is a local path; they apply to fsspec "
+                "URLs only (s3://bucket/prefix, gs://..., memory://...)"
+            )
+        return path, None
+    protocol = path.split("://", 1)[0].split("::")[-1]
+    if protocol in LOCAL_PROTOCOLS and "::" not in path:
+        if storage_options:
+            raise InvalidArgumentError(
+                f"storage_options do not apply to the local URL {path}; drop them, or use a remote URL"
+            )
+        return local_path(path), None
+    fsspec = _fsspec()
+    try:
+        fs, root = fsspec.core.url_to_fs(path, **dict(storage_options or {}))
+    except ImportError as exc:
+        raise MissingDependencyError(
+            f"{path}: the fsspec backend for {protocol}:// is not installed ({exc}); for S3: "
+            "pip install 'shardpoint[s3]'"
+        ) from None
+    except ValueError as exc:
+        raise InvalidArgumentError(f"{path}: fsspec cannot open this URL ({exc}); check its spelling") from None
+    except TypeError as exc:
+        raise InvalidArgumentError(
+            f"{path}: storage_options were not accepted by the {protocol}:// backend ({exc})"
+        ) from None
+    return path, FsspecStore(fs, root, path)
+
+
+def store_for(path: Any, storage_options: Mapping[str, Any] | None) -> FsspecStore | None:
+    """The store of a URL, None for a local path."""
+    return resolve(path, storage_options)[1]
+
