@@ -228,13 +228,7 @@ class Checkpoint:
             return header
         fd = self.fd(name)
         size = os.fstat(fd).st_size
-        if self.manifest is not None:
-            expected = self.manifest.files.get(name)
-            if expected is not None and size != expected:
-                raise CorruptCheckpointError(
-                    f"{where} is {size} bytes but the manifest recorded {expected}; "
-                    "the file is truncated, padded or from another save"
-                )
+        self._check_size(name, size, where, "file")
         try:
             header = read_header(fd, size, name=where, max_header_bytes=current_options().io.max_header_bytes)
         except CheckpointError:
@@ -255,13 +249,7 @@ class Checkpoint:
         )
         if size is None:
             raise missing
-        if self.manifest is not None:
-            expected = self.manifest.files.get(name)
-            if expected is not None and size != expected:
-                raise CorruptCheckpointError(
-                    f"{where} is {size} bytes but the manifest recorded {expected}; "
-                    "the object is truncated, padded or from another save"
-                )
+        self._check_size(name, size, where, "object")
         try:
             header = read_header_with(
                 header_reader(self.store, name, size), size, name=where,
@@ -271,6 +259,15 @@ class Checkpoint:
             raise missing from None
         self._check_save_id(header, where)
         return header
+
+    def _check_size(self, name: str, size: int, where: str, what: str) -> None:
+        """Refuse a data file whose size is not the one the manifest recorded."""
+        expected = None if self.manifest is None else self.manifest.files.get(name)
+        if expected is not None and size != expected:
+            raise CorruptCheckpointError(
+                f"{where} is {size} bytes but the manifest recorded {expected}; "
+                f"the {what} is truncated, padded or from another save"
+            )
 
     def _check_save_id(self, header: SafetensorsHeader, where: str) -> None:
         if self.manifest is not None:

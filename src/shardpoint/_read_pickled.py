@@ -24,6 +24,7 @@ from ._format.detect import HF_BIN, TORCH_SAVE
 from ._pickled_source import BinShardsSource, TorchSaveSource
 from ._source import detect_local
 from ._storage.paths import member_path
+from ._storage.store import is_url
 from ._tensor_source import SourceSpec, TensorSource, batches
 from .errors import InvalidArgumentError, InvalidStateError
 
@@ -35,7 +36,7 @@ def route(path: str | os.PathLike[str]) -> tuple[str | os.PathLike[str], SourceS
     ``(path, spec)`` for ``.bin`` / ``.pt`` weights, read zip-format only. Anything else
     is ``(path, None)``: the safetensors reader says what is wrong."""
     location = os.fspath(path)
-    if "://" in location or not os.path.exists(location):
+    if is_url(location) or not os.path.exists(location):
         return path, None
     found = detect_local(location)
     if found.instead_of is not None and found.file is not None:

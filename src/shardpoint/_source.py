@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ._checkpoint import Checkpoint, Replaced, changing, read_json_at
@@ -50,10 +50,12 @@ from ._format.manifest import (
 from ._format.names import is_tmp_name
 from ._io.transfer import read_error
 from ._options import current_options
+from ._storage.fsspec_store import FsspecStore
 from ._storage.local_recovery import hidden_sibling_message, missing_path_message, moved_aside
+from ._storage.local_store import LocalStore
 from ._storage.paths import member_path, open_regular
 from ._storage.remote_store import RemoteStore
-from ._storage.store import resolve
+from ._storage.store import open_store
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -125,14 +127,13 @@ def open_checkpoint(
 ) -> Checkpoint:
     """Open a checkpoint directory (ours or HF) or a single ``.safetensors`` file, local or
     at an fsspec URL (``storage_options`` go to its filesystem)."""
-    path, store = resolve(path, storage_options)
-    if store is not None:
-        return _open_remote(store)
-    return _open_local(os.fspath(path))
+    store = open_store(path, storage_options)
+    return _OPENERS[type(store)](store)
 
 
-def _open_local(location: str) -> Checkpoint:
+def _open_local(store: LocalStore) -> Checkpoint:
     """Open a local checkpoint as one snapshot, starting over if it is replaced meanwhile."""
+    location = store.path
     base = os.path.basename(os.path.normpath(location))
     if is_tmp_name(base):
         raise IncompleteCheckpointError(hidden_sibling_message(location))
@@ -299,20 +300,28 @@ def not_readable(location: str, found: Detected, *, remote: bool = False) -> Che
     return CheckpointNotFoundError(f"{location} {found.reason}")
 
 
-def _open_remote(store: RemoteStore) -> Checkpoint:
+def remote_listing(store: RemoteStore) -> tuple[RemoteStore, dict[str, int], str | None]:
+    """What a location on an object store holds: (the prefix holding its files, their sizes,
+    the object's name when the location is a single ``.safetensors`` object, else None)."""
+    if store.url.endswith(".safetensors"):
+        info = store.info()
+        if info is not None and info.get("type") == "file":
+            parent, name = store.parent_and_name()
+            return parent, {name: int(info.get("size") or 0)}, name
+    return store, store.list(), None
+
+
+def _open_remote(store: FsspecStore) -> Checkpoint:
     """Open a checkpoint under a prefix of an object store, or a single remote ``.safetensors``.
 
     A prefix holding ``shardpoint.pending`` but no manifest is a save that never committed:
     refused, never read as a Hugging Face checkpoint.
     """
     location = store.url
-    if location.endswith(".safetensors"):
-        info = store.info()
-        if info is not None and info.get("type") == "file":
-            parent, name = store.parent_and_name()
-            return _from_headers(location, parent.url, "hf-file", None, [name], single_file=True,
-                                 store=parent, sizes={name: int(info.get("size") or 0)})
-    names, _ = store.entries()
+    holder, names, single = remote_listing(store)
+    if single is not None:
+        return _from_headers(location, holder.url, "hf-file", None, [single], single_file=True,
+                             store=holder, sizes=names)
     if not names:
         raise CheckpointNotFoundError(f"{location} holds no objects; nothing to load")
     limit = current_options().io.max_json_bytes
@@ -331,3 +340,8 @@ def _open_remote(store: RemoteStore) -> Checkpoint:
         return _from_headers(location, location, "hf-index", index.weight_map, files,
                              store=store, sizes=names)
     raise not_readable(location, found, remote=True)
+
+
+_OPENERS: dict[type, Callable[[Any], Checkpoint]] = {LocalStore: _open_local, FsspecStore: _open_remote}
+"""How each kind of store opens a checkpoint: a local one as a snapshot of held descriptors,
+one on an object store from one listing."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ._checkpoint import Checkpoint
@@ -35,11 +35,13 @@ from ._format.manifest import MANIFEST_NAME, PENDING_NAME, ChunkRef, Manifest
 from ._format.names import is_tmp_name
 from ._hub import resolve_hub
 from ._options import current_options
-from ._source import detect_local, not_readable, open_checkpoint
+from ._source import detect_local, not_readable, open_checkpoint, remote_listing
+from ._storage.fsspec_store import FsspecStore
 from ._storage.local_recovery import hidden_sibling_message, missing_path_message
+from ._storage.local_store import LocalStore
 from ._storage.paths import member_path
 from ._storage.remote_store import RemoteStore
-from ._storage.store import resolve
+from ._storage.store import open_store
 from ._verify_crc import check_crcs, read_headers
 from ._verify_pickled import verify_pickled
 from ._verify_report import (
@@ -98,10 +100,15 @@ def verify_checkpoint(
         (True, 1, 16)
     """
     path, storage_options = resolve_hub(path, storage_options)
-    path, store = resolve(path, storage_options)
-    if store is not None:
-        return _verify_remote(store, storage_options, checksums=checksums, progress=progress)
-    location = os.fspath(path)
+    store = open_store(path, storage_options)
+    return _VERIFIERS[type(store)](store, storage_options, checksums=checksums, progress=progress)
+
+
+def _verify_local(
+    store: LocalStore, storage_options: Mapping[str, Any] | None, *, checksums: bool, progress: bool | None
+) -> VerifyReport:
+    """``verify_checkpoint`` of a local directory or file."""
+    location = store.path
     if not os.path.lexists(location):
         raise CheckpointNotFoundError(
             missing_path_message(location).replace("nothing to load", "nothing to verify")
@@ -150,22 +157,14 @@ def verify_checkpoint(
 
 
 def _verify_remote(
-    store: RemoteStore,
-    storage_options: Mapping[str, Any] | None,
-    *,
-    checksums: bool,
-    progress: bool | None,
+    store: FsspecStore, storage_options: Mapping[str, Any] | None, *, checksums: bool, progress: bool | None
 ) -> VerifyReport:
     """``verify_checkpoint`` for a prefix (or single ``.safetensors`` object) on a store."""
     location = store.url
-    if location.endswith(".safetensors"):
-        info = store.info()
-        if info is not None and info.get("type") == "file":
-            parent, name = store.parent_and_name()
-            sizes = {name: int(info.get("size") or 0)}
-            return _verify_foreign(location, parent.url, "hf-file", None, [name], checksums=checksums,
-                                   store=parent, sizes=sizes)
-    sizes = store.list()
+    holder, sizes, single = remote_listing(store)
+    if single is not None:
+        return _verify_foreign(location, holder.url, "hf-file", None, [single], checksums=checksums,
+                               store=holder, sizes=sizes)
     if not sizes:
         raise CheckpointNotFoundError(f"{location} holds no objects; nothing to verify")
     if MANIFEST_NAME in sizes:
@@ -438,9 +437,9 @@ def _verify_foreign(
     )
 
 
-# ------------------------------------------------------------------------ .bin / .pt
+# ------------------------------------------------------------------------ stores
 
 
-# ------------------------------------------------------------------------ shared
-
-
+_VERIFIERS: dict[type, Callable[..., VerifyReport]] = {LocalStore: _verify_local, FsspecStore: _verify_remote}
+"""How each kind of store is verified (a local path may also be a single file or a ``.bin``
+checkpoint, read only from local files)."""

@@ -66,6 +66,7 @@ from .._hub import resolve_hub
 from .._pickled_source import BinShardsSource, TorchSaveSource
 from .._sizes import human_size
 from .._source import detect_local, open_checkpoint
+from .._storage.store import is_url
 from .._tensor_source import SourceSpec
 from .main import add_cache_dir, add_storage_options, hub_storage_options
 from .output import emit, emit_json, printable
@@ -130,7 +131,7 @@ def describe_path(
     location = os.fspath(path)
     notes = []
     pickled: tuple[str, str, str | None] | None = None
-    found = detect_local(location) if "://" not in location and os.path.exists(location) else None
+    found = detect_local(location) if not is_url(location) and os.path.exists(location) else None
     if found is not None and found.instead_of is not None and found.file is not None:
         sibling = os.path.join(os.path.dirname(location), found.file)
         notes.append(

@@ -10,12 +10,15 @@ sub-prefixes (committed when they hold ``shardpoint.json``), a small file is one
 from __future__ import annotations
 
 import re
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
 from .._format.manifest import MANIFEST_NAME
+from .._io.transfer import FileWrite
+from .remote import upload_files
 from .remote_store import RemoteStore
 from .remote_transaction import RemoteTransaction
+from .transaction import Advance, Crcs
 
 
 class FsspecStore(RemoteStore):
@@ -64,6 +67,11 @@ class FsspecStore(RemoteStore):
         for name, committed in sorted(self.children().items()):
             if not committed and children.match(name):
                 self.child(name).delete_tree()
+
+    def write_data_files(self, files: Sequence[FileWrite], *, durable: bool, advance: Advance,
+                         local: Callable[..., Crcs]) -> Crcs:
+        """Upload planned files under this prefix (``local`` is the local writer: unused)."""
+        return upload_files(self, files, advance=advance)
 
     def open_transaction(self, *, overwrite: bool) -> RemoteTransaction:
         return RemoteTransaction(self, overwrite=overwrite)

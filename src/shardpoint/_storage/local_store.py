@@ -16,16 +16,18 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 
 from .._format.manifest import MANIFEST_NAME
 from .._format.names import TMP_MARKER, is_tmp_name
+from .._io.transfer import FileWrite
 from ..errors import StorageError
 from .local import LocalTransaction
 from .local_recovery import moved_aside, recover, recover_all
 from .paths import read_small_file
 from .posix import fsync_dir, write_small_file
+from .transaction import Advance, Crcs
 
 _DELETING = "del-"
 """What follows ``.<name>.tmp-`` in a child being deleted."""
@@ -40,6 +42,8 @@ class LocalStore:
     """Ranks of a collective save may write parts of one file (a shared POSIX filesystem)."""
 
     def __init__(self, location: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(location)
+        """The path as it was given (errors name it so)."""
         self.location = Path(location)
         self.sole_writer = False
         """True once :meth:`locked` found no locks here: one writer per directory is then
@@ -151,6 +155,12 @@ class LocalStore:
         except FileNotFoundError:
             return
         shutil.rmtree(doomed, ignore_errors=True)
+
+    def write_data_files(self, files: Sequence[FileWrite], *, durable: bool, advance: Advance,
+                         local: Callable[..., Crcs]) -> Crcs:
+        """Write planned files straight into this directory with ``local`` (a collective
+        save's ranks write into the coordinator's temporary directory)."""
+        return local(self.path, files, durable=durable, advance=advance)
 
     def open_transaction(self, *, overwrite: bool) -> LocalTransaction:
         return LocalTransaction(self.location, overwrite=overwrite)

@@ -22,8 +22,7 @@ from .._io.transfer import FileWrite
 from ..errors import InvalidArgumentError, InvalidArgumentTypeError, MissingDependencyError
 from .fsspec_store import FsspecStore
 from .local_store import LocalStore
-from .remote import upload_files
-from .transaction import Transaction
+from .transaction import Advance, Crcs, Transaction
 
 LOCAL_PROTOCOLS = ("file", "local")
 
@@ -42,6 +41,11 @@ class Store(Protocol):
     def tracks_versions(self) -> bool:
         """Whether :meth:`version` tells a file from its replacement (a local inode; an
         object store: no), so that a step retired while it was read can be told apart."""
+
+    @property
+    def shared_files(self) -> bool:
+        """Whether ranks of a collective save may write parts of one file here (a shared
+        POSIX filesystem; an object is written whole by one writer), as layout ``hf`` needs."""
 
     @property
     def small_reads_are_cheap(self) -> bool:
@@ -83,6 +87,11 @@ class Store(Protocol):
         """Delete this checkpoint so that no half-deleted one ever loads (local: renamed to a
         hidden name first; an object store: the manifest first)."""
 
+    def write_data_files(
+        self, files: Sequence[FileWrite], *, durable: bool, advance: Advance, local: Callable[..., Crcs]
+    ) -> Crcs:
+        """Write planned files straight here (a local directory with ``local``; uploads)."""
+
     def open_transaction(self, *, overwrite: bool) -> Transaction:
         """Start a save here; its commit makes it visible (see the transaction modules)."""
 
@@ -116,11 +125,10 @@ def write_files_at(
     storage_options: Mapping[str, Any] | None,
     local: Callable[..., dict[tuple[str, str], int]],
 ) -> dict[tuple[str, str], int]:
-    """Write ``files`` into a local directory (with ``local``) or upload them under a URL."""
-    store = store_for(directory, storage_options)
-    if store is None:
-        return local(directory, files, durable=durable, advance=advance)
-    return upload_files(store, files, advance=advance)
+    """Write ``files`` into a local directory (with ``local``) or upload them under a URL
+    (the path form of :meth:`Store.write_data_files`)."""
+    store = open_store(directory, storage_options)
+    return store.write_data_files(files, durable=durable, advance=advance, local=local)
 
 
 def is_url(path: object) -> bool:
