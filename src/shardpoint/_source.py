@@ -123,11 +123,12 @@ def _fill_from_headers(ckpt: Checkpoint, weight_map: dict[str, str] | None, file
 
 
 def open_checkpoint(
-    path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+    path: str | os.PathLike[str] | LocalStore | FsspecStore, storage_options: Mapping[str, Any] | None = None
 ) -> Checkpoint:
     """Open a checkpoint directory (ours or HF) or a single ``.safetensors`` file, local or
-    at an fsspec URL (``storage_options`` go to its filesystem)."""
-    store = open_store(path, storage_options)
+    at an fsspec URL (``storage_options`` go to its filesystem), or the store a caller
+    already resolved at its API edge (:func:`~shardpoint._storage.store.open_store`)."""
+    store = path if isinstance(path, (LocalStore, FsspecStore)) else open_store(path, storage_options)
     return _OPENERS[type(store)](store)
 
 

@@ -101,12 +101,10 @@ def verify_checkpoint(
     """
     path, storage_options = resolve_hub(path, storage_options)
     store = open_store(path, storage_options)
-    return _VERIFIERS[type(store)](store, storage_options, checksums=checksums, progress=progress)
+    return _VERIFIERS[type(store)](store, checksums=checksums, progress=progress)
 
 
-def _verify_local(
-    store: LocalStore, storage_options: Mapping[str, Any] | None, *, checksums: bool, progress: bool | None
-) -> VerifyReport:
+def _verify_local(store: LocalStore, *, checksums: bool, progress: bool | None) -> VerifyReport:
     """``verify_checkpoint`` of a local directory or file."""
     location = store.path
     if not os.path.lexists(location):
@@ -142,7 +140,7 @@ def _verify_local(
     names = os.listdir(location)
     found = detect(names)
     if found.kind == SHARDPOINT:
-        return _verify_shardpoint(location, names, checksums=checksums, progress=progress)
+        return _verify_shardpoint(store, location, names, checksums=checksums, progress=progress)
     if found.kind == HF_BIN:
         return verify_pickled(location, location, found.index, [], checksums=checksums, listing=names)
     if found.kind == TORCH_SAVE and found.file is not None:
@@ -156,9 +154,7 @@ def _verify_local(
 # ------------------------------------------------------------------------ shardpoint
 
 
-def _verify_remote(
-    store: FsspecStore, storage_options: Mapping[str, Any] | None, *, checksums: bool, progress: bool | None
-) -> VerifyReport:
+def _verify_remote(store: FsspecStore, *, checksums: bool, progress: bool | None) -> VerifyReport:
     """``verify_checkpoint`` for a prefix (or single ``.safetensors`` object) on a store."""
     location = store.url
     holder, sizes, single = remote_listing(store)
@@ -168,8 +164,7 @@ def _verify_remote(
     if not sizes:
         raise CheckpointNotFoundError(f"{location} holds no objects; nothing to verify")
     if MANIFEST_NAME in sizes:
-        return _verify_shardpoint(location, list(sizes), checksums=checksums, progress=progress,
-                                  storage_options=storage_options)
+        return _verify_shardpoint(store, location, list(sizes), checksums=checksums, progress=progress)
     found = detect(sizes)
     if found.kind == UNCOMMITTED:
         return _uncommitted_report(location)
@@ -187,15 +182,15 @@ def _read_json(ckpt: Checkpoint, name: str, where: str) -> bytes:
 
 
 def _verify_shardpoint(
+    store: LocalStore | FsspecStore,
     location: str,
     names: list[str],
     *,
     checksums: bool,
     progress: bool | None,
-    storage_options: Mapping[str, Any] | None = None,
 ) -> VerifyReport:
     try:
-        ckpt = open_checkpoint(location, storage_options)
+        ckpt = open_checkpoint(store)
     except CheckpointNotFoundError:
         raise
     except CheckpointError as exc:
