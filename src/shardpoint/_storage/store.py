@@ -96,7 +96,7 @@ class Store(Protocol):
         """Start a save here; its commit makes it visible (see the transaction modules)."""
 
 
-def open_store(path: Any, storage_options: Mapping[str, Any] | None = None) -> LocalStore | FsspecStore:
+def open_store(path: Any, storage_options: Mapping[str, Any] | None = None) -> Store:
     """The store of ``path``: a local directory (or ``file://`` URL), or any fsspec URL.
 
     Raises:
