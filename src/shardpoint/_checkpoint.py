@@ -186,10 +186,20 @@ class Checkpoint:
                     self._open_errors[name] = read_error(exc, self.file_label(name), "opening")
 
     def read_member(self, name: str, *, where: str) -> bytes:
-        """A small control file of the directory (an index), read through ``dir_fd``."""
+        """A small control file of the directory (an index), size-capped: an object of the
+        store, or a file read through ``dir_fd`` (the version that was opened)."""
+        if self.store is not None:
+            return self.store.get(name, limit=current_options().io.max_json_bytes)
+        member_path(self.directory, name, where=self.location)  # the one path rule
         if self.dir_fd is None:
             return read_json_file(os.path.join(self.directory, name), where=where)
         return read_json_at(self.dir_fd, name, where=where)
+
+    def listing(self) -> list[str]:
+        """The names in the checkpoint's directory (prefix), as opened."""
+        if self.store is not None:
+            return sorted(self.sizes)
+        return sorted(os.listdir(self.dir_fd if self.dir_fd is not None else self.directory))
 
     def file_path(self, name: str) -> str:
         """Absolute path of a data file, refusing names or symlinks that leave the directory.

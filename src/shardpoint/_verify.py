@@ -34,12 +34,10 @@ from ._format.index import index_name, parse_index
 from ._format.manifest import MANIFEST_NAME, PENDING_NAME, ChunkRef, Manifest
 from ._format.names import is_tmp_name
 from ._hub import resolve_hub
-from ._options import current_options
 from ._source import detect_local, not_readable, open_checkpoint, remote_listing
 from ._storage.fsspec_store import FsspecStore
 from ._storage.local_recovery import hidden_sibling_message, missing_path_message
 from ._storage.local_store import LocalStore
-from ._storage.paths import member_path
 from ._storage.remote_store import RemoteStore
 from ._storage.store import open_store
 from ._verify_crc import check_crcs, read_headers
@@ -173,14 +171,6 @@ def _verify_remote(store: FsspecStore, *, checksums: bool, progress: bool | None
                            store=store, sizes=sizes)
 
 
-def _read_json(ckpt: Checkpoint, name: str, where: str) -> bytes:
-    """An index of ``ckpt``, local or remote, size-capped."""
-    if ckpt.store is not None:
-        return ckpt.store.get(name, limit=current_options().io.max_json_bytes)
-    member_path(ckpt.directory, name, where=ckpt.location)
-    return ckpt.read_member(name, where=where)  # through the directory held open: one version
-
-
 def _verify_shardpoint(
     store: LocalStore | FsspecStore,
     location: str,
@@ -293,7 +283,7 @@ def _check_indexes(
             )
             continue
         try:
-            raw = _read_json(ckpt, iname, where)
+            raw = ckpt.read_member(iname, where=where)
             index = parse_index(raw, where=where)
         except CheckpointError as exc:
             found.problem("", str(exc))
@@ -362,7 +352,7 @@ def _verify_foreign(
     if index is not None:
         where = os.path.join(location, index)
         try:
-            raw = _read_json(ckpt, index, where)
+            raw = ckpt.read_member(index, where=where)
             weight_map = parse_index(raw, where=where).weight_map
         except CheckpointError as exc:
             return VerifyReport(location, kind, [str(exc)], [], 0, 0, 0, False)
@@ -416,7 +406,7 @@ def _verify_foreign(
     unchecked: list[str] = []
     if location == directory:
         accounted = set(files) | ({index} if index else set())
-        listing = sorted(ckpt.sizes) if store is not None else sorted(os.listdir(ckpt.dir_fd or directory))
+        listing = ckpt.listing()
         why = "the index does not list it" if index else "another file was chosen"
         unchecked = unreferenced(found, location, listing, accounted, "safetensors", why)
     return VerifyReport(
