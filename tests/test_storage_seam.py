@@ -121,3 +121,18 @@ def test_tidy_removes_what_crashed_saves_left(where: tuple[str, dict[str, Any] |
 def test_storage_options_with_a_local_path_are_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgumentError, match=r"storage_options were given but .* is a local path"):
         open_store(tmp_path / "x", {"key": "k"})
+
+
+def test_a_checkpoint_opens_from_the_store_resolved_at_the_edge(where: tuple[str, dict[str, Any] | None]) -> None:
+    from shardpoint._source import open_checkpoint
+    from shardpoint._verify import verify_checkpoint
+
+    root, options = where
+    sp.save({"w": torch.arange(4.0)}, f"{root}/ckpt", storage_options=options)
+    store = open_store(root, options).child("ckpt")
+    with open_checkpoint(store) as ckpt:
+        assert (ckpt.kind, ckpt.local_files) == ("shardpoint", options is None)
+        assert ckpt.listing() == ["model.safetensors", MANIFEST_NAME]
+        assert ckpt.header("model.safetensors").entries["w"].shape == (4,)
+    report = verify_checkpoint(f"{root}/ckpt", storage_options=options)
+    assert (report.ok, report.files_checked, report.bytes_checked) == (True, 1, 16)

@@ -72,6 +72,12 @@ class Checkpoint:
     """Why a data file could not be opened (raised when the file is needed)."""
     _finalizer: Any = None
 
+    @property
+    def local_files(self) -> bool:
+        """Whether the data files are local files held open (read with pread, mappable with
+        mmap) rather than objects of a store (read with ranged requests)."""
+        return self.store is None
+
     def pin_directory(self) -> None:
         """Open the directory once; every file is then opened through it (idempotent)."""
         if self.dir_fd is not None or self.store is not None:
