@@ -8,7 +8,7 @@
 - HF ``.bin`` shards (``pytorch_model.bin.index.json``): the same, one shard at a time.
 
 Used by ``convert`` / ``diff`` (through ``_stream_source.open_source``), by ``sp.load`` /
-``load_into`` of ``.bin`` weights (``_read_pickled``), and by ``verify`` and ``inspect``.
+``load_into`` of ``.bin`` weights (``_load.pickled``), and by ``verify`` and ``inspect``.
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ import torch
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 from .._format.manifest import MANIFEST_NAME
-from .._read import _report_lines, load_into
+from .._load.into import load_into
+from .._load.result import report_lines
 from .._source import open_checkpoint
 from ..errors import (
     InvalidArgumentError,
@@ -312,7 +313,7 @@ class ShardpointStrategyMixin:
             if not result.ok:
                 raise LoadMismatchError(
                     "\n  ".join([f"loading {path} into this run's model does not match "
-                                  "(the LightningModule's strict_loading is True):", *_report_lines(result),
+                                  "(the LightningModule's strict_loading is True):", *report_lines(result),
                                   "build the module the checkpoint was saved from, or set "
                                   "strict_loading = False on it to load the matching tensors"]),
                     result,

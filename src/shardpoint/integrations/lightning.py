@@ -65,8 +65,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._load.new import load
 from .._prepare import prepare_state
-from .._read import load
 from .._reuse import link_unchanged
 from .._sizes import parse_size
 from .._source import open_checkpoint
