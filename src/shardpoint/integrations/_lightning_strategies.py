@@ -49,14 +49,14 @@ from ..errors import (
     InvalidStateError,
     LoadMismatchError,
 )
-from .lightning import (
+from ._lightning_paths import clear_non_directory
+from ._lightning_state import (
     COMPONENT_OF_KEY,
     METADATA_KEY,
-    ShardpointCheckpointIO,
-    _clear_non_directory,
     from_shardpoint_state,
     to_shardpoint_state,
 )
+from .lightning import ShardpointCheckpointIO
 
 MODEL = COMPONENT_OF_KEY["state_dict"]
 OPTIM = COMPONENT_OF_KEY["optimizer_states"]
@@ -200,7 +200,7 @@ class ShardpointStrategyMixin:
         state, metadata = to_shardpoint_state(checkpoint)
         metadata[METADATA_KEY]["sharded"] = True
         if self.is_global_zero:
-            _clear_non_directory(path)
+            clear_non_directory(path)
         import torch.distributed as dist
 
         from .._api import save
