@@ -18,7 +18,7 @@ import mmap as _mmap
 import os
 import pickle
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,15 +27,7 @@ from ._format.detect import detect
 from ._format.index import parse_index
 from ._format.names import check_file_name
 from ._storage.paths import member_path, open_regular
-from ._tensor_source import (
-    Ref,
-    SourceSpec,
-    TensorSource,
-    as_descriptors,
-    cast,
-    components_from_object,
-    meta_like,
-)
+from ._tensor_source import TensorSource, as_descriptors, cast, components_from_object, meta_like
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -44,6 +36,9 @@ from .errors import (
     UnsafePickleError,
     UnsupportedFormatError,
 )
+
+if TYPE_CHECKING:
+    from ._tensor_source import Ref, SourceSpec
 
 _MADV_DONTNEED = 4
 
