@@ -27,8 +27,8 @@ import torch
 from ._flatten import WRAPPER_TYPES
 from ._format.dtypes import DTYPE_TO_NAME
 from ._hub import local_path
-from ._stream_source import open_source
-from ._tensor_source import BATCH_BYTES, Ref, TensorSource, batches
+from ._sources.contract import BATCH_BYTES, Ref, TensorSource, batches
+from ._sources.open import open_source
 from ._typed_nodes import TYPED_VALUE_NODES, typed_leaf_text
 from .errors import (
     InvalidArgumentError,

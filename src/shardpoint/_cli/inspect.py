@@ -63,10 +63,10 @@ from .._format.index import index_name
 from .._format.manifest import MANIFEST_NAME
 from .._format.names import is_tmp_name
 from .._hub import resolve_hub
-from .._pickled_source import BinShardsSource, TorchSaveSource
 from .._sizes import human_size
 from .._source import detect_local, open_checkpoint
-from .._tensor_source import SourceSpec
+from .._sources.contract import SourceSpec
+from .._sources.pickled import BinShardsSource, TorchSaveSource
 from .main import add_cache_dir, add_checkpoint_path, add_storage_options, hub_storage_options
 from .output import emit, emit_json, printable
 

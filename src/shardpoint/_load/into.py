@@ -23,8 +23,8 @@ from .._io.transfer import reader_threads
 from .._options import OptionsArg, applied
 from .._read import ReadBatch
 from .._source import OPEN_TRIES, open_checkpoint
+from .._sources.contract import SourceSpec
 from .._stateful import find_modules, parameter_names
-from .._tensor_source import SourceSpec
 from ..errors import InvalidStateError, LoadMismatchError, StorageError
 from .pickled import PickledBatch, route
 from .planner import Planner

@@ -379,7 +379,7 @@ class ShardpointStorageWriter(_writer_base()):  # type: ignore[misc]
         from torch.distributed.checkpoint.storage import WriteResult
 
         from .. import _api
-        from .._stream_source import _set_path
+        from .._sources.open import _set_path
 
         flat = getattr(planner, "state_dict", None)
         if not isinstance(flat, dict):
@@ -408,7 +408,7 @@ class ShardpointStorageWriter(_writer_base()):  # type: ignore[misc]
 
     def finish(self, metadata: Any, results: list[list[Any]]) -> None:
         from .. import _api
-        from .._stream_source import _set_path
+        from .._sources.open import _set_path
 
         if self._ranks > 1:
             return  # committed by every rank together in write_data
