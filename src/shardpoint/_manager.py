@@ -38,9 +38,9 @@ from ._api import async_save_on, save_now
 from ._async import AsyncQueue, AsyncSave
 from ._distributed.group import Group, resolve_group
 from ._format.manifest import MANIFEST_NAME
+from ._load.into import load_into
 from ._manager_steps import STEP_RE, agreed_step, metrics_json, metrics_of_manifest, step_dir_name
 from ._options import OptionsArg, current_options, merged
-from ._read import load_into
 from ._storage.posix import reported
 from ._storage.store import open_store
 from ._write import SaveInfo
