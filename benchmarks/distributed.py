@@ -260,7 +260,7 @@ def plain_write(path: str, state: dict[str, Any], *, durable: bool) -> None:
     (``sync_file_range``) and the file fsynced at the end: what the disk can take durably
     from one stream, not a write to the page cache followed by a flush of all of it.
     """
-    from shardpoint._io.transfer import start_writeback  # the syscall wrapper sp's writes use
+    from shardpoint._io.files import start_writeback  # the syscall wrapper sp's writes use
 
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:

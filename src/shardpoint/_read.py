@@ -29,7 +29,9 @@ from ._format.manifest import ComponentRecord, TensorRecord
 from ._format.safetensors import HeaderEntry
 from ._gc import collector_paused
 from ._hub import resolve_hub
-from ._io.transfer import ReadTask, reader_threads, run_reads
+from ._io.files import LocalFiles
+from ._io.reads import ByteSource, ObjectRanges, ReadTask, run_reads
+from ._io.threads import reader_threads
 from ._options import OptionsArg, applied, current_options
 from ._planning.chunks import byte_runs, intersect
 from ._prepare import storage_key
@@ -38,7 +40,6 @@ from ._read_pickled import PickledBatch, load_pickled, route
 from ._sizes import parse_size
 from ._source import OPEN_TRIES, open_checkpoint
 from ._stateful import Stateful, find_modules, optimizer_state_for, parameter_names
-from ._storage.remote import run_remote_reads
 from ._tensor_source import SourceSpec
 from .errors import (
     CheckpointError,
@@ -264,10 +265,14 @@ class ReadBatch:
         total = sum(t.nbytes for t in self.tasks)
         desc = f"loading {os.path.basename(os.path.normpath(self.ckpt.location))}"
         with torch.no_grad(), byte_progress(total, desc, progress) as advance:
+            # The byte source: an object store's ranged GETs (its own thread count,
+            # ``RemoteOptions.threads``), or the local files.
+            source: ByteSource
             if self.ckpt.store is not None:
-                run_remote_reads(self.ckpt.store, self.tasks, advance=advance)
+                source, threads = ObjectRanges(self.ckpt.store), None
             else:
-                run_reads(self.tasks, threads=self.threads, advance=advance, staging_bytes=self.staging_bytes)
+                source, threads = LocalFiles(), self.threads
+            run_reads(self.tasks, source, threads=threads, advance=advance, staging_bytes=self.staging_bytes)
             for dest, temp in self._copies:
                 dest.copy_(temp)
 

@@ -39,7 +39,8 @@ from .._format.dtypes import NAME_TO_DTYPE, dtype_name
 from .._format.index import index_name, render_index
 from .._format.manifest import ChunkRef, ComponentRecord, TensorRecord
 from .._format.safetensors import TensorSpec, plan_file
-from .._io.transfer import FileWrite, write_files, writer_threads
+from .._io.threads import writer_threads
+from .._io.writes import FileWrite, write_files
 from .._options import current_options
 from .._planning.chunks import ChunkPlan, assign_writers, byte_runs, split_replicated
 from .._planning.shards import plan_shards, shard_file_names

@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from .._io.transfer import FileWrite
+from .._io.writes import FileWrite
 from .local import LocalTransaction
 from .remote import RemoteTransaction, resolve
 

@@ -44,7 +44,8 @@ from pathlib import Path
 from .._format.index import index_name
 from .._format.manifest import MANIFEST_NAME
 from .._format.names import TMP_MARKER, is_tmp_name
-from .._io.transfer import FileWrite, naming, write_files
+from .._io.files import naming
+from .._io.writes import FileWrite, write_files
 from .._options import current_options
 from ..errors import CheckpointError, CheckpointExistsError, StorageError
 from .paths import read_small_file
@@ -634,7 +635,7 @@ class LocalTransaction:
         write: Callable[..., dict[tuple[str, str], int]] | None = None,
     ) -> dict[tuple[str, str], int]:
         """Write the planned data files into the temporary directory (``write`` replaces
-        :func:`~shardpoint._io.transfer.write_files`, as ``convert`` does)."""
+        :func:`~shardpoint._io.writes.write_files`, as ``convert`` does)."""
         with reported(self.final, "writing its data files"):
             return (write or write_files)(self.directory, files, durable=durable, advance=advance)
 
