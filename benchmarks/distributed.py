@@ -285,7 +285,7 @@ requests in flight (fio, 2 GB: 1.7-2.5 GB/s with 1-4 jobs, 2.66 GB/s at best wit
 of 4 requests each)."""
 
 DIRECT_READ_BYTES = 2 << 20
-"""Request size of the O_DIRECT limit: this disk read fastest at 1-2 MiB (see transfer.py)."""
+"""Request size of the O_DIRECT limit: this disk read fastest at 1-2 MiB (see _io/files.py)."""
 
 
 def plain_read(path: str, buffer: Any) -> None:

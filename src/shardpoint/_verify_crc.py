@@ -13,12 +13,14 @@ from ._format.manifest import ChunkRef
 from ._format.safetensors import SafetensorsHeader
 from ._io.files import LocalFiles
 from ._io.reads import ByteSource, ObjectRanges, ReadTask, run_reads
+from ._io.threads import reader_threads
 from ._progress import byte_progress
 from ._verify_report import CrcItem, Findings, file_label, name_list
 from .errors import CheckpointError
 
-VERIFY_STAGING_BYTES = 8 << 20
-"""Each reader thread's buffer for bytes that are only checksummed."""
+VERIFY_BUFFER_BYTES = 2 << 20
+"""Each reader thread's buffer for the bytes it checksums: reused for every read, so that
+each lands in the CPU cache where its crc32c reads it (8 MiB took 1.8x as long warm)."""
 
 
 def read_headers(
@@ -62,6 +64,8 @@ def check_crcs(
             # The checkpoint's held descriptor: the version that was opened.
             fd = ckpt.fd(fname) if ckpt.store is None else -1
             path = ckpt.file_path(fname)
+            if fd >= 0 and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # read once, front to back
         except (OSError, CheckpointError) as exc:
             found.problem(fname, f"{where} cannot be read: {exc}")
             continue
@@ -73,8 +77,11 @@ def check_crcs(
     name = os.path.basename(os.path.normpath(ckpt.location))
     source: ByteSource = ObjectRanges(ckpt.store) if ckpt.store is not None else LocalFiles()
     with byte_progress(sum(t.nbytes for t in tasks), f"verifying {name}", progress) as advance:
+        # A thread per file (one stream each: a cold disk reads one file fastest front to
+        # back), on local files; an object store's ranged GETs on its own threads.
+        threads = min(reader_threads(), len(names)) if ckpt.store is None else None
         read = run_reads(
-            tasks, source, advance=advance, staging_bytes=VERIFY_STAGING_BYTES,
+            tasks, source, threads=threads, advance=advance, staging_bytes=VERIFY_BUFFER_BYTES,
             problems=lambda task, exc: failed.append((order[id(task)], str(exc))),
         )
     for i, message in sorted(failed):  # in file order, whichever thread found them first

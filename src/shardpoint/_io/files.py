@@ -26,9 +26,10 @@ import torch
 from .._checksum import NATIVE, combine_runs, crc32c_update
 from .._options import current_options
 from ..errors import CheckpointError, StorageError
+from . import plan
 from .memory import host_bytes, unchanged_size
 from .plan import ReadTask
-from .threads import cpu_count
+from .threads import cpu_count, reader_threads
 
 CACHED_COPY_MIN_BYTES = 1 << 20
 """Smallest piece worth mapping to copy from the page cache (below it, ``pread``)."""
@@ -233,6 +234,12 @@ class LocalFiles:
         """Files whose reads with ``O_DIRECT`` failed with EINVAL (their fds close at the end:
         another thread may be reading with one)."""
         self._bounce = threading.local()
+
+    def threads(self) -> int:
+        return reader_threads()
+
+    def piece_bytes(self) -> int:
+        return plan.PIECE_BYTES
 
     def fd(self, task: ReadTask) -> int:
         if task.fd >= 0:

@@ -2,7 +2,7 @@
 verify) goes through :func:`run_reads`.
 
 It plans pieces (:mod:`.plan`: large ranges split so several threads share them, runs of
-small neighbours read with one request), runs them on one thread pool
+small neighbours read with one request), runs them on the one runner
 (:func:`.threads.run_all`: the first error cancels the rest), lands each piece straight in
 its destination's memory where it can, else in the thread's staging double buffer
 (:mod:`.staging`: a dtype cast, a GPU destination, a read only checksummed), combines the
@@ -34,13 +34,19 @@ from .files import LocalFiles, read_errors_named
 from .memory import byte_view
 from .plan import ReadTask
 from .staging import Staging
-from .threads import reader_threads, run_all
+from .threads import run_all
 
 Advance = Callable[[int], None]
 
 
 class ByteSource(Protocol):
     """Where the read engine's bytes come from (:class:`~.files.LocalFiles`, :class:`ObjectRanges`)."""
+
+    def threads(self) -> int:
+        """How many reads to run at once by default."""
+
+    def piece_bytes(self) -> int:
+        """The largest piece read in one go into a destination's own memory."""
 
     def fill(self, task: ReadTask, view: memoryview, at: int, check: bool) -> tuple[int, int]:
         """Read ``view`` from ``at`` of the task's file: (bytes read, their crc32c if ``check``)."""
@@ -66,6 +72,12 @@ class ObjectRanges:
 
     def __init__(self, store: RangedStore) -> None:
         self.store = store
+
+    def threads(self) -> int:
+        return current_options().remote.threads
+
+    def piece_bytes(self) -> int:
+        return current_options().remote.read_bytes
 
     def _get(self, task: ReadTask, at: int, nbytes: int) -> bytes:
         try:
@@ -111,13 +123,17 @@ def _straight(task: ReadTask) -> bool:
 def _plan(tasks: Sequence[ReadTask], straight_piece: int, staged_piece: int) -> list[Any]:
     """Work items: (first, stop) for a run of small tasks read together, (i, task, start,
     end) for a piece of one task."""
-    # Small tasks reading neighbouring bytes of one file straight into CPU memory are read
-    # together: one request into one buffer, split by the run (``_read_small_run``).
+    # Small tasks reading neighbouring bytes of one file straight into CPU memory (or only
+    # checksummed) are read together: one request into one buffer, split by the run
+    # (``_read_small_run``).
     candidates = [
         (task.path, task.start, task.nbytes)
-        if _straight(task)
-        and task.dest.is_contiguous()  # type: ignore[union-attr]
-        and task.dest.nbytes == task.nbytes  # type: ignore[union-attr]  # copied with memmove: exactly its bytes
+        if task.dest is None
+        or (
+            _straight(task)
+            and task.dest.is_contiguous()
+            and task.dest.nbytes == task.nbytes  # copied with memmove: exactly its bytes
+        )
         else ("", -1, plan.SMALL_TENSOR_BYTES + 1)
         for task in tasks
     ]
@@ -131,7 +147,10 @@ def _plan(tasks: Sequence[ReadTask], straight_piece: int, staged_piece: int) -> 
             i = stop
             continue
         task = tasks[i]
-        for start, end in plan.pieces(task.nbytes, straight_piece if _straight(task) else staged_piece):
+        # A piece cast or copied out goes through the staging buffer in one go; one only
+        # checksummed (no destination) is read a buffer at a time, a long stream per thread.
+        staged = task.dest is not None and not _straight(task)
+        for start, end in plan.pieces(task.nbytes, staged_piece if staged else straight_piece):
             work.append((i, task, start, end))
         i += 1
     return work
@@ -139,7 +158,8 @@ def _plan(tasks: Sequence[ReadTask], straight_piece: int, staged_piece: int) -> 
 
 def _read_small_run(source: ByteSource, tasks: Sequence[ReadTask]) -> list[int]:
     """Read the bytes of small tasks lying back to back in one file with one request into
-    one buffer, then checksum each task's slice (in cache) and copy it into its tensor.
+    one buffer, then checksum each task's slice (in cache) and copy it into its tensor (if
+    it has one).
 
     Returns the crc32c of each task's bytes (0 where it carries no crc to check).
     """
@@ -157,8 +177,8 @@ def _read_small_run(source: ByteSource, tasks: Sequence[ReadTask]) -> list[int]:
         pos = task.start - start
         size = task.nbytes
         crcs.append(_checksum.crc32c_update(view[pos : pos + size], 0) if task.crc32c is not None else 0)
-        if size:
-            memmove(task.dest.data_ptr(), base + pos, size)  # type: ignore[union-attr]
+        if size and task.dest is not None:
+            memmove(task.dest.data_ptr(), base + pos, size)
     del view
     return crcs
 
@@ -172,30 +192,24 @@ def run_reads(
     staging_bytes: int | None = None,
     problems: Callable[[ReadTask, CheckpointError], None] | None = None,
 ) -> int:
-    """Run read tasks on a thread pool, checking crc32c where the task carries one; return
+    """Run read tasks on the reader threads, checking crc32c where the task carries one; return
     the bytes read.
 
     ``source``: where the bytes come from (default :class:`~.files.LocalFiles`; an
-    :class:`ObjectRanges` reads an object store), closed when the reads are done. ``threads``: default
-    :func:`.threads.reader_threads` for local files, ``RemoteOptions.threads`` for a store.
+    :class:`ObjectRanges` reads an object store), closed when the reads are done.
+    ``threads``: default the source's (:func:`.threads.reader_threads` for local files,
+    ``RemoteOptions.threads`` for a store).
     ``staging_bytes`` bounds each thread's staging buffer (two per thread) for reads that
     cannot land in the destination directly (a dtype cast, a GPU destination); default
     ``IOOptions.staging_buffer_bytes``. ``problems``: where each task's failure (a read
     error, a truncated file, a crc mismatch) goes instead of being raised; every other task
     is still read.
     """
-    cfg = current_options()
-    remote = isinstance(source, ObjectRanges)
     src: ByteSource = LocalFiles() if source is None else source
-    staging_bytes = staging_bytes or cfg.io.staging_buffer_bytes
-    staged_piece = max(staging_bytes // 64 * 64, 64)
-    if remote:
-        straight_piece = cfg.remote.read_bytes
-        staged_piece = min(staged_piece, straight_piece)
-        threads = threads or cfg.remote.threads
-    else:
-        straight_piece = plan.PIECE_BYTES
-        threads = threads or reader_threads()
+    staging_bytes = staging_bytes or current_options().io.staging_buffer_bytes
+    straight_piece = src.piece_bytes()
+    staged_piece = min(max(staging_bytes // 64 * 64, 64), straight_piece)
+    threads = threads or src.threads()
     staging = Staging()
     used_cuda: set[torch.device] = set()
     lock = threading.Lock()
@@ -218,26 +232,36 @@ def run_reads(
             return
         i, task, start, end = item
         dest = task.dest
-        slot, buffer = -1, None
+        check = task.crc32c is not None
         if _straight(task):
-            view = byte_view(dest)[start:end]
+            at = task.start + start
+            got, crc = src.fill(task, byte_view(dest)[start:end], at, check) if end > start else (0, 0)
+            if got != end - start:
+                raise _truncated(task, at + got)
+            if advance is not None:
+                advance(got)
         else:
             device = dest.device if dest is not None else torch.device("cpu")
-            slot, buffer = staging.take(max(end - start, 1), for_device=device)  # grows to a piece, never past what is read
-            view = byte_view(buffer)[: end - start]
-        at = task.start + start
-        got, crc = src.fill(task, view, at, task.crc32c is not None) if end > start else (0, 0)
-        if got != len(view):
-            raise _truncated(task, at + got)
-        if advance is not None:
-            advance(end - start)
-        if buffer is not None and dest is not None and end > start:
-            staging.copy_out(slot, buffer, dest, task.stored_dtype, start, end)
-            if dest.device.type == "cuda":
-                used_cuda.add(dest.device)
+            parts = []
+            for lo, hi in plan.pieces(end - start, staged_piece):
+                # The buffer grows to a piece, never past what is read.
+                slot, buffer = staging.take(max(hi - lo, 1), for_device=device)
+                at = task.start + start + lo
+                n, c = src.fill(task, byte_view(buffer)[: hi - lo], at, check) if hi > lo else (0, 0)
+                if n != hi - lo:
+                    raise _truncated(task, at + n)
+                if advance is not None:
+                    advance(n)
+                if dest is not None and hi > lo:
+                    staging.copy_out(slot, buffer, dest, task.stored_dtype, start + lo, start + hi)
+                    if dest.device.type == "cuda":
+                        used_cuda.add(dest.device)
+                parts.append((lo, c, n))
+            got = end - start
+            crc = parts[0][1] if len(parts) == 1 or not check else _checksum.combine_runs(parts, got, where=task.name)
         with lock:
             total[0] += got
-            if task.crc32c is not None:
+            if check:
                 crcs.setdefault(i, []).append((start, crc, end - start))
 
     def run(item: Any) -> None:

@@ -49,6 +49,9 @@ class FileWrite:
 class WriteSink(Protocol):
     """Where the write engine's bytes go."""
 
+    cancelled: threading.Event
+    """Set by the runner on the first error: a long write may stop early."""
+
     def plan(self, files: Sequence[FileWrite]) -> list[Any]:
         """The work items, in the order the threads should take them."""
 
@@ -68,7 +71,7 @@ def run_writes(sink: WriteSink, files: Sequence[FileWrite], threads: int) -> dic
             for fname, key, start, crc, length in done:
                 pieces.setdefault((fname, key), []).append((start, crc, length))
 
-    run_all(run, sink.plan(files), threads, cancelled=getattr(sink, "cancelled", None))
+    run_all(run, sink.plan(files), threads, cancelled=sink.cancelled)
     return {
         k: v[0][1] if len(v) == 1 else combine_runs(v, sum(n for _, _, n in v), where=f"{k[0]}/{k[1]}")
         for k, v in pieces.items()
@@ -89,6 +92,7 @@ class LocalFileSink:
         self.durable = durable
         self.segment = segment
         self.advance = advance
+        self.cancelled = threading.Event()
 
     def plan(self, files: Sequence[FileWrite]) -> list[Any]:
         # Round-robin across files so concurrent threads mostly hit different inodes. A run
