@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import json
 import math
 import multiprocessing as mp
 import os
@@ -336,7 +337,7 @@ def plain_read_into(path: str, views: list[memoryview], *, threads: int, request
 # ----------------------------------------------------------------------------- the ranks
 
 
-def main_section(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, float]:
+def main_section(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, Any]:
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
@@ -439,7 +440,7 @@ def main_section(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, flo
                 removing(),
             )
         )
-    results: dict[str, float] = {}
+    results: dict[str, Any] = {}
     t_save = r.interleaved("save, page cache", saves, args.rounds)
     t_dsave = r.interleaved("save, durable", durable_saves, args.rounds)
 
@@ -515,6 +516,10 @@ def main_section(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, flo
         # buffered and a direct read) would have scored.
         results["bound_load_cold"] = median(t_cold, "dcp") / disk_limit(t_cold)
     results["sp_vs_limit_save"] = median(t_save, "sp") / median(t_save, "plain")
+    sections = {"save": t_save, "save_durable": t_dsave, "load_warm": t_load, "load_cold": t_cold}
+    results["median_s"] = {
+        name: {key: median(times, key) for key in times} for name, times in sections.items() if times is not None
+    }
     results["sp_vs_limit_load"] = median(t_load, "sp") / median(t_load, "plain")
 
     # -- bytes written per rank, DDP-replicated state
@@ -570,7 +575,7 @@ def reshard_save(r: Ranks, args: argparse.Namespace, work: str) -> None:
     )
 
 
-def reshard_load(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, float]:
+def reshard_load(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -674,6 +679,7 @@ def reshard_load(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, flo
         "reshard_read_dcp": max(s / n for s, n in zip(per_dcp, per_needed, strict=True)),
         "reshard_time": median(times, "dcp") / median(times, "sp"),
         "reshard_vs_limit": median(times, "sp") / median(times, "plain"),
+        "median_s": {"reshard_load_warm": {key: median(times, key) for key in times}},
     }
 
 
@@ -713,7 +719,7 @@ def _entry(
     os._exit(0)
 
 
-def spawn(section: str, world: int, args: argparse.Namespace, work: str) -> dict[str, float]:
+def spawn(section: str, world: int, args: argparse.Namespace, work: str) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -764,6 +770,7 @@ def main() -> None:
         "--dir", default=tempfile.gettempdir(), help="where the scratch directory goes"
     )
     parser.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    parser.add_argument("--json", metavar="PATH", help="also write every median and ratio to this JSON file")
     parser.add_argument(
         "--vm-memory-as-is",
         action="store_true",
@@ -876,6 +883,9 @@ def main() -> None:
         f"        reshard {args.reshard_from}->{args.reshard_to}: dcp bytes read / needed "
         f"{reshard['reshard_read_dcp']:.2f}x;  dcp time / sp time {reshard['reshard_time']:.2f}x"
     )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"main": {str(w): res for w, res in ratios.items()}, "reshard": reshard}, f, indent=2)
 
 
 if __name__ == "__main__":

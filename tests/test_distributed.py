@@ -617,6 +617,7 @@ def threads_worker(rank: int, world: int, root: str) -> None:
     on one host."""
     import torch.distributed as dist
 
+    import shardpoint._load.into as opening
     import shardpoint._read as reading
     from shardpoint._distributed import save as collective
 
@@ -637,13 +638,13 @@ def threads_worker(rank: int, world: int, root: str) -> None:
     asked_read: list[int] = []
     ran_with: list[int | None] = []
     with (
-        _recorded(reading, "reader_threads", asked_read, lambda ranks_here=1: ranks_here),
+        _recorded(opening, "reader_threads", asked_read, lambda ranks_here=1: ranks_here),
         _recorded(reading, "run_reads", ran_with, lambda *a, **kw: kw.get("threads")),
     ):
         target = parallelize(Net(), "fsdp2", world)
         assert sp.load_into(target, Path(root) / "chunked", process_group=dist.group.WORLD).ok
     assert asked_read == [world], f"rank {rank}: reader_threads asked for {asked_read}"
-    assert ran_with == [reading.reader_threads(world)], f"rank {rank}: reads ran with {ran_with}"
+    assert ran_with == [opening.reader_threads(world)], f"rank {rank}: reads ran with {ran_with}"
 
 
 def test_ranks_sharing_a_machine_split_its_reader_and_writer_threads_and_write_small_segments(tmp_path: Path) -> None:

@@ -11,9 +11,11 @@ from ._async import AsyncQueue, AsyncSave, default_queue, raise_unobserved_failu
 from ._distributed.group import Group, resolve_group
 from ._distributed.save import write_distributed
 from ._gc import collector_paused
+from ._load.into import load_into
+from ._load.new import load
+from ._load.result import LoadResult
 from ._options import OptionsArg, applied, merged, using
 from ._prepare import PreparedState, prepare_state
-from ._read import LoadResult, load, load_into
 from ._sizes import parse_size
 from ._write import SaveInfo, json_metadata, write_checkpoint
 from .errors import InvalidArgumentError, InvalidArgumentTypeError

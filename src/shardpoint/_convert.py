@@ -1,6 +1,6 @@
 """convert: any checkpoint we can read -> an HF-layout shardpoint checkpoint, streaming.
 
-Orchestration only: open the source (``_stream_source``), describe the output as meta
+Orchestration only: open the source (``_sources.open``), describe the output as meta
 tensors (output dtype and shape), and hand it to the normal writer (``write_checkpoint``:
 shard planning, indexes, manifest, atomic commit) with a ``write`` step that produces each
 file's tensors a batch at a time from the source. Peak memory is about one batch
@@ -22,8 +22,8 @@ from ._hub import local_path
 from ._io.writes import FileWrite, write_files
 from ._prepare import Component, PreparedState
 from ._sizes import parse_size
-from ._stream_source import open_source, open_spec
-from ._tensor_source import BATCH_BYTES, Ref, SourceSpec, TensorSource, batches, meta_like
+from ._sources.contract import BATCH_BYTES, Ref, SourceSpec, TensorSource, batches, meta_like
+from ._sources.open import open_source, open_spec
 from ._write import SaveInfo, json_metadata, write_checkpoint
 from .errors import CorruptCheckpointError, InvalidArgumentError
 

@@ -24,11 +24,12 @@ from typing import Any
 
 import torch
 
-from ._flatten import TYPED_VALUE_NODES, WRAPPER_TYPES, typed_leaf_text
+from ._flatten import WRAPPER_TYPES
 from ._format.dtypes import DTYPE_TO_NAME
 from ._hub import local_path
-from ._stream_source import open_source
-from ._tensor_source import BATCH_BYTES, Ref, TensorSource, batches
+from ._sources.contract import BATCH_BYTES, Ref, TensorSource, batches
+from ._sources.open import open_source
+from ._typed_nodes import TYPED_VALUE_NODES, typed_leaf_text
 from .errors import (
     InvalidArgumentError,
 )

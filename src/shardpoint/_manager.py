@@ -47,8 +47,8 @@ from ._async import AsyncQueue, AsyncSave
 from ._distributed.group import Group, resolve_group
 from ._format.manifest import MANIFEST_NAME
 from ._format.names import is_tmp_name
+from ._load.into import load_into
 from ._options import OptionsArg, current_options, merged
-from ._read import load_into
 from ._storage.local import (
     TMP_MARKER,
     fsync_dir,

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from .errors import InvalidArgumentError, InvalidArgumentTypeError
 
@@ -137,8 +137,24 @@ def _check(options: object, group: str, minimum: dict[str, int]) -> None:
 # ------------------------------------------------------------------ the option groups
 
 
+class _Checked:
+    """Checks every field of an option group when it is built (see :func:`_check`)."""
+
+    _group: ClassVar[str]
+    """The group's name in ``_ENV``."""
+    _minimum: ClassVar[dict[str, int]]
+    """Fields that may go below 1, and their least value."""
+
+    def __init_subclass__(cls, *, group: str, minimum: dict[str, int] | None = None) -> None:
+        super().__init_subclass__()
+        cls._group, cls._minimum = group, minimum or {}
+
+    def __post_init__(self) -> None:
+        _check(self, self._group, self._minimum)
+
+
 @dataclass(frozen=True)
-class IOOptions:
+class IOOptions(_Checked, group="io", minimum={"write_threads": 0, "read_threads": 0}):
     """How shardpoint moves bytes between memory and local files.
 
     Every field's default can be seeded by the environment variable named in its doc.
@@ -183,12 +199,10 @@ class IOOptions:
     max_json_bytes: int = _seeded("io", "max_json_bytes", 256 << 20)
     """Largest index or manifest accepted (``SHARDPOINT_MAX_JSON_BYTES``, 256 MiB)."""
 
-    def __post_init__(self) -> None:
-        _check(self, "io", {"write_threads": 0, "read_threads": 0})
 
 
 @dataclass(frozen=True)
-class RemoteOptions:
+class RemoteOptions(_Checked, group="remote", minimum={"retries": 0, "backoff_ms": 0}):
     """How shardpoint talks to an object store through fsspec (``s3://``, ``gs://``...).
 
     Example:
@@ -210,17 +224,16 @@ class RemoteOptions:
     """First retry delay in milliseconds; it doubles with each further retry
     (``SHARDPOINT_REMOTE_BACKOFF_MS``, 200)."""
 
-    def __post_init__(self) -> None:
-        _check(self, "remote", {"retries": 0, "backoff_ms": 0})
 
 
 @dataclass(frozen=True)
-class CollectiveOptions:
+class CollectiveOptions(_Checked, group="collective"):
     """How the ranks of a collective save or load work together.
 
     Example:
         >>> import shardpoint as sp
-        >>> sp.CollectiveOptions(timeout_s=60).timeout_s
+        >>> with sp.using(collective=sp.CollectiveOptions(timeout_s=60)):
+        ...     sp.current_options().collective.timeout_s
         60
     """
 
@@ -232,8 +245,6 @@ class CollectiveOptions:
     """Bytes per write syscall in a collective save, every rank of a machine writing at
     once (``SHARDPOINT_COLLECTIVE_SEGMENT_BYTES``, 256 KiB)."""
 
-    def __post_init__(self) -> None:
-        _check(self, "collective", {})
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ import torch
 
 from ._checkpoint import read_json_file
 from ._format.index import parse_index
-from ._pickled_source import torch_load
+from ._sources.contract import components_from_object
+from ._sources.pickled import torch_load
 from ._storage.paths import member_path, open_regular
-from ._tensor_source import components_from_object
 from ._verify_report import MAX_NAMED, Findings, VerifyReport, name_list, unreferenced
 from .errors import (
     CheckpointError,

@@ -63,11 +63,11 @@ from .._format.index import index_name
 from .._format.manifest import MANIFEST_NAME
 from .._format.names import is_tmp_name
 from .._hub import resolve_hub
-from .._pickled_source import BinShardsSource, TorchSaveSource
 from .._sizes import human_size
 from .._source import detect_local, open_checkpoint
-from .._tensor_source import SourceSpec
-from .main import add_cache_dir, add_storage_options, hub_storage_options
+from .._sources.contract import SourceSpec
+from .._sources.pickled import BinShardsSource, TorchSaveSource
+from .main import add_cache_dir, add_checkpoint_path, add_storage_options, hub_storage_options
 from .output import emit, emit_json, printable
 
 HELP = "show format, files, dtypes and tensors of a checkpoint"
@@ -77,12 +77,7 @@ DEFAULT_LIMIT = 50
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "path",
-        help="checkpoint directory (shardpoint or Hugging Face) or .safetensors file, or an "
-        "fsspec URL of either (s3://bucket/run/step-100), or hf://org/name[@revision]: a "
-        "repository in the local Hugging Face cache",
-    )
+    add_checkpoint_path(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object (keys above)")
     add_storage_options(parser)
     add_cache_dir(parser)
@@ -221,6 +216,14 @@ def describe_pickled(
         "components": components,
         "files": [{"name": f, "size": size} for f, size in sizes.items()],
         "_index": index,
+        **_totals(sizes, components, dtypes, matched, limit),
+    }
+
+
+def _totals(sizes: Mapping[str, int], components: Mapping[str, dict[str, Any]], dtypes: Mapping[str, Any],
+            matched: list[dict[str, Any]], limit: int | None) -> dict[str, Any]:
+    """The description's sums over files, components and dtypes, and its tensor table."""
+    return {
         "total_size": sum(sizes.values()),
         "tensor_count": sum(c["tensors"] for c in components.values()),
         "alias_count": sum(c["aliases"] for c in components.values()),
@@ -350,13 +353,7 @@ def describe(ckpt: Checkpoint, *, pattern: str | None = None, limit: int = 0) ->
         "metadata": manifest.metadata if manifest is not None else {},
         "components": components,
         "files": [{"name": f, "size": size} for f, size in files.items()],
-        "total_size": sum(files.values()),
-        "tensor_count": sum(c["tensors"] for c in components.values()),
-        "alias_count": sum(c["aliases"] for c in components.values()),
-        "tensor_bytes": sum(c["bytes"] for c in components.values()),
-        "dtypes": dict(sorted(dtypes.items(), key=lambda kv: (-kv[1]["bytes"], kv[0]))),
-        "tensors_matched": len(matched),
-        "tensors": matched[:limit] if limit else matched,
+        **_totals(files, components, dtypes, matched, limit),
     }
 
 

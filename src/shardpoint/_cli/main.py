@@ -105,6 +105,14 @@ def storage_options_arg(text: str) -> dict[str, object]:
     return value
 
 
+def add_checkpoint_path(parser: argparse.ArgumentParser) -> None:
+    """The positional ``path`` of a command that reads one checkpoint (``inspect``, ``verify``)."""
+    what = "checkpoint directory (shardpoint or Hugging Face) or .safetensors file"
+    where = "an fsspec URL of either (s3://bucket/run/step-100)"
+    parser.add_argument("path", help=f"{what}, or {where}, or hf://org/name[@revision]: a repository in "
+                        "the local Hugging Face cache")
+
+
 def add_storage_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--storage-options",

@@ -44,6 +44,7 @@ from .main import (
     EXIT_DAMAGED,
     EXIT_OK,
     add_cache_dir,
+    add_checkpoint_path,
     add_storage_options,
     fail,
     hub_storage_options,
@@ -54,12 +55,7 @@ HELP = "check that a checkpoint is whole: files, sizes, headers and crc32c of ev
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "path",
-        help="checkpoint directory (shardpoint or Hugging Face) or .safetensors file, or an "
-        "fsspec URL of either (s3://bucket/run/step-100), or hf://org/name[@revision]: a "
-        "repository in the local Hugging Face cache",
-    )
+    add_checkpoint_path(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object (keys above)")
     parser.add_argument("--quick", action="store_true", help="check structure only; skip crc32c")
     add_storage_options(parser)
@@ -81,20 +77,13 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK if report.ok else EXIT_DAMAGED
 
 
+_JSON_FIELDS = ("ok", "problems", "warnings", "notes", "unchecked", "files_checked", "tensors_checked",
+                "bytes_checked", "checksums")
+"""The report's fields in ``--json``, under their own names (after ``path`` and ``format``)."""
+
+
 def to_json(report: VerifyReport) -> dict[str, object]:
-    return {
-        "path": report.path,
-        "format": report.kind,
-        "ok": report.ok,
-        "problems": report.problems,
-        "warnings": report.warnings,
-        "notes": report.notes,
-        "unchecked": report.unchecked,
-        "files_checked": report.files_checked,
-        "tensors_checked": report.tensors_checked,
-        "bytes_checked": report.bytes_checked,
-        "checksums": report.checksums,
-    }
+    return {"path": report.path, "format": report.kind, **{name: getattr(report, name) for name in _JSON_FIELDS}}
 
 
 def _plural(n: int, noun: str) -> str:
@@ -131,27 +120,16 @@ def render(report: VerifyReport, *, quick: bool) -> list[str]:
         return lines
     checked = f"{_plural(report.files_checked, 'file')}, {_plural(report.tensors_checked, 'stored tensor')}"
     if report.kind in _PICKLED:
-        if quick:
-            lines.append(f"OK: structure is whole ({checked}); CRC-32 skipped (--quick)")
-        elif not report.checksums:
-            lines.append(
-                f"OK: structure is whole ({checked}); some files have no CRC-32 (see warnings)"
-            )
-        else:
-            lines.append(
-                f"OK: whole ({checked}); the zip archives' CRC-32 matched for "
-                f"{human_size(report.bytes_checked)}"
-            )
+        check, missing, matched = "CRC-32", "some files have no CRC-32", "the zip archives' CRC-32 matched"
     elif report.kind != "shardpoint":
         lines.append(f"OK: structure is whole ({checked}); stored bytes not checked (no crc32c)")
-    elif quick:
-        lines.append(f"OK: structure is whole ({checked}); crc32c skipped (--quick)")
-    elif not report.checksums:
-        lines.append(
-            f"OK: structure is whole ({checked}); some tensors have no crc32c (see warnings)"
-        )
+        return lines
     else:
-        lines.append(
-            f"OK: whole ({checked}); crc32c matched for {human_size(report.bytes_checked)}"
-        )
+        check, missing, matched = "crc32c", "some tensors have no crc32c", "crc32c matched"
+    if quick:
+        lines.append(f"OK: structure is whole ({checked}); {check} skipped (--quick)")
+    elif not report.checksums:
+        lines.append(f"OK: structure is whole ({checked}); {missing} (see warnings)")
+    else:
+        lines.append(f"OK: whole ({checked}); {matched} for {human_size(report.bytes_checked)}")
     return lines

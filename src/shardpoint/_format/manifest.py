@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from .._flatten import validate_tree
+from .._tree_validation import validate_tree
 from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedFormatError
 from .dtypes import dtype_from_name, itemsize
 from .names import check_component_name, check_file_name
@@ -62,7 +62,7 @@ class ComponentRecord:
     """One top-level component (``model``, ``optim``, ...)."""
 
     tree: dict[str, Any]
-    """The JSON tree of the component's state (see ``shardpoint._flatten``)."""
+    """The JSON tree of the component's state (see ``shardpoint._flatten``; checked by ``shardpoint._tree_validation``)."""
     tensors: dict[str, TensorRecord]
     aliases: dict[str, str] = field(default_factory=dict)
     """Tensor names stored once under another name (tied weights): alias -> stored name."""

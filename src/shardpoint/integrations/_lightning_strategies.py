@@ -40,7 +40,8 @@ import torch
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 from .._format.manifest import MANIFEST_NAME
-from .._read import _report_lines, load_into
+from .._load.into import load_into
+from .._load.result import report_lines
 from .._source import open_checkpoint
 from ..errors import (
     InvalidArgumentError,
@@ -48,14 +49,14 @@ from ..errors import (
     InvalidStateError,
     LoadMismatchError,
 )
-from .lightning import (
+from ._lightning_paths import clear_non_directory
+from ._lightning_state import (
     COMPONENT_OF_KEY,
     METADATA_KEY,
-    ShardpointCheckpointIO,
-    _clear_non_directory,
     from_shardpoint_state,
     to_shardpoint_state,
 )
+from .lightning import ShardpointCheckpointIO
 
 MODEL = COMPONENT_OF_KEY["state_dict"]
 OPTIM = COMPONENT_OF_KEY["optimizer_states"]
@@ -199,7 +200,7 @@ class ShardpointStrategyMixin:
         state, metadata = to_shardpoint_state(checkpoint)
         metadata[METADATA_KEY]["sharded"] = True
         if self.is_global_zero:
-            _clear_non_directory(path)
+            clear_non_directory(path)
         import torch.distributed as dist
 
         from .._api import save
@@ -312,7 +313,7 @@ class ShardpointStrategyMixin:
             if not result.ok:
                 raise LoadMismatchError(
                     "\n  ".join([f"loading {path} into this run's model does not match "
-                                  "(the LightningModule's strict_loading is True):", *_report_lines(result),
+                                  "(the LightningModule's strict_loading is True):", *report_lines(result),
                                   "build the module the checkpoint was saved from, or set "
                                   "strict_loading = False on it to load the matching tensors"]),
                     result,

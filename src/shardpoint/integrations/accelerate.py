@@ -63,7 +63,8 @@ from .. import _api
 from .._api import save
 from .._async import AsyncSave
 from .._format.manifest import MANIFEST_NAME
-from .._read import LoadResult, load_into
+from .._load.into import load_into
+from .._load.result import LoadResult
 from .._stateful import RNGState
 from .._storage.local import TMP_MARKER, recover_all
 from .._write import SaveInfo

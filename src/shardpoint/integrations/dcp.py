@@ -318,12 +318,13 @@ class ShardpointStorageWriter(_writer_base()):  # type: ignore[misc]
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
+        self._values: dict[str, Any] = {}
+        """Fully qualified name -> the value ``write_data`` gathered, saved by ``finish``."""
+        self._ranks = 1
         self.path = None if path is None else os.fspath(path)
         self.overwrite = overwrite
         self.max_shard_size = max_shard_size
         self.storage_options = storage_options
-        self._values: dict[str, Any] = {}
-        self._ranks = 1
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -378,7 +379,7 @@ class ShardpointStorageWriter(_writer_base()):  # type: ignore[misc]
         from torch.distributed.checkpoint.storage import WriteResult
 
         from .. import _api
-        from .._stream_source import _set_path
+        from .._sources.open import _set_path
 
         flat = getattr(planner, "state_dict", None)
         if not isinstance(flat, dict):
@@ -407,7 +408,7 @@ class ShardpointStorageWriter(_writer_base()):  # type: ignore[misc]
 
     def finish(self, metadata: Any, results: list[list[Any]]) -> None:
         from .. import _api
-        from .._stream_source import _set_path
+        from .._sources.open import _set_path
 
         if self._ranks > 1:
             return  # committed by every rank together in write_data

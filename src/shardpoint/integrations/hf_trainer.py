@@ -45,8 +45,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from .._async import AsyncQueue, AsyncSave
 from .._format.manifest import MANIFEST_NAME
+from .._load.into import load_into
 from .._prepare import PreparedState, prepare_state
-from .._read import load_into
 from .._sizes import parse_size
 from .._stateful import RNGState
 from .._write import SaveInfo, write_checkpoint

@@ -56,27 +56,32 @@ plugin and ``trainer.fit(..., ckpt_path=...)`` (or ``validate`` / ``test``).
 from __future__ import annotations
 
 import os
-import shutil
 import threading
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._load.new import load
 from .._prepare import prepare_state
-from .._read import load
 from .._reuse import link_unchanged
 from .._sizes import parse_size
 from .._source import open_checkpoint
-from .._storage.local import TMP_MARKER
 from .._write import json_metadata, write_checkpoint
-from ..errors import (
-    InvalidArgumentTypeError,
-    InvalidStateError,
-    StorageError,
-    UnsupportedFormatError,
+from ..errors import InvalidArgumentTypeError, InvalidStateError, UnsupportedFormatError
+from ._lightning_paths import (
+    clear_non_directory,
+    is_lightning_distributed_checkpoint,
+    path_key,
+    remove_path,
+)
+from ._lightning_state import (
+    COMPONENT_OF_KEY,
+    EXTRA_COMPONENT,
+    METADATA_KEY,
+    from_shardpoint_state,
+    to_shardpoint_state,
 )
 
 if TYPE_CHECKING:  # imported on first use by __getattr__ (they import lightning.pytorch)
@@ -115,92 +120,6 @@ def _checkpoint_io_bases() -> tuple[type, ...]:
     return tuple(bases)
 
 
-COMPONENT_OF_KEY = {"state_dict": "model", "optimizer_states": "optim"}
-"""Lightning's top-level keys stored under another component name."""
-
-EXTRA_COMPONENT = "lightning_extra"
-"""Component holding top-level keys that cannot name a component (``{key: value}``)."""
-
-METADATA_KEY = "lightning"
-"""Manifest metadata entry: ``{"format": 1, "keys": [[key, component], ...]}``."""
-
-_RESERVED_COMPONENTS = {*COMPONENT_OF_KEY.values(), EXTRA_COMPONENT, "shardpoint", "latest"}
-
-
-def _component_for(key: Any) -> str:
-    """The component a top-level key of a Lightning checkpoint is stored as."""
-    if key in COMPONENT_OF_KEY:
-        return COMPONENT_OF_KEY[key]
-    if (
-        isinstance(key, str)
-        and key not in _RESERVED_COMPONENTS
-        and 0 < len(key) <= 100
-        and (key[0].isascii() and (key[0].isalnum() or key[0] == "_"))
-        and all(c.isascii() and (c.isalnum() or c in "_.-") for c in key)
-    ):
-        return key
-    return EXTRA_COMPONENT
-
-
-def _plain(value: Any) -> Any:
-    """``value`` with every mapping (Lightning's ``AttributeDict``) replaced by a dict.
-
-    Everything else is left to shardpoint's state tree, which keeps ``argparse.Namespace``,
-    paths, Enum members, dataclasses and datetime values as typed nodes (no pickle).
-    """
-    if isinstance(value, Mapping) and not isinstance(value, torch.nn.Module):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, tuple) and type(value) is tuple:
-        return tuple(_plain(v) for v in value)
-    return value
-
-
-def to_shardpoint_state(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split a Lightning checkpoint dict into shardpoint components, plus manifest metadata.
-
-    >>> state, meta = to_shardpoint_state({"state_dict": {}, "epoch": 1, "my key": 2})
-    >>> sorted(state), meta["lightning"]["keys"]
-    (['epoch', 'lightning_extra', 'model'], [['state_dict', 'model'], ['epoch', 'epoch'], ['my key', 'lightning_extra']])
-    """
-    state: dict[str, Any] = {}
-    keys: list[list[Any]] = []
-    extra: dict[Any, Any] = {}
-    for key, value in checkpoint.items():
-        component = _component_for(key)
-        if component == EXTRA_COMPONENT:
-            extra[key] = _plain(value)
-        else:
-            state[component] = _plain(value)
-        keys.append([key, component])
-    if extra:
-        state[EXTRA_COMPONENT] = extra
-    return state, {METADATA_KEY: {"format": 1, "keys": keys}}
-
-
-def from_shardpoint_state(
-    loaded: Any, metadata: Mapping[str, Any], *, flat: bool = False
-) -> dict[str, Any]:
-    """The Lightning checkpoint dict back from what ``sp.load`` returned.
-
-    A flat checkpoint (a model's state dict, e.g. a Hugging Face directory) comes back as
-    ``{"state_dict": ...}``; a nested one not written by this plugin as its components.
-    """
-    if flat:
-        return {"state_dict": loaded}
-    info = metadata.get(METADATA_KEY)
-    if not isinstance(info, Mapping) or not isinstance(info.get("keys"), list):
-        # Saved by plain `sp.save`, not by this plugin: the components are the keys.
-        return {("state_dict" if k == "model" else k): v for k, v in loaded.items()}
-    checkpoint: dict[str, Any] = {}
-    for key, component in info["keys"]:
-        checkpoint[key] = (
-            loaded[EXTRA_COMPONENT][key] if component == EXTRA_COMPONENT else loaded[component]
-        )
-    return checkpoint
-
-
 @dataclass(frozen=True)
 class _Saved:
     path: str
@@ -213,23 +132,6 @@ def _step_of(checkpoint: Mapping[str, Any]) -> tuple[int, int] | None:
     if isinstance(epoch, int) and isinstance(step, int):
         return epoch, step
     return None
-
-
-def is_lightning_distributed_checkpoint(path: str) -> bool:
-    """A folder Lightning's sharded strategies wrote with ``torch.distributed.checkpoint``."""
-    return (
-        os.path.isdir(path)
-        and not os.path.exists(os.path.join(path, "shardpoint.json"))
-        and os.path.isfile(os.path.join(path, "meta.pt"))
-        and os.path.isfile(os.path.join(path, ".metadata"))
-    )
-
-
-def _clear_non_directory(path: str) -> None:
-    """Remove a file or symlink at ``path`` (a ``torch.save`` checkpoint, a ``save_last="link"``
-    link), never what a link points to; a directory is left to the atomic replace."""
-    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
-        os.unlink(path)
 
 
 class ShardpointCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
@@ -311,13 +213,13 @@ class ShardpointCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         finally:
             with self._lock:
                 self._saving -= 1
-                remove_now = _key(location) in self._removal_pending
-                self._removal_pending.discard(_key(location))
+                remove_now = path_key(location) in self._removal_pending
+                self._removal_pending.discard(path_key(location))
                 if saved is not None:
                     self.last_save_linked, save_id = saved
                     self._previous = _Saved(location, save_id, step)
         if remove_now and saved is not None:
-            _remove_path(location)  # Lightning removed it while the save was queued or running
+            remove_path(location)  # Lightning removed it while the save was queued or running
 
     def _write(
         self,
@@ -328,7 +230,7 @@ class ShardpointCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         previous: _Saved | None,
     ) -> tuple[bool, str]:
         """Link the previous save's files if nothing changed, else write; (linked, save_id)."""
-        _clear_non_directory(location)
+        clear_non_directory(location)
         info = None
         if (
             self.link_unchanged
@@ -412,35 +314,9 @@ class ShardpointCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
             if not os.path.lexists(location):
                 me = threading.get_ident()
                 if self._saving or any(t != me for t in self._save_threads):
-                    self._removal_pending.add(_key(location))
+                    self._removal_pending.add(path_key(location))
                 return
-        _remove_path(location)
-
-
-def _key(path: str) -> str:
-    return os.path.abspath(path)
-
-
-def _remove_path(location: str) -> None:
-    if not os.path.lexists(location):
-        return
-    if os.path.islink(location) or not os.path.isdir(location):
-        os.unlink(location)
-        return
-    head, name = os.path.split(os.path.abspath(location))
-    aside = os.path.join(head, f".{name}{TMP_MARKER}removed-{uuid.uuid4().hex}")
-    try:
-        os.rename(location, aside)
-    except FileNotFoundError:
-        return  # removed meanwhile
-    except OSError as exc:
-        err = StorageError(
-            f"cannot remove checkpoint {location}: [Errno {exc.errno}] {exc.strerror or exc}; it was left "
-            "in place. Check the directory's permissions, or remove it yourself"
-        )
-        err.errno = exc.errno
-        raise err from exc
-    shutil.rmtree(aside, ignore_errors=True)
+        remove_path(location)
 
 
 def _saving_module_for(cls: type) -> Any:
@@ -525,11 +401,15 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "COMPONENT_OF_KEY",
+    "EXTRA_COMPONENT",
+    "METADATA_KEY",
     "ShardpointCheckpointIO",
     "ShardpointFSDPStrategy",
     "ShardpointModelParallelStrategy",
     "ShardpointStrategyMixin",
     "from_shardpoint_state",
+    "is_lightning_distributed_checkpoint",
     "load_from_checkpoint",
     "to_shardpoint_state",
 ]

@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
-from ._format.detect import HF_BIN, TORCH_SAVE
-from ._pickled_source import BinShardsSource, TorchSaveSource
-from ._source import detect_local
-from ._storage.paths import member_path
-from ._tensor_source import SourceSpec, TensorSource, batches
-from .errors import InvalidArgumentError, InvalidStateError
+from .._format.detect import HF_BIN, TORCH_SAVE
+from .._source import detect_local
+from .._sources.contract import SourceSpec, TensorSource, batches
+from .._sources.pickled import BinShardsSource, TorchSaveSource
+from .._storage.paths import member_path
+from ..errors import InvalidArgumentError, InvalidStateError
 
 
 def route(path: str | os.PathLike[str]) -> tuple[str | os.PathLike[str], SourceSpec | None]:

@@ -1,8 +1,8 @@
 """Checkpoints of any format read one batch of tensors at a time (for convert and diff):
 safetensors and DCP sources, and :func:`open_source`, which opens any path as the right one.
 
-The :class:`~shardpoint._tensor_source.TensorSource` contract and the ``torch.save`` / HF
-``.bin`` sources live in ``_tensor_source`` and ``_pickled_source``. Here:
+The :class:`~shardpoint._sources.contract.TensorSource` contract and the ``torch.save`` / HF
+``.bin`` sources live in ``contract`` and ``pickled``. Here:
 
 - safetensors (ours, HF directory or file): :class:`ReadBatch` reads each batch into fresh
   tensors (crc32c checked, chunks of ``chunked`` checkpoints assembled).
@@ -27,16 +27,21 @@ from typing import Any
 
 import torch
 
-from ._checkpoint import Checkpoint
-from ._format.detect import DCP, HF_BIN, HF_FILE, HF_INDEX, SHARDPOINT, TORCH_SAVE
-from ._format.dtypes import dtype_from_name
-from ._options import current_options
-from ._pickled_source import BinShardsSource, TorchSaveSource
-from ._prepare import Component
-from ._read import ReadBatch
-from ._source import detect_local, not_readable, open_checkpoint
-from ._storage.paths import member_path, open_regular
-from ._tensor_source import (
+from .._checkpoint import Checkpoint
+from .._format.detect import DCP, HF_BIN, HF_FILE, HF_INDEX, SHARDPOINT, TORCH_SAVE
+from .._format.dtypes import dtype_from_name
+from .._options import current_options
+from .._prepare import Component
+from .._read import ReadBatch
+from .._source import detect_local, not_readable, open_checkpoint
+from .._storage.paths import member_path, open_regular
+from ..errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    MissingShardError,
+    UnsafePickleError,
+)
+from .contract import (
     Ref,
     SourceSpec,
     TensorSource,
@@ -45,12 +50,7 @@ from ._tensor_source import (
     components_from_object,
     meta_like,
 )
-from .errors import (
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    MissingShardError,
-    UnsafePickleError,
-)
+from .pickled import BinShardsSource, TorchSaveSource
 
 # ------------------------------------------------------------------------ safetensors
 

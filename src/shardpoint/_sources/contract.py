@@ -4,7 +4,7 @@ A :class:`TensorSource` describes a checkpoint as components (name, JSON tree, s
 tensor names, aliases) whose tensors are ``meta`` descriptors (dtype and shape, no data),
 and reads the tensors themselves only when asked, a few at a time, so nothing ever holds
 the whole checkpoint in memory. The formats are implemented beside it:
-``_pickled_source`` (``torch.save`` files, HF ``.bin`` shards) and ``_stream_source``
+``pickled`` (``torch.save`` files, HF ``.bin`` shards) and ``open``
 (safetensors through :class:`~shardpoint._read.ReadBatch`, DCP), which also opens any
 path as the right one.
 """
@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from ._flatten import flatten_state
-from ._format.dtypes import dtype_name
-from ._io.memory import contiguous_cpu
-from ._prepare import Component, check_tensor, dedup, split_components
-from ._stateful import find_modules, make_to_state, parameter_names
-from .errors import InvalidStateError
+from .._flatten import flatten_state
+from .._format.dtypes import dtype_name
+from .._io.memory import contiguous_cpu
+from .._prepare import Component, check_tensor, dedup, split_components
+from .._stateful import find_modules, make_to_state, parameter_names
+from ..errors import InvalidStateError
 
 BATCH_BYTES = 64 << 20
 """Tensors are read (and written, compared) in batches of about this many bytes; a larger

@@ -7,8 +7,8 @@
   Files in the legacy (pre-1.6, non-zip) format cannot be mapped: they are loaded whole.
 - HF ``.bin`` shards (``pytorch_model.bin.index.json``): the same, one shard at a time.
 
-Used by ``convert`` / ``diff`` (through ``_stream_source.open_source``), by ``sp.load`` /
-``load_into`` of ``.bin`` weights (``_read_pickled``), and by ``verify`` and ``inspect``.
+Used by ``convert`` / ``diff`` (through ``_sources.open.open_source``), by ``sp.load`` /
+``load_into`` of ``.bin`` weights (``_load.pickled``), and by ``verify`` and ``inspect``.
 """
 
 from __future__ import annotations
@@ -18,25 +18,16 @@ import mmap as _mmap
 import os
 import pickle
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._checkpoint import read_json_file
-from ._format.detect import detect
-from ._format.index import parse_index
-from ._format.names import check_file_name
-from ._storage.paths import member_path, open_regular
-from ._tensor_source import (
-    Ref,
-    SourceSpec,
-    TensorSource,
-    as_descriptors,
-    cast,
-    components_from_object,
-    meta_like,
-)
-from .errors import (
+from .._checkpoint import read_json_file
+from .._format.detect import detect
+from .._format.index import parse_index
+from .._format.names import check_file_name
+from .._storage.paths import member_path, open_regular
+from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -44,6 +35,10 @@ from .errors import (
     UnsafePickleError,
     UnsupportedFormatError,
 )
+from .contract import TensorSource, as_descriptors, cast, components_from_object, meta_like
+
+if TYPE_CHECKING:
+    from .contract import Ref, SourceSpec
 
 _MADV_DONTNEED = 4
 

@@ -1,0 +1,254 @@
+"""``sp.load_into``: a checkpoint into the user's objects, in place.
+
+Opens the checkpoint (over a process group, every rank the same save), pairs the target's
+components with the saved ones, and hands them to the :class:`~shardpoint._load.planner.Planner`;
+the batch runs only once the whole target is planned (and, under ``strict``, matched).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import torch
+
+from .._checkpoint import Checkpoint
+from .._distributed.group import Group, resolve_group
+from .._gc import collector_paused
+from .._hub import resolve_hub
+from .._io.threads import reader_threads
+from .._options import OptionsArg, applied
+from .._read import ReadBatch
+from .._source import OPEN_TRIES, open_checkpoint
+from .._sources.contract import SourceSpec
+from .._stateful import find_modules, parameter_names
+from ..errors import InvalidStateError, LoadMismatchError, StorageError
+from .pickled import PickledBatch, route
+from .planner import Planner
+from .result import LoadResult, mismatch_message
+from .settings import IntoSettings, resolve_verify, staging_size
+
+
+def _component_targets(target: Any, ckpt: Checkpoint) -> dict[str, Any]:
+    """Pair target values with saved components."""
+    if ckpt.flat:
+        if isinstance(target, torch.nn.Module):
+            return {"model": target}
+        if isinstance(target, Mapping) and all(isinstance(v, torch.Tensor) for v in target.values()):
+            return {"model": target}
+        if isinstance(target, Mapping) and "model" in target:
+            return dict(target)
+        raise InvalidStateError(
+            f"{ckpt.location} holds a flat state dict; load it into a module or a dict of tensors"
+        )
+    if isinstance(target, torch.nn.Module):
+        return {"model": target}
+    if isinstance(target, Mapping):
+        return dict(target)
+    raise InvalidStateError(f"load_into() takes a module or a mapping of components, not {type(target).__name__}")
+
+
+def load_into(
+    target: Any,
+    path: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+    process_group: Any = None,
+    storage_options: Mapping[str, Any] | None = None,
+    progress: bool | None = None,
+    verify: bool | None = None,
+    allow_pickle: bool = False,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    device_map: Mapping[str, str | torch.device] | None = None,
+    max_buffer_bytes: int | str | None = None,
+    options: OptionsArg = None,
+) -> LoadResult:
+    """Load a checkpoint into existing objects, in place.
+
+    ``target`` is what was passed to ``save`` (freshly built): a module, a flat state dict,
+    or a mapping of components holding modules, optimizers, schedulers, ``Stateful``
+    objects, tensors and containers. Tensors are read straight into the target's own
+    memory (dtype casts through a bounded staging buffer); parameters on the ``meta``
+    device are materialized from the file with no second copy; tied parameters stay tied.
+    Optimizers are matched by parameter name; other objects get ``load_state_dict``;
+    values in mutable containers are replaced.
+
+    A module is loaded as ``from_pretrained`` loads one: keys that differ by a base-model
+    prefix (``model.``, ``transformer.``, the module's ``base_model_prefix``) are renamed,
+    either way, and the rename reported (``LoadResult.prefix_mapping``); a key the model
+    declares tied and the checkpoint lacks gets its twin; non-persistent buffers left on
+    ``meta`` (a model built under ``torch.device("meta")``) are rebuilt through the model's
+    own ``_init_weights``. Whatever would still be on ``meta`` afterwards is listed in
+    ``LoadResult.meta_keys`` (and ``ok`` is False; ``strict=True`` raises).
+
+    Args:
+        target: the objects to fill.
+        path: checkpoint directory or ``.safetensors`` file (local HF ``.bin`` weights too), or an fsspec URL of either
+            (``s3://bucket/run/step-100``): only the byte ranges needed are read, concurrently;
+            or ``hf://org/name[@revision][/subfolder]``: a repository in the local Hugging Face
+            cache, never downloaded (``storage_options={"cache_dir": ...}`` names another cache).
+        strict: raise :class:`LoadMismatchError` (before changing anything) when keys are
+            missing, unexpected or mis-shaped, or a tensor would be left on ``meta``. A load
+            where no key at all matches raises even with ``strict=False``.
+        progress: show a progress bar (default: when stderr is a terminal).
+        verify: check crc32c (default on).
+        allow_pickle: unpickle values saved with ``allow_pickle=True``.
+        process_group: load collectively: every rank fills its own shards (DTensors read
+            only the byte ranges they hold); an error on any rank is raised on all. Without
+            it, a target holding DTensors is loaded over the default group (as ``save``
+            saves one), any other target by the calling process alone.
+        device: where ``meta`` tensors are materialized (one at a time, read straight into
+            their final memory); in a module with anything on ``meta``, its real buffers
+            move there too. Real parameters stay where they are.
+        dtype: the floating-point dtype of every loaded parameter and persistent buffer,
+            as ``from_pretrained(dtype=...)``: integer and bool tensors keep theirs,
+            non-persistent buffers keep the dtype their module built them in, and keys of a
+            ``transformers`` model's ``_keep_in_fp32_modules`` (float16) /
+            ``_keep_in_fp32_modules_strict`` (float16, bfloat16) stay float32. A real
+            parameter of another dtype keeps its ``Parameter`` object (new ``.data``).
+        device_map: module-name prefix -> device for ``meta`` parameters (the longest
+            prefix wins; ``"meta"`` leaves them unmaterialized), as Accelerate's.
+        storage_options: options of the URL's fsspec filesystem (see :func:`shardpoint.save`).
+        max_buffer_bytes: size of each reader thread's reusable staging buffer (dtype
+            casts, GPU destinations): peak host memory is what stays on the host plus
+            about ``read threads x max_buffer_bytes`` (x 2 for a GPU, where the next read
+            overlaps the previous copy). Default: ``IOOptions.staging_buffer_bytes``.
+        options: tunables for this call (:class:`IOOptions`, :class:`RemoteOptions`,
+            :class:`CollectiveOptions`; see :func:`shardpoint.save`).
+
+    Returns:
+        A :class:`LoadResult` listing missing, unexpected and mismatched keys, tensors left
+        on ``meta``, any prefix rename, and the bytes read.
+
+    Raises:
+        LoadMismatchError: ``strict=True`` and the report is not ok, or no key matches.
+        CheckpointNotFoundError, CorruptCheckpointError, ChecksumMismatchError.
+
+    Example:
+        >>> import torch, shardpoint as sp, tempfile, os
+        >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> model = torch.nn.Linear(2, 2)
+        >>> _ = sp.save(model.state_dict(), d)
+        >>> sp.load_into(torch.nn.Linear(2, 2), d).ok
+        True
+    """
+    with applied(options):
+        group = resolve_group(process_group, target)
+        threads = None
+        if group.distributed:  # the ranks on this machine share its CPUs
+            host = socket.gethostname()
+            threads = reader_threads(group.all_gather(host).count(host))
+
+        def load_here() -> LoadResult:  # in the phase: a refused argument fails alike on every rank
+            settings = IntoSettings(strict, progress, resolve_verify(verify), allow_pickle, torch.device(device),
+                                    dtype, dict(device_map or {}), staging_size(max_buffer_bytes), threads)
+            return _load_into(target, path, settings, storage_options, opened)
+
+        with collector_paused():
+            opened = _open_on_every_rank(group, path, storage_options)
+            try:
+                return group.phase(f"loading {os.fspath(path)}", load_here)
+            finally:
+                if opened is not None:
+                    opened.close()
+
+
+def _open_on_every_rank(group: Group, path: str | os.PathLike[str],
+                        storage_options: Mapping[str, Any] | None) -> Checkpoint | None:
+    """In a process group, open the checkpoint on every rank and agree that all opened the
+    same save (its ``save_id``); a save committed between two ranks' opens makes every rank
+    open again (a few times). None without a group, or for ``.bin`` weights."""
+    if not group.distributed:
+        return None
+    where = os.fspath(path)
+
+    def open_here() -> tuple[Checkpoint | None, Any]:
+        hub_path, options = resolve_hub(path, storage_options)
+        routed, pickled = route(hub_path)
+        if pickled is not None:
+            return None, None
+        ckpt = open_checkpoint(routed, options)
+        return ckpt, ckpt.manifest.save_id if ckpt.manifest is not None else None
+
+    for _ in range(OPEN_TRIES):
+        ckpt, same = group.exchange(f"opening {where}", open_here,
+                                    decide=lambda ids: [len(set(ids)) == 1] * len(ids))
+        if same:
+            return ckpt
+        if ckpt is not None:
+            ckpt.close()
+    raise StorageError(
+        f"{where}: the ranks opened different saves {OPEN_TRIES} times (it is being overwritten "
+        "while being loaded); load it again once the saves to it stop, or load a fixed step"
+    )
+
+
+def _load_into(target: Any, path: str | os.PathLike[str], settings: IntoSettings,
+               storage_options: Mapping[str, Any] | None, opened: Checkpoint | None) -> LoadResult:
+    if opened is not None:  # opened (and later closed) by load_into, agreed on by every rank
+        return _load_into_checkpoint(target, opened, settings)
+    path, storage_options = resolve_hub(path, storage_options)
+    path, pickled = route(path)
+    if pickled is not None:
+        return _load_pickled_into(target, path, pickled, settings)
+    with open_checkpoint(path, storage_options) as ckpt:
+        return _load_into_checkpoint(target, ckpt, settings)
+
+
+def _load_into_checkpoint(target: Any, ckpt: Checkpoint, settings: IntoSettings) -> LoadResult:
+    batch = ReadBatch(ckpt, verify=settings.verify, staging_bytes=settings.staging_bytes, threads=settings.threads)
+    planner = Planner(ckpt.location, batch, allow_pickle=settings.allow_pickle, device=settings.device,
+                      dtype=settings.dtype, device_map=settings.device_map)
+    targets = _component_targets(target, ckpt)
+    planner.param_names = parameter_names(find_modules(targets))
+    for cname, value in targets.items():
+        comp = ckpt.components.get(cname)
+        if comp is None:
+            planner.missing.append(cname)
+            continue
+        if ckpt.flat and isinstance(value, Mapping) and not isinstance(value, torch.nn.Module):
+            planner.dict_into(value, {k: k for k in list(comp.tensors) + list(comp.aliases)}, comp)
+            continue
+        setter = (lambda v, k=cname: target.__setitem__(k, v)) if isinstance(target, MutableMapping) else None
+        planner.node(value, comp.tree, comp, "" if ckpt.flat else cname, setter)
+    planner.unexpected.extend(c for c in ckpt.components if c not in targets)
+    return _run(planner, batch, ckpt.location, settings)
+
+
+def _load_pickled_into(target: Any, path: str | os.PathLike[str], spec: SourceSpec,
+                       settings: IntoSettings) -> LoadResult:
+    """``load_into`` of ``.bin`` weights (a flat state dict): the same planning, then the
+    tensors read a batch at a time."""
+    batch = PickledBatch(path, spec)
+    try:
+        planner = Planner(batch.location, batch, allow_pickle=False, device=settings.device, dtype=settings.dtype,
+                          device_map=settings.device_map)
+        comp = batch.comp
+        names = {k: k for k in comp.tensors}
+        if isinstance(target, torch.nn.Module):
+            planner.module_into(target, names, comp, "")
+        elif isinstance(target, Mapping) and all(isinstance(v, torch.Tensor) for v in target.values()):
+            planner.dict_into(target, names, comp)
+        else:
+            raise InvalidStateError(f"{batch.location} holds a flat state dict; load it into a module or a dict of tensors")
+        return _run(planner, batch, batch.location, settings)
+    finally:
+        batch.close()
+
+
+def _run(planner: Planner, batch: ReadBatch | PickledBatch, location: str, settings: IntoSettings) -> LoadResult:
+    """The planned load's report, refused under ``strict`` when not ok (nothing read yet);
+    else the batch run, the target's fix-ups applied, and the bytes read counted."""
+    result = LoadResult(planner.missing, planner.unexpected, planner.mismatched, 0, planner.meta_left,
+                        planner.prefix_mapping)
+    if settings.strict and not result.ok:
+        raise LoadMismatchError(mismatch_message(location, result), result)
+    batch.run(settings.progress)
+    for fix in planner.post:
+        fix()
+    read = batch.planned_bytes if isinstance(batch, ReadBatch) else batch.bytes_read
+    return dataclasses.replace(result, bytes_read=read)

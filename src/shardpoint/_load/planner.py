@@ -1,0 +1,400 @@
+"""The planner of ``load_into``: walks a target beside the saved tree and plans every read.
+
+A planning pass that touches no data: each target tensor is matched to its saved tensor (a
+base-model prefix renamed where that matches more, ties kept), meta tensors get their new
+memory, and every read goes into one batch; the fix-ups that change the target (new
+parameters, ``load_state_dict`` of rebuilt values) run only after the batch has run, so
+``strict=True`` can refuse a mismatch before a byte of the target changes.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections import Counter
+from collections.abc import Callable, Mapping, MutableMapping, MutableSequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import _module_fit
+from .._distributed.group import local_chunk
+from .._flatten import WRAPPER_TYPES, tree_tensor_names, unflatten_state
+from .._format.manifest import ComponentRecord
+from .._prepare import storage_key
+from .._read import ReadBatch
+from .._stateful import Stateful, optimizer_state_for
+from ..errors import CheckpointError, InvalidStateError, LoadMismatchError
+from .memory import allocate
+from .pickled import PickledBatch
+from .result import no_match_message
+
+
+def identities(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """Keys under which two tensors are the same memory: the same object, or the same view
+    of the same storage (looked up in sets and dicts: a model of thousands of tensors must
+    not compare every pair)."""
+    key = storage_key(tensor)
+    return (id(tensor),) if key is None else (id(tensor), key)
+
+
+def identity_table(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[Any, ...]]:
+    """:func:`identities` of every tensor of ``tensors``, by key. A plain tensor whose
+    first element's address no other tensor of ``tensors`` shares cannot be the same memory
+    as any of them: it is known by its ``id`` alone, without :func:`identities`' per-tensor
+    work (a flat state of 10^5 small tensors is 10^5 such)."""
+    plain = (torch.Tensor, torch.nn.Parameter)
+    address = {k: t.data_ptr() if type(t) in plain else 0 for k, t in tensors.items()}
+    shared = Counter(address.values())
+    return {
+        k: (id(t),) if (a := address[k]) and shared[a] == 1 else identities(t)
+        for k, t in tensors.items()
+    }
+
+
+def _assign(module: torch.nn.Module, name: str, value: torch.Tensor) -> bool:
+    """Replace parameter/buffer ``name`` of ``module`` by ``value``; False if not found."""
+    owner_name, _, leaf = name.rpartition(".")
+    try:
+        owner = module.get_submodule(owner_name) if owner_name else module
+    except AttributeError:
+        return False
+    if leaf in owner._parameters:
+        owner._parameters[leaf] = value  # type: ignore[assignment]
+        return True
+    if leaf in owner._buffers:
+        owner._buffers[leaf] = value
+        return True
+    return False
+
+
+def _item_setter(
+    container: MutableMapping[Any, Any] | MutableSequence[Any], key: Any
+) -> Callable[[Any], None]:
+    """A callback that stores its argument as ``container[key]``."""
+
+    def store(value: Any) -> None:
+        container.__setitem__(key, value)
+
+    return store
+
+
+def _placement(
+    key: str, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None,
+    device_map: Mapping[str, Any], keep_fp32: re.Pattern[str] | None = None,
+) -> tuple[torch.device, torch.dtype]:
+    """Device and dtype for materializing meta tensor ``key``: the longest matching
+    ``device_map`` prefix (module names, as Accelerate's), else ``device``; ``dtype`` for a
+    floating-point tensor (float32 where ``keep_fp32`` matches the key), else its own."""
+    best = -1
+    for prefix, target in device_map.items():
+        if (prefix == "" or key == prefix or key.startswith(prefix + ".")) and len(prefix) > best:
+            best, device = len(prefix), torch.device(target)
+    want = tensor.dtype
+    if dtype is not None and tensor.dtype.is_floating_point:
+        want = torch.float32 if keep_fp32 is not None and keep_fp32.search(key) else dtype
+    return device, want
+
+
+@dataclass
+class _ModuleLoad:
+    """What the planner knows about the module it is filling."""
+
+    module: torch.nn.Module
+    empty: bool
+    """Some parameter or buffer was on ``meta``: its buffers go where ``device=`` /
+    ``device_map`` say, like its parameters (an empty model has no other placement)."""
+    keep_fp32: re.Pattern[str] | None = None
+    declared_ties: dict[str, str] = field(default_factory=dict)
+    """Target key -> the key it is tied to, as the model declares (``transformers``'
+    ``all_tied_weights_keys``): one absent from the checkpoint gets its twin's tensor."""
+    materialized: set[str] = field(default_factory=set)
+    """Keys given a new tensor by this load (meta ones among them)."""
+
+
+class Planner:
+    """Walks a target beside the saved trees; records reads, report entries and fix-ups."""
+
+    def __init__(self, location: str, batch: ReadBatch | PickledBatch, *, allow_pickle: bool,
+                 device: torch.device, dtype: torch.dtype | None, device_map: Mapping[str, Any]) -> None:
+        self.location = location
+        self.batch = batch
+        self.allow_pickle = allow_pickle
+        self.missing: list[str] = []
+        self.unexpected: list[str] = []
+        self.mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+        self.meta_left: list[str] = []
+        self.prefix_mapping: dict[str, tuple[str, str]] = {}
+        self.post: list[Callable[[], None]] = []
+        self.param_names: dict[int, str] = {}
+        self.device = device
+        self.dtype = dtype
+        self.device_map = dict(device_map)
+
+    def placement(self, key: str, tensor: torch.Tensor, keep_fp32: re.Pattern[str] | None = None
+                  ) -> tuple[torch.device, torch.dtype]:
+        return _placement(key, tensor, self.device, self.dtype, self.device_map, keep_fp32)
+
+    # A subtree read into new tensors, turned into a value after the batch ran.
+    def build(self, comp: ComponentRecord, node: dict[str, Any], apply: Callable[[Any], None], path: str) -> None:
+        tensors: dict[str, torch.Tensor] = {}
+        for name in tree_tensor_names(node):
+            stored = comp.aliases.get(name, name)
+            if stored not in tensors:
+                tensors[stored] = self.batch.new(comp.tensors[stored], stored, device=torch.device("cpu"), dtype=None)
+            tensors[name] = tensors[stored]
+        where = f"{self.location}, {path}"
+        allow = self.allow_pickle
+        self.post.append(lambda: _apply_saved(apply, unflatten_state(node, tensors, where=where, allow_pickle=allow), where))
+
+    def _new_home(self, key: str, tensor: torch.Tensor, fit: _ModuleLoad | None
+                  ) -> tuple[torch.device, torch.dtype] | None:
+        """Where a target tensor must be replaced by a new one (device, dtype), or None to
+        fill it in place: a meta tensor; a floating-point one of another dtype than
+        ``dtype=`` asks; a buffer of an empty model away from its placement."""
+        if fit is None and not tensor.is_meta:
+            return None  # a plain dict's tensor: filled where it is (asked per tensor: no placement)
+        device, want = self.placement(key, tensor, fit.keep_fp32 if fit else None)
+        if tensor.is_meta:
+            return device, want
+        if fit is None or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+            return None  # a plain dict's tensor or a DTensor: filled where it is
+        if not (fit.empty and not isinstance(tensor, torch.nn.Parameter)) or device.type == "meta":
+            device = tensor.device
+        if device == tensor.device and want == tensor.dtype:
+            return None
+        return device, want
+
+    def tensors_into(self, targets: Mapping[str, torch.Tensor], names: Mapping[str, str],
+                     comp: ComponentRecord, prefix: str, module: torch.nn.Module | None,
+                     fit: _ModuleLoad | None = None, saved_names: Mapping[str, str] | None = None) -> None:
+        """Fill target tensors in place; ``names`` maps a target key to its saved tensor name.
+
+        ``saved_names`` (saved tensor name -> the key it has in the checkpoint's tree) names
+        the unexpected keys when ``names`` was renamed; by default they are ``names``' keys.
+        """
+        matched = []
+        for key, tensor in targets.items():
+            saved = names.get(key)
+            if saved is None:
+                continue
+            record = comp.tensors[comp.aliases.get(saved, saved)]
+            if tensor.shape != record.shape:
+                self.mismatched.append((prefix + key, record.shape, tuple(tensor.shape)))
+            else:
+                matched.append(key)
+        first_with: dict[Any, str] = {}
+        ids = identity_table(targets)  # asked again below: once each
+        for m in matched:
+            for ident in ids[m]:
+                first_with.setdefault(ident, m)
+        tied: dict[str, str] = {}  # target key absent from the checkpoint -> matched key it is tied to
+        to_tie: list[str] = []  # tied by the model's declaration only: made to share the twin's tensor
+        is_matched = set(matched)
+        for key in targets:
+            if key in names:
+                continue
+            twin = next((first_with[i] for i in ids[key] if i in first_with), None)
+            declared = (fit.declared_ties if fit is not None else {}).get(key)
+            if twin is None and declared in is_matched and targets[key].shape == targets[declared].shape:
+                twin = declared  # e.g. built by accelerate.init_empty_weights, which unties them
+                to_tie.append(key)
+            if twin is None:
+                self.missing.append(prefix + key)
+            else:
+                tied[key] = twin
+        for key in to_tie:
+            if fit is not None and self._new_home(tied[key], targets[tied[key]], fit) is None:
+                self._assign_later(fit.module, key, targets[tied[key]])
+                fit.materialized.add(key)
+        if saved_names is None:
+            self.unexpected.extend(prefix + k for k in names if k not in targets)
+        else:
+            used = set(names.values())
+            self.unexpected.extend(prefix + tree_key for saved, tree_key in saved_names.items() if saved not in used)
+
+        filled: set[Any] = set()
+        materialized: dict[int, torch.Tensor] = {}
+        for key in matched:
+            tensor = targets[key]
+            saved = names[key]
+            stored = comp.aliases.get(saved, saved)
+            record = comp.tensors[stored]
+            home = self._new_home(key, tensor, fit)
+            if home is not None:
+                if module is None:
+                    raise InvalidStateError(
+                        f"target tensor {prefix + key!r} is on the meta device; pass the module itself"
+                    )
+                value = materialized.get(id(tensor))
+                if value is None:
+                    device, dtype = home
+                    if device.type == "meta":
+                        continue  # the device map keeps it off this process
+                    if isinstance(self.batch, ReadBatch):
+                        self.batch.check(record, stored)  # every chunk against its file, before allocating
+                    new = allocate(tuple(tensor.shape), dtype, device, self.location, stored)
+                    self.batch.fill(record, new, stored)
+                    if isinstance(tensor, torch.nn.Parameter) and tensor.device.type != "meta":
+                        # A real parameter keeps its identity (optimizers, hooks): new data only.
+                        self.post.append(functools.partial(setattr, tensor, "data", new))
+                        value = tensor
+                    elif isinstance(tensor, torch.nn.Parameter):
+                        value = torch.nn.Parameter(new, requires_grad=tensor.requires_grad)
+                    else:
+                        value = new
+                    materialized[id(tensor)] = value
+                for k in [key, *(t for t, twin in tied.items() if twin == key)]:
+                    if fit is not None:
+                        fit.materialized.add(k)
+                    if targets[k] is value:
+                        continue  # the same object, given its new data above
+
+                    def put(m: torch.nn.Module = module, k: str = k, v: torch.Tensor = value) -> None:
+                        if not _assign(m, k, v):
+                            m.load_state_dict({k: v}, strict=False, assign=True)
+
+                    self.post.append(put)
+                continue
+            idents = ids[key]
+            if any(i in filled for i in idents):
+                continue  # tied to a tensor already being filled
+            filled.update(idents)
+            if type(tensor).__name__ == "DTensor":
+                _global_shape, offsets, local = local_chunk(tensor)
+                self.batch.fill(record, local.detach(), stored, offsets)
+            else:
+                self.batch.fill(record, tensor.detach(), stored)
+
+    def dict_into(self, targets: Mapping[str, torch.Tensor], names: Mapping[str, str], comp: ComponentRecord) -> None:
+        """Fill a flat dict of tensors in place from a flat checkpoint (``names``: its keys ->
+        saved tensor names); a dict of which no key at all matches is refused."""
+        if targets and names and not any(k in names for k in targets):
+            raise LoadMismatchError(no_match_message(self.location, "", list(targets), list(names)))
+        self.tensors_into(targets, names, comp, "", None)
+
+    def module_into(self, target: torch.nn.Module, saved: Mapping[str, str], comp: ComponentRecord, path: str) -> None:
+        """Fill a module from a saved state dict (its keys -> saved tensor names): keys
+        renamed by a base-model prefix where that matches more, meta tensors materialized,
+        non-persistent buffers rebuilt, and whatever stays on ``meta`` reported."""
+        prefix = f"{path}/" if path else ""
+        targets = target.state_dict(keep_vars=True)
+        everything = _module_fit.module_tensors(target)
+        fit = _ModuleLoad(
+            target,
+            empty=any(t.device.type == "meta" for t in everything.values()),
+            keep_fp32=_module_fit.keep_fp32_pattern(target, self.dtype),
+            declared_ties=_module_fit.declared_ties(target),
+        )
+        base = getattr(target, "base_model_prefix", None)
+        rename = _module_fit.match_prefix(targets, saved, base if isinstance(base, str) else None)
+        by_target = _module_fit.rename_keys(targets, saved, rename)
+        if targets and saved and not by_target:
+            raise LoadMismatchError(no_match_message(self.location, path, list(targets), list(saved)))
+        if rename is not None:
+            self.prefix_mapping[path] = rename
+        names = {k: saved[s] for k, s in by_target.items()}
+        self.tensors_into(targets, names, comp, prefix, target, fit, {v: k for k, v in saved.items()})
+        self._finish_module(fit, targets, prefix)
+
+    def _finish_module(self, fit: _ModuleLoad, targets: Mapping[str, torch.Tensor], prefix: str) -> None:
+        """Non-persistent buffers of an empty model placed (rebuilt where on ``meta``), and
+        every tensor that will still be on ``meta`` after the load listed."""
+        for key, tensor in targets.items():
+            off = isinstance(tensor, torch.Tensor) and tensor.device.type == "meta" and key not in fit.materialized
+            if off and self.placement(key, tensor)[0].type != "meta":
+                self.meta_left.append(prefix + key)
+        rebuild: dict[str, tuple[torch.nn.Module, list[str]]] = {}
+        for full, owner, name, buffer in _module_fit.non_persistent_buffers(fit.module):
+            device = self.placement(full, buffer)[0] if fit.empty else buffer.device
+            if buffer.device.type == "meta":
+                if device.type != "meta":
+                    owner_path = full.rpartition(".")[0]
+                    rebuild.setdefault(owner_path, (owner, []))[1].append(name)
+            elif device.type != "meta" and device != buffer.device:
+                self._assign_later(fit.module, full, buffer.to(device))
+        for owner_path, (owner, buffer_names) in rebuild.items():
+            values = _module_fit.rebuild_buffers(fit.module, owner_path, owner, buffer_names)
+            rest = [n for n in buffer_names if n not in values]
+            if rest:
+                values.update(_module_fit.rebuild_by_constructor(owner, rest))
+            for name in buffer_names:
+                full = f"{owner_path}.{name}" if owner_path else name
+                if name in values:
+                    self._assign_later(fit.module, full, values[name].to(self.placement(full, values[name])[0]))
+                else:
+                    self.meta_left.append(prefix + full)
+
+    def _assign_later(self, module: torch.nn.Module, key: str, value: torch.Tensor) -> None:
+        self.post.append(lambda: None if _assign(module, key, value) else module.load_state_dict(
+            {key: value}, strict=False, assign=True))
+
+    def node(self, target: Any, node: dict[str, Any], comp: ComponentRecord, path: str,
+             setter: Callable[[Any], None] | None) -> None:
+        kind = node.get("type")
+        inner = node["value"] if kind in WRAPPER_TYPES else node
+        if isinstance(target, torch.nn.Module):
+            if inner.get("type") != "dict":
+                self.mismatched.append((path, (), ()))
+                return
+            names = {str(k): child["name"] for _, k, child in inner["items"] if child.get("type") == "tensor"}
+            self.module_into(target, names, comp, path)
+            return
+        if isinstance(target, torch.optim.Optimizer):
+            if kind != "optimizer":
+                raise LoadMismatchError(f"{self.location}: {path!r} was not saved from an optimizer")
+            by_name = node.get("by_name", False)
+            param_names = self.param_names
+            where = f"{self.location}, {path}"
+
+            def load_optimizer(value: Any, opt: torch.optim.Optimizer = target) -> None:
+                sd = optimizer_state_for(opt, value, param_names, where=where) if by_name else value
+                opt.load_state_dict(sd)
+
+            self.build(comp, node, load_optimizer, path)
+            return
+        if isinstance(target, torch.Tensor):
+            if kind != "tensor":
+                self.mismatched.append((path, (), tuple(target.shape)))
+                return
+            self.tensors_into({"": target}, {"": node["name"]}, comp, path, None)
+            return
+        if isinstance(target, Stateful) and not isinstance(target, Mapping):
+            self.build(comp, node, target.load_state_dict, path)
+            return
+        if isinstance(target, MutableMapping) and inner.get("type") == "dict":
+            saved_keys = set()
+            for _, key, child in inner["items"]:
+                saved_keys.add(key)
+                child_path = f"{path}.{key}" if path else str(key)
+                if key in target:
+                    self.node(target[key], child, comp, child_path, _item_setter(target, key))
+                else:
+                    self.build(comp, child, _item_setter(target, key), child_path)
+            self.missing.extend(f"{path}.{k}" if path else str(k) for k in target if k not in saved_keys)
+            return
+        if isinstance(target, MutableSequence) and inner.get("type") in ("list", "tuple") and len(target) == len(inner["items"]):
+            for i, child in enumerate(inner["items"]):
+                self.node(target[i], child, comp, f"{path}.{i}", _item_setter(target, i))
+            return
+        if setter is None:
+            raise InvalidStateError(
+                f"cannot load {path!r} into a {type(target).__name__}: it is neither a module, "
+                "optimizer, Stateful, tensor nor a mutable container"
+            )
+        self.build(comp, node, setter, path)
+
+
+def _apply_saved(apply: Callable[[Any], None], value: Any, where: str) -> None:
+    """Hand a rebuilt value to its target (``load_state_dict``, a container slot); a target
+    that refuses it (an optimizer given groups of another size, ...) raises LoadMismatchError."""
+    try:
+        apply(value)
+    except CheckpointError:
+        raise
+    except (KeyError, IndexError, ValueError, TypeError, AttributeError, RuntimeError) as exc:
+        raise LoadMismatchError(
+            f"{where}: the target refused the saved state ({type(exc).__name__}: {str(exc)[:200]}); "
+            "the checkpoint was saved from a different object, or it is damaged"
+        ) from exc
