@@ -261,7 +261,7 @@ def plain_write(path: str, state: dict[str, Any], *, durable: bool) -> None:
     (``sync_file_range``) and the file fsynced at the end: what the disk can take durably
     from one stream, not a write to the page cache followed by a flush of all of it.
     """
-    from shardpoint._io.transfer import start_writeback  # the syscall wrapper sp's writes use
+    from shardpoint._io.files import start_writeback  # the syscall wrapper sp's writes use
 
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -286,7 +286,7 @@ requests in flight (fio, 2 GB: 1.7-2.5 GB/s with 1-4 jobs, 2.66 GB/s at best wit
 of 4 requests each)."""
 
 DIRECT_READ_BYTES = 2 << 20
-"""Request size of the O_DIRECT limit: this disk read fastest at 1-2 MiB (see transfer.py)."""
+"""Request size of the O_DIRECT limit: this disk read fastest at 1-2 MiB (see _io/files.py)."""
 
 
 def plain_read(path: str, buffer: Any) -> None:

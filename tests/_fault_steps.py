@@ -30,7 +30,7 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
-from shardpoint._io import transfer as sp_transfer
+from shardpoint._io import files as sp_files
 from shardpoint._storage import posix as sp_posix
 
 FD_CALLS = ("pwrite", "write", "ftruncate", "fsync")
@@ -87,7 +87,7 @@ class FaultSteps:
         if self._real_renameat2 is not None:
             setattr_(sp_posix, "_renameat2", self._renameat2)
         # The C write loop calls pwrite(2) itself; the Python loop goes through ``os``.
-        setattr_(sp_transfer, "_native", None)
+        setattr_(sp_files, "_native", None)
 
     # -------------------------------------------------------------------- helpers
 

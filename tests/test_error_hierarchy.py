@@ -21,7 +21,7 @@ import torch
 
 import shardpoint as sp
 import shardpoint.errors as errors_module
-from shardpoint._io import transfer
+from shardpoint._io import files as io_files
 
 
 def test_every_error_class_is_a_checkpoint_error_and_a_builtin() -> None:
@@ -120,7 +120,7 @@ def test_a_tensor_that_changed_size_during_a_save_is_a_state_changed_error(tmp_p
     """The write of a run of small tensors checks each against the plan's byte count (as if
     another thread resized one after the plan was made)."""
     with (tmp_path / "f").open("wb") as f, pytest.raises(sp.StateChangedError) as caught:
-        transfer._write_small_run(f.fileno(), [("a", torch.ones(2), 8), ("b", torch.ones(3), 8)], 0, 16)
+        io_files.write_small_run(f.fileno(), [("a", torch.ones(2), 8), ("b", torch.ones(3), 8)], 0, 16)
     assert isinstance(caught.value, RuntimeError)
     assert str(caught.value).startswith("tensor 'b' changed size while it was being saved")
 

@@ -203,7 +203,7 @@ def kill_worker(rank: int, world: int, root_str: str, victim: int, where: str) -
     import torch.distributed as dist
 
     import shardpoint._distributed.save as collective
-    from shardpoint._io import transfer
+    from shardpoint._io import files as io_files
 
     root = Path(root_str)
     sp.save(sharded(1), root / "previous")
@@ -227,13 +227,13 @@ def kill_worker(rank: int, world: int, root_str: str, victim: int, where: str) -
 
         collective.write_files = write_after_victim_died  # type: ignore[assignment]
     if rank == victim and where.startswith("write"):
-        real_pwrite = transfer._pwrite_all
+        real_pwrite = io_files._pwrite_all
 
         def pwrite_then_die(fd: int, view: memoryview, offset: int) -> None:
             real_pwrite(fd, view, offset)
             os.kill(os.getpid(), signal.SIGKILL)
 
-        transfer._pwrite_all = pwrite_then_die  # type: ignore[assignment]
+        io_files._pwrite_all = pwrite_then_die  # type: ignore[assignment]
     if rank == victim and where == "commit":
         real_manifest = collective.write_manifest
 

@@ -34,7 +34,7 @@ import torch
 import shardpoint as sp
 from _helper_process import HelperProcess
 from shardpoint import _async as sp_async
-from shardpoint._io import transfer as sp_transfer
+from shardpoint._io import files as sp_files
 from shardpoint._storage.local import marker_name
 
 # ------------------------------------------------------------------------- the training state
@@ -581,7 +581,7 @@ class _DiskFillsUp:
 
     def __init__(self, room: int, delay: float = 0.0) -> None:
         self.room, self.delay = room, delay
-        self.real = sp_transfer._pwrite_all
+        self.real = sp_files._pwrite_all
         self.lock = threading.Lock()
 
     def __call__(self, fd: int, view: memoryview, offset: int) -> None:
@@ -600,7 +600,7 @@ def test_async_error_in_the_middle_of_writing_commits_nothing(
     mgr = sp.CheckpointManager(tmp_path, keep_last=2, async_save=True, **FAST)
     _save_steps(mgr, [1])
     disk = _DiskFillsUp(room=3)
-    monkeypatch.setattr(sp_transfer, "_pwrite_all", disk)
+    monkeypatch.setattr(sp_files, "_pwrite_all", disk)
     model, opt, state = build(SMALL)
     fill(model, opt, state, 2)
     handle = mgr.save(2, state)
@@ -614,7 +614,7 @@ def test_async_error_in_the_middle_of_writing_commits_nothing(
     # The same through a bare async_save whose error nobody looks at, on a disk that takes
     # a while to fail: the next sp.save, called at once, waits for it, raises it, and
     # writes nothing.
-    monkeypatch.setattr(sp_transfer, "_pwrite_all", _DiskFillsUp(room=3, delay=0.3))
+    monkeypatch.setattr(sp_files, "_pwrite_all", _DiskFillsUp(room=3, delay=0.3))
     sp.async_save(state, tmp_path / "bare")
     with pytest.raises(
         sp.CheckpointError,

@@ -19,7 +19,7 @@ import torch
 
 import shardpoint as sp
 from shardpoint import _checksum
-from shardpoint._io import transfer
+from shardpoint._io import files, plan
 from shardpoint.errors import ChecksumMismatchError, CorruptCheckpointError
 
 native = _checksum.NATIVE
@@ -164,7 +164,7 @@ def test_loops_round_trip_and_detect_damage(tmp_path, monkeypatch, use_options, 
         pytest.skip("this CPU has no AVX-512 + VPCLMULQDQ for the mapped copy")
     counting = _CountingNative(native) if native is not None else None
     if counting is not None:
-        monkeypatch.setattr(transfer, "_native", counting)  # counts the extension's calls
+        monkeypatch.setattr(files, "_native", counting)  # counts the extension's calls
     use_options(io=sp.IOOptions(
         native=loops != "python",
         cached_copy=loops == "cached",
@@ -284,7 +284,7 @@ def test_copy_cached_copies_only_what_is_cached_and_the_caller_reads_the_rest(tm
     finally:
         os.close(fd)
     counting = _CountingNative(native)
-    monkeypatch.setattr(transfer, "_native", counting)
+    monkeypatch.setattr(files, "_native", counting)
     assert torch.equal(sp.load(out)["t"], tensor)
     # Partly cached (whole windows up to the evicted range), and the crc still checked.
     assert counting.calls == 1 and 0 < counting.prefixes[0] < tensor.numel() * 4
@@ -300,9 +300,9 @@ def test_copy_cached_copies_only_what_is_cached_and_the_caller_reads_the_rest(tm
 def test_write_segments_end_on_multiples_of_the_segment_in_the_file(monkeypatch, size, segment, expected):
     """Aligned writes let the page cache keep large folios (see IOOptions.segment_bytes)."""
     calls = []
-    monkeypatch.setattr(transfer, "_pwrite_all", lambda fd, chunk, at: calls.append((at, len(chunk))))
+    monkeypatch.setattr(files, "_pwrite_all", lambda fd, chunk, at: calls.append((at, len(chunk))))
     data = memoryview(random.Random(8).randbytes(size))
-    crc = transfer._write_segments(-1, data, 100, segment)
+    crc = files._write_segments(-1, data, 100, segment)
     assert calls == expected
     assert crc == reference.crc32c(bytes(data))
 
@@ -385,7 +385,7 @@ def test_cold_loads_go_past_the_page_cache_and_still_check_every_byte(
     (f,) = out.glob("*.safetensors")
     _direct_fd(f)  # skips where O_DIRECT is refused
     counting = _CountingNative(native)
-    monkeypatch.setattr(transfer, "_native", counting)
+    monkeypatch.setattr(files, "_native", counting)
 
     loaded = sp.load(out)  # just written: in the page cache
     assert torch.equal(loaded["big"], state["big"]) and counting.direct == []
@@ -448,14 +448,14 @@ def test_a_file_system_refusing_direct_reads_is_read_through_the_page_cache(tmp_
     (f,) = out.glob("*.safetensors")
     _evict(f)
     refusing = _CountingNative(native, direct_errno=errno.EINVAL)
-    monkeypatch.setattr(transfer, "PIECE_BYTES", 4 << 20)  # 5 pieces of the one file
-    monkeypatch.setattr(transfer, "_native", refusing)
+    monkeypatch.setattr(plan, "PIECE_BYTES", 4 << 20)  # 5 pieces of the one file
+    monkeypatch.setattr(files, "_native", refusing)
     use_options(io=sp.IOOptions(read_threads=1, direct_reads=True))
     assert torch.equal(sp.load(out)["t"], tensor)
     assert refusing.direct == [0], "refused once, then that file is read as usual"
     # Any other error is the disk's: it is raised, naming the file.
     _evict(f)
-    monkeypatch.setattr(transfer, "_native", _CountingNative(native, direct_errno=errno.EIO))
+    monkeypatch.setattr(files, "_native", _CountingNative(native, direct_errno=errno.EIO))
     with pytest.raises(OSError, match=f.name) as err:
         sp.load(out)
     assert err.value.errno == errno.EIO

@@ -16,8 +16,7 @@ import pytest
 import torch
 
 import shardpoint as sp
-from shardpoint._io import transfer
-from shardpoint._storage import remote
+from shardpoint._io.threads import run_all
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -132,8 +131,8 @@ def test_threads_started_for_a_call_run_under_its_options() -> None:
         threading.Event().wait(0.01)  # let the other threads of the pool take items too
 
     with sp.using(io=sp.IOOptions(read_threads=3), remote=sp.RemoteOptions(retries=0)) as chosen:
-        transfer._run_all(record, list(range(6)), threads=3)
-        remote._run_cancelling(record, list(range(6)), 3, threading.Event())
+        run_all(record, list(range(6)), threads=3)
+        run_all(record, list(range(6)), 3, cancelled=threading.Event())
     assert len(seen) == 12 and all(o == chosen for o in seen), {o.io.read_threads for o in seen}
 
 

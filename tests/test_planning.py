@@ -86,13 +86,13 @@ def test_io_threads_follow_this_process_share_of_the_cpus(
     monkeypatch, use_options, pool, machine, pinned_to, ranks_here, expected
 ):
     import shardpoint as sp
-    from shardpoint._io import transfer
+    from shardpoint._io import threads as io_threads
 
-    threads = transfer.writer_threads if pool == "writer" else transfer.reader_threads
+    threads = io_threads.writer_threads if pool == "writer" else io_threads.reader_threads
     option = "write_threads" if pool == "writer" else "read_threads"
     use_options(io=sp.IOOptions(**{option: 0}))  # 0: follow the CPUs, whatever the environment seeds
-    monkeypatch.setattr(transfer.os, "cpu_count", lambda: machine)
-    monkeypatch.setattr(transfer, "_cpu_count", lambda: pinned_to)
+    monkeypatch.setattr(io_threads.os, "cpu_count", lambda: machine)
+    monkeypatch.setattr(io_threads, "cpu_count", lambda: pinned_to)
     assert threads(ranks_here) == expected
     use_options(io=sp.IOOptions(**{option: 7}))  # the option, when set, wins
     assert threads(ranks_here) == 7

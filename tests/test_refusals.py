@@ -278,7 +278,7 @@ def test_eio_while_reading_a_header_names_the_file() -> None:
 
 
 def test_eio_while_reading_tensor_bytes_names_the_file() -> None:
-    from shardpoint._io.transfer import ReadTask, run_reads
+    from shardpoint._io.reads import ReadTask, run_reads
 
     fd = os.open("/proc/self/mem", os.O_RDONLY)
     dest = torch.empty(16, dtype=torch.uint8)

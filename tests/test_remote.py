@@ -234,11 +234,11 @@ class InjectedError(RuntimeError):
 def test_an_exception_in_the_middle_of_an_upload_leaves_no_object_and_no_manifest(
     url: str, opts: dict[str, Any], fs: Any, monkeypatch: pytest.MonkeyPatch, use_options: Any
 ) -> None:
-    import shardpoint._storage.remote as remote
+    import shardpoint._io.writes as writes
 
     use_options(remote=sp.RemoteOptions(block_bytes=5 * MiB))  # S3's smallest part
     state = {"big": torch.randn(3 * MiB), "small": torch.ones(10)}  # 12 MiB: 3 parts
-    real_crc = remote.crc32c
+    real_crc = writes.crc32c
     calls = [0]
     uploaded_parts = []
 
@@ -249,7 +249,7 @@ def test_an_exception_in_the_middle_of_an_upload_leaves_no_object_and_no_manifes
             raise InjectedError("disk on fire (injected in the middle of the upload)")
         return real_crc(data, value)
 
-    monkeypatch.setattr(remote, "crc32c", failing_crc)
+    monkeypatch.setattr(writes, "crc32c", failing_crc)
     with pytest.raises(InjectedError, match="injected in the middle of the upload"):
         sp.save(state, url, storage_options=opts)
     assert uploaded_parts == [["shardpoint.pending"]]  # mid-upload: only the marker was visible
@@ -261,7 +261,7 @@ def test_an_exception_in_the_middle_of_an_upload_leaves_no_object_and_no_manifes
     with pytest.raises(sp.CheckpointNotFoundError):
         sp.load(url, storage_options=opts)
 
-    monkeypatch.setattr(remote, "crc32c", real_crc)
+    monkeypatch.setattr(writes, "crc32c", real_crc)
     sp.save(state, url, storage_options=opts)  # and the same save then works
     assert tensors_equal(sp.load(url, storage_options=opts), state)
 
@@ -423,14 +423,14 @@ _CHILD = r"""
 import json, os, sys, time
 import torch
 import shardpoint as sp
-import shardpoint._storage.remote as remote
+import shardpoint._io.writes as writes
 
 url, options = sys.argv[1], json.loads(sys.argv[2])
 mgr = sp.CheckpointManager(url, keep_last=3, storage_options=options,
                            options=sp.RemoteOptions(block_bytes=5 * 2**20))  # S3's smallest part
 mgr.save(1, {"model": {"w": torch.full((3 * 2**20,), 1.0)}, "step": 1})
 os.write(1, b"committed 1\n")
-real = remote.crc32c
+real = writes.crc32c
 def stalling(data, value=0):
     if len(data) == 5 * 2**20 and getattr(stalling, "seen", False):
         os.write(1, b"uploading 2\n")  # part 1 of step 2 is on the server now
@@ -438,7 +438,7 @@ def stalling(data, value=0):
         os._exit(3)
     stalling.seen = True
     return real(data, value)
-remote.crc32c = stalling
+writes.crc32c = stalling
 mgr.save(2, {"model": {"w": torch.full((3 * 2**20,), 2.0)}, "step": 2})
 os.write(1, b"committed 2\n")
 """

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 import shardpoint as sp
 from shardpoint._checksum import crc32c
-from shardpoint._io.transfer import SMALL_TENSOR_BYTES, small_runs
+from shardpoint._io.plan import SMALL_TENSOR_BYTES, small_runs
 from shardpoint.errors import ChecksumMismatchError, CorruptCheckpointError
 
 

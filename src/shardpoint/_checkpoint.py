@@ -27,10 +27,11 @@ from ._format.manifest import (
 )
 from ._format.names import check_file_name
 from ._format.safetensors import HeaderEntry, SafetensorsHeader, read_header, read_header_with
-from ._io.transfer import read_error
+from ._io.files import read_error
+from ._io.reads import header_reader
 from ._options import current_options
 from ._storage.paths import member_path, open_regular, read_small_file
-from ._storage.remote import RemoteStore, header_reader
+from ._storage.remote_store import RemoteStore
 from .errors import (
     CheckpointError,
     CorruptCheckpointError,

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ._hub import local_path
-from ._io.transfer import FileWrite, write_files
+from ._io.writes import FileWrite, write_files
 from ._prepare import Component, PreparedState
 from ._sizes import parse_size
 from ._sources.contract import BATCH_BYTES, Ref, SourceSpec, TensorSource, batches, meta_like

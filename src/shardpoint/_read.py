@@ -1,7 +1,7 @@
 """The read batch: reads from one checkpoint, planned into destinations, run together.
 
 :class:`ReadBatch` turns "these bytes of this stored tensor go into that memory" into
-:class:`~shardpoint._io.transfer.ReadTask` s (resharded reads included: ``fill`` reads only
+:class:`~shardpoint._io.plan.ReadTask` s (resharded reads included: ``fill`` reads only
 the stored chunks that overlap the destination) and runs them on the I/O pool. ``load`` and
 ``load_into`` (``_load/``) plan into it; so do the DCP and ``convert`` sources.
 """
@@ -17,11 +17,11 @@ import torch
 from ._checkpoint import Checkpoint
 from ._format.manifest import TensorRecord
 from ._format.safetensors import HeaderEntry
-from ._io.transfer import ReadTask, run_reads
+from ._io.files import LocalFiles
+from ._io.reads import ByteSource, ObjectRanges, ReadTask, run_reads
 from ._load.memory import allocate
 from ._planning.chunks import byte_runs, intersect
 from ._progress import byte_progress
-from ._storage.remote import run_remote_reads
 from .errors import CorruptCheckpointError
 
 
@@ -197,9 +197,13 @@ class ReadBatch:
         total = sum(t.nbytes for t in self.tasks)
         desc = f"loading {os.path.basename(os.path.normpath(self.ckpt.location))}"
         with torch.no_grad(), byte_progress(total, desc, progress) as advance:
+            # The byte source: an object store's ranged GETs (its own thread count,
+            # ``RemoteOptions.threads``), or the local files.
+            source: ByteSource
             if self.ckpt.store is not None:
-                run_remote_reads(self.ckpt.store, self.tasks, advance=advance)
+                source, threads = ObjectRanges(self.ckpt.store), None
             else:
-                run_reads(self.tasks, threads=self.threads, advance=advance, staging_bytes=self.staging_bytes)
+                source, threads = LocalFiles(), self.threads
+            run_reads(self.tasks, source, threads=threads, advance=advance, staging_bytes=self.staging_bytes)
             for dest, temp in self._copies:
                 dest.copy_(temp)

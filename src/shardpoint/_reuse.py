@@ -23,7 +23,7 @@ from ._checksum import crc32c
 from ._format.dtypes import dtype_name
 from ._format.index import index_name
 from ._format.manifest import ComponentRecord, Manifest, TensorRecord
-from ._io.transfer import byte_view, contiguous_cpu
+from ._io.memory import byte_view, contiguous_cpu
 from ._prepare import PreparedState
 from ._source import open_checkpoint
 from ._storage.local import LocalTransaction

@@ -48,7 +48,7 @@ from ._format.manifest import (
     parse_manifest,
 )
 from ._format.names import is_tmp_name
-from ._io.transfer import read_error
+from ._io.files import read_error
 from ._options import current_options
 from ._storage.fsspec_store import FsspecStore
 from ._storage.local_recovery import hidden_sibling_message, missing_path_message, moved_aside

@@ -409,16 +409,8 @@ def _verify_foreign(
         listing = ckpt.listing()
         why = "the index does not list it" if index else "another file was chosen"
         unchecked = unreferenced(found, location, listing, accounted, "safetensors", why)
-    return VerifyReport(
-        path=location,
-        kind=kind,
-        problems=found.flat(files),
-        warnings=found.warnings,
-        files_checked=len(files),
-        tensors_checked=tensors_checked,
-        bytes_checked=0,
-        checksums=False,
-        unchecked=unchecked,
+    return found.report(
+        location, kind, files, tensors_checked=tensors_checked, bytes_checked=0, checksums=False, unchecked=unchecked
     )
 
 

@@ -135,17 +135,9 @@ def verify_pickled(
         accounted = set(files) | ({index} if index else set())
         why = "the index does not list it" if index else "pytorch_model.bin was chosen"
         unchecked = unreferenced(found, location, listing, accounted, "pickle", why)
-    return VerifyReport(
-        path=location,
-        kind=kind,
-        problems=found.flat(files),
-        warnings=found.warnings,
-        files_checked=len(files),
-        tensors_checked=tensors_checked,
-        bytes_checked=bytes_checked,
-        checksums=checksums and not without_crc,
-        unchecked=unchecked,
-        notes=[_pickled_note(checksums)],
+    return found.report(
+        location, kind, files, tensors_checked=tensors_checked, bytes_checked=bytes_checked,
+        checksums=checksums and not without_crc, unchecked=unchecked, notes=[_pickled_note(checksums)],
     )
 
 

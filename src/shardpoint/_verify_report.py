@@ -82,6 +82,32 @@ class Findings:
         ordered = ["", *file_order, *sorted(f for f in self.by_file if f not in file_order and f)]
         return [msg for name in dict.fromkeys(ordered) for msg in self.by_file.get(name, [])]
 
+    def report(
+        self,
+        path: str,
+        kind: str,
+        files: Sequence[str],
+        *,
+        tensors_checked: int,
+        bytes_checked: int,
+        checksums: bool,
+        unchecked: list[str],
+        notes: Sequence[str] = (),
+    ) -> VerifyReport:
+        """The report of a check of ``files`` (every one examined), with what was found."""
+        return VerifyReport(
+            path=path,
+            kind=kind,
+            problems=self.flat(files),
+            warnings=self.warnings,
+            files_checked=len(files),
+            tensors_checked=tensors_checked,
+            bytes_checked=bytes_checked,
+            checksums=checksums,
+            unchecked=unchecked,
+            notes=list(notes),
+        )
+
 
 def unreferenced(
     found: Findings,

@@ -18,7 +18,7 @@ from ._format.index import index_name, render_index
 from ._format.manifest import MANIFEST_NAME, ChunkRef, ComponentRecord, Manifest, TensorRecord
 from ._format.names import check_file_name
 from ._format.safetensors import TensorSpec, plan_file
-from ._io.transfer import FileWrite, write_files
+from ._io.writes import FileWrite, write_files
 from ._planning.shards import plan_shards, shard_file_names
 from ._prepare import PreparedState, hf_sizes
 from ._progress import byte_progress

@@ -72,7 +72,7 @@ def _fingerprint(model: Any, optim_state: Any) -> str:
     from torch.distributed.tensor import DTensor
 
     from .._checksum import crc32c
-    from .._io.transfer import byte_view, contiguous_cpu
+    from .._io.memory import byte_view, contiguous_cpu
 
     def full(t: Any) -> Any:
         return t.full_tensor() if isinstance(t, DTensor) else t

@@ -39,7 +39,8 @@ from .._format.dtypes import NAME_TO_DTYPE, dtype_name
 from .._format.index import index_name, render_index
 from .._format.manifest import ChunkRef, ComponentRecord, TensorRecord
 from .._format.safetensors import TensorSpec, plan_file
-from .._io.transfer import FileWrite, write_files, writer_threads
+from .._io.threads import writer_threads
+from .._io.writes import FileWrite, write_files
 from .._options import current_options
 from .._planning.chunks import ChunkPlan, assign_writers, byte_runs, split_replicated
 from .._planning.shards import plan_shards, shard_file_names
@@ -47,7 +48,7 @@ from .._prepare import PreparedState
 from .._progress import byte_progress
 from .._storage import Transaction, open_transaction
 from .._storage.local import reported
-from .._storage.remote import resolve, write_files_at
+from .._storage.store import resolve, write_files_at
 from .._write import SaveInfo, file_metadata, write_manifest
 from ..errors import InvalidArgumentError
 from .group import Group, local_chunk

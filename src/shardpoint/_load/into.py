@@ -19,7 +19,7 @@ from .._checkpoint import Checkpoint
 from .._distributed.group import Group, resolve_group
 from .._gc import collector_paused
 from .._hub import resolve_hub
-from .._io.transfer import reader_threads
+from .._io.threads import reader_threads
 from .._options import OptionsArg, applied
 from .._read import ReadBatch
 from .._source import OPEN_TRIES, open_checkpoint

@@ -20,7 +20,7 @@ import torch
 
 from .._flatten import flatten_state
 from .._format.dtypes import dtype_name
-from .._io.transfer import contiguous_cpu
+from .._io.memory import contiguous_cpu
 from .._prepare import Component, check_tensor, dedup, split_components
 from .._stateful import find_modules, make_to_state, parameter_names
 from ..errors import InvalidStateError

@@ -14,8 +14,7 @@ from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
 from .._format.manifest import MANIFEST_NAME
-from .._io.transfer import FileWrite
-from .remote import upload_files
+from .._io.writes import FileWrite, upload_files
 from .remote_store import RemoteStore
 from .remote_transaction import RemoteTransaction
 from .transaction import Advance, Crcs

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .._format.names import TMP_MARKER
-from .._io.transfer import FileWrite, write_files
+from .._io.writes import FileWrite, write_files
 from ..errors import CheckpointExistsError
 from .local_recovery import (
     _OLD,
@@ -105,7 +105,7 @@ class LocalTransaction(Transaction):
 
     def _write_files(self, files: Sequence[FileWrite], durable: bool, advance: Advance, write: Writer) -> Crcs:
         """Write the planned data files into the temporary directory (``write`` replaces
-        :func:`~shardpoint._io.transfer.write_files`, as ``convert`` does)."""
+        :func:`~shardpoint._io.writes.write_files`, as ``convert`` does)."""
         with reported(self.final, "writing its data files"):
             return (write or write_files)(self.directory, files, durable=durable, advance=advance)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .._format.manifest import MANIFEST_NAME
 from .._format.names import TMP_MARKER, is_tmp_name
-from .._io.transfer import FileWrite
+from .._io.writes import FileWrite
 from ..errors import StorageError
 from .local import LocalTransaction
 from .local_recovery import moved_aside, recover, recover_all

@@ -13,7 +13,7 @@ import fcntl
 import os
 from collections.abc import Callable, Iterator
 
-from .._io.transfer import naming
+from .._io.files import naming
 from ..errors import CheckpointError, StorageError
 
 _AT_FDCWD = -100

@@ -24,9 +24,8 @@ from collections.abc import Sequence
 from contextlib import suppress
 
 from .._format.manifest import MANIFEST_NAME, PENDING_NAME
-from .._io.transfer import FileWrite
+from .._io.writes import FileWrite, UploadAbortedError, upload_files
 from ..errors import CheckpointExistsError, InvalidArgumentError, StorageError
-from .remote import UploadAbortedError, upload_files
 from .remote_store import PENDING_TEXT, RemoteStore
 from .transaction import Advance, Crcs, Transaction, Writer
 

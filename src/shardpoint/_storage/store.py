@@ -18,7 +18,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol
 
-from .._io.transfer import FileWrite
+from .._io.writes import FileWrite
 from ..errors import InvalidArgumentError, InvalidArgumentTypeError, MissingDependencyError
 from .fsspec_store import FsspecStore
 from .local_store import LocalStore

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .._io.transfer import FileWrite
+from .._io.writes import FileWrite
 
 Crcs = dict[tuple[str, str], int]
 """(file, key) -> crc32c of the stored bytes."""
