@@ -58,6 +58,7 @@ from _common import (
     read_direct,
     refresh_free_memory,
     remove,
+    start_writeback,
     write_direct,
 )
 
@@ -261,8 +262,6 @@ def plain_write(path: str, state: dict[str, Any], *, durable: bool) -> None:
     (``sync_file_range``) and the file fsynced at the end: what the disk can take durably
     from one stream, not a write to the page cache followed by a flush of all of it.
     """
-    from shardpoint._io.files import start_writeback  # the syscall wrapper sp's writes use
-
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         written = flushed = 0
