@@ -13,6 +13,7 @@ import multiprocessing
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -253,44 +254,19 @@ def select_components(source: TensorSource, names: Sequence[str] | None) -> None
     )
 
 
-def run_convert(
-    src: str | os.PathLike[str],
-    dst: str | os.PathLike[str],
-    *,
-    max_shard_size: int | str = "5GB",
-    dtype: str | torch.dtype | None = None,
-    trust_pickle: bool = False,
-    overwrite: bool = False,
-    progress: bool | None = None,
-    workers: int = 1,
-    cache_dir: str | os.PathLike[str] | None = None,
-    components: Sequence[str] | None = None,
-) -> tuple[SaveInfo, TensorSource]:
-    """``convert``, also returning the (closed) source: its kind and notes, for the CLI."""
-    src = local_path(src, cache_dir)
-    max_bytes = parse_size(max_shard_size)
-    want = parse_dtype(dtype)
-    if workers < 1:
-        raise InvalidArgumentError(f"convert: workers must be at least 1, not {workers}")
-    if isinstance(components, str):
-        components = [components]
-    source = open_source(src, trust_pickle=trust_pickle)
+_opened: ContextVar[list[TensorSource] | None] = ContextVar("shardpoint_convert_opened", default=None)
+"""Inside :func:`run_convert`: where :func:`convert` leaves the source it opened."""
+
+
+def run_convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], **kwargs: Any) -> tuple[SaveInfo, TensorSource]:
+    """:func:`convert`, also returning the (closed) source: its kind and notes, for the CLI."""
+    opened: list[TensorSource] = []
+    token = _opened.set(opened)
     try:
-        select_components(source, components)
-        prepared, refs = output_state(source, want)
-        info = write_checkpoint(
-            prepared,
-            dst,
-            max_shard_bytes=max_bytes,
-            overwrite=overwrite,
-            metadata=json_metadata(source.metadata),
-            durable=True,
-            progress=progress,
-            write=_StreamingWrite(source, refs, want, workers),
-        )
+        info = convert(src, dst, **kwargs)
     finally:
-        source.close()
-    return info, source
+        _opened.reset(token)
+    return info, opened[0]
 
 
 def convert(
@@ -370,16 +346,30 @@ def convert(
         >>> sp.load(os.path.join(d, "out"))["w"].dtype
         torch.bfloat16
     """
-    info, _ = run_convert(
-        src,
-        dst,
-        max_shard_size=max_shard_size,
-        dtype=dtype,
-        trust_pickle=trust_pickle,
-        overwrite=overwrite,
-        progress=progress,
-        workers=workers,
-        cache_dir=cache_dir,
-        components=components,
-    )
+    src = local_path(src, cache_dir)
+    max_bytes = parse_size(max_shard_size)
+    want = parse_dtype(dtype)
+    if workers < 1:
+        raise InvalidArgumentError(f"convert: workers must be at least 1, not {workers}")
+    if isinstance(components, str):
+        components = [components]
+    source = open_source(src, trust_pickle=trust_pickle)
+    opened = _opened.get()
+    if opened is not None:
+        opened.append(source)
+    try:
+        select_components(source, components)
+        prepared, refs = output_state(source, want)
+        info = write_checkpoint(
+            prepared,
+            dst,
+            max_shard_bytes=max_bytes,
+            overwrite=overwrite,
+            metadata=json_metadata(source.metadata),
+            durable=True,
+            progress=progress,
+            produce=_StreamingWrite(source, refs, want, workers),
+        )
+    finally:
+        source.close()
     return info
