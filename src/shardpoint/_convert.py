@@ -1,9 +1,9 @@
 """convert: any checkpoint we can read -> an HF-layout shardpoint checkpoint, streaming.
 
 Orchestration only: open the source (``_stream_source``), describe the output as meta
-tensors (output dtype and shape), and hand it to the normal writer (``write_checkpoint``:
-shard planning, indexes, manifest, atomic commit) with a ``write`` step that produces each
-file's tensors a batch at a time from the source. Peak memory is about one batch
+tensors (output dtype and shape), and hand it to the one writer (``write_checkpoint``:
+shard planning, indexes, manifest, atomic commit) with a producer (``produce=``) that
+writes each planned file's tensors a batch at a time from the source. Peak memory is about one batch
 (``BATCH_BYTES``, or one tensor when larger), never the model.
 """
 
@@ -141,7 +141,8 @@ def _worker_write(
 
 
 class _StreamingWrite:
-    """Stands in for ``write_files``: the planned files' tensors come from the source."""
+    """The producer convert gives the writer: it writes the planned files (their tensors
+    ``meta`` descriptors) with the tensors read from the source."""
 
     def __init__(
         self, source: TensorSource, refs: dict[int, Ref], dtype: torch.dtype | None, workers: int

@@ -25,7 +25,7 @@ from ._distributed import save as steps
 from ._distributed.group import Group
 from ._format.manifest import MANIFEST_NAME, ComponentRecord
 from ._format.names import check_file_name
-from ._io.transfer import FileWrite, write_files, writer_threads
+from ._io.transfer import FileWrite, writer_threads
 from ._options import current_options
 from ._planning.chunks import ChunkPlan
 from ._prepare import PreparedState
@@ -82,7 +82,7 @@ class _Assignment(NamedTuple):
     """Ranks on this rank's machine (same host name): they share its CPUs for writing."""
 
 
-_Written = tuple[list[tuple[str, str, Any]], dict[str, int], list[tuple[str, str, int, int, int]]]
+_RankReport = tuple[list[tuple[str, str, Any]], dict[str, int], list[tuple[str, str, int, int, int]]]
 """A rank's report after writing: chunked (chunk refs, files and sizes), or hf runs."""
 
 
@@ -186,9 +186,9 @@ def write_checkpoint(
         file_meta = file_metadata(job.save_id)
         threads = writer_threads(job.ranks_here)
         segment = current_options().collective.segment_bytes
-        local = produce or functools.partial(write_files, threads=threads, segment=segment)
+        local = produce or steps.local_writer(threads, segment)
 
-        def write() -> tuple[None, _Written]:
+        def write() -> tuple[None, _RankReport]:
             nbytes = sum(p.nbytes for p in job.to_write)
             what = f"saving rank {group.rank}" if group.distributed else f"saving {os.path.basename(os.fspath(path))}"
             with reported(path, "writing its data files"), byte_progress(nbytes, what, progress) as advance:
@@ -209,7 +209,7 @@ def write_checkpoint(
                                            write=write_whole)
                 return None, ([], {}, runs)
 
-        def commit(reports: list[_Written]) -> list[dict[str, int]]:
+        def commit(reports: list[_RankReport]) -> list[dict[str, int]]:
             """The coordinator, once every rank has written: extras, indexes, the manifest, commit."""
             assert txn is not None
             records = steps.chunked_records if hf_files is None else functools.partial(steps.hf_records, hf_files=hf_files)

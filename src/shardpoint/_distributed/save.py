@@ -26,6 +26,7 @@ final prefix, the coordinator uploads the manifest last).
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -142,6 +143,12 @@ def _rank_file_bytes(total: int, max_shard_bytes: int, threads: int) -> int:
     if threads <= 1 or total <= SPLIT_FLOOR_BYTES:
         return max_shard_bytes
     return min(max_shard_bytes, max(SPLIT_FLOOR_BYTES, math.ceil(total / threads)))
+
+
+def local_writer(threads: int, segment: int) -> Callable[..., dict[tuple[str, str], int]]:
+    """How a rank of a collective save writes whole files into a local directory: its share
+    of the machine's writer threads, the collective segment size."""
+    return functools.partial(write_files, threads=threads, segment=segment)
 
 
 Write = Callable[[Sequence[FileWrite]], dict[tuple[str, str], int]]
