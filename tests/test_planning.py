@@ -208,3 +208,25 @@ def test_the_chunked_file_plan_of_a_rank_is_exactly_this():
         b"P\x00\x00\x00\x00\x00\x00\x00"
         b'{"__metadata__":{},"big":{"dtype":"F32","shape":[10],"data_offsets":[0,40]}}    '
     )
+
+
+def test_a_file_one_rank_holds_whole_is_its_own_and_the_rest_are_shared():
+    from shardpoint._distributed.save import HfFiles, _tensor_order
+    from shardpoint._planning.files import PlannedFile
+
+    whole = ChunkPlan("model", "a", "F32", (4,), (0,), (4,), 16)
+    top = ChunkPlan("model", "b", "F32", (4,), (0,), (2,), 8)
+    bottom = ChunkPlan("model", "b", "F32", (4,), (2,), (2,), 8)
+    f1 = PlannedFile("model-00001-of-00002.safetensors", b"h1", 100, {"a": 84})
+    f2 = PlannedFile("model-00002-of-00002.safetensors", b"h2", 90, {"b": 74})
+    plan = HfFiles([("model", f1), ("model", f2)], {("model", "a"): (f1.name, 84), ("model", "b"): (f2.name, 74)},
+                   {}, _tensor_order([[whole, top], [bottom]]))
+    rank0, rank1 = plan.parts([[top], [whole, bottom]])
+    assert rank0.whole == [] and rank0.placement == {("model", "b"): (f2.name, 74)}
+    assert rank0.shared == {f2.name: (b"h2", 90)}  # the coordinator writes the shared header
+    assert rank1.whole == [("model", f1)]  # header and all
+    assert rank1.placement == {("model", "b"): (f2.name, 74)}
+    assert rank1.shared == {f2.name: (b"", 90)}
+    # One process holding whole tensors writes every file itself.
+    (alone,) = plan.parts([[whole, ChunkPlan("model", "b", "F32", (4,), (0,), (4,), 16)]])
+    assert alone.whole == [("model", f1), ("model", f2)] and alone.placement == {} and alone.shared == {}

@@ -8,7 +8,6 @@ holds the one place that opens, writes into and commits the storage transaction.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import socket
@@ -82,8 +81,9 @@ class _Assignment(NamedTuple):
     """Ranks on this rank's machine (same host name): they share its CPUs for writing."""
 
 
-_RankReport = tuple[list[tuple[str, str, Any]], dict[str, int], list[tuple[str, str, int, int, int]]]
-"""A rank's report after writing: chunked (chunk refs, files and sizes), or hf runs."""
+_RankReport = tuple[Any, Any]
+"""A rank's report after writing: ``chunked``, (chunk refs, its files and sizes); ``hf``,
+(crc32c of each (file, tensor) of the files it wrote whole, the runs it wrote in shared ones)."""
 
 
 class Written(NamedTuple):
@@ -203,17 +203,19 @@ def write_checkpoint(
                     pieces = steps.pieces(job.to_write, mine, local_tensors)
                     refs, files = steps._write_chunked(job.to_write, pieces, group.rank, max_shard_bytes,
                                                        file_meta, threads, write_whole)
-                    return None, (refs, files, [])
-                runs = steps.write_hf_part(job.to_write, local_tensors, job.hf_part, job.directory,
+                    return None, (refs, files)
+                return None, steps.write_hf_part(job.to_write, local_tensors, job.hf_part, job.directory,
                                            durable=durable, advance=advance, threads=threads, segment=segment,
                                            write=write_whole)
-                return None, ([], {}, runs)
 
         def commit(reports: list[_RankReport]) -> list[dict[str, int]]:
             """The coordinator, once every rank has written: extras, indexes, the manifest, commit."""
             assert txn is not None
-            records = steps.chunked_records if hf_files is None else functools.partial(steps.hf_records, hf_files=hf_files)
-            written = Written(job.save_id, layout, group.world_size, *records(prepared, all_plans, reports))
+            if hf_files is None:
+                records = steps.chunked_records(prepared, all_plans, reports)
+            else:
+                records = steps.hf_records(prepared, reports, hf_files)
+            written = Written(job.save_id, layout, group.world_size, *records)
             commit_written(txn, prepared, written, metadata=metadata, durable=durable, extras=extras)
             return [written.files] * group.world_size
 

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .._checksum import combine_runs
-from .._format.dtypes import NAME_TO_DTYPE, dtype_name
+from .._format.dtypes import DTYPE_TO_NAME, NAME_TO_DTYPE, dtype_name
 from .._format.index import index_name
 from .._format.manifest import MANIFEST_NAME, ChunkRef, ComponentRecord, Manifest, TensorRecord
 from .._format.safetensors import TensorSpec
@@ -51,20 +51,24 @@ def _plan_local(prepared: PreparedState) -> tuple[list[ChunkPlan], dict[tuple[st
     """The chunks this rank holds, and each one's local tensor."""
     chunks = []
     local_tensors = {}
+    names = DTYPE_TO_NAME
     for comp in prepared.components:
         for name in comp.stored:
             tensor = comp.tensors[name]
+            dtype = names.get(tensor.dtype) or dtype_name(tensor.dtype, key=name)
             if name in comp.placements:
                 (global_shape, offsets), local = comp.placements[name], tensor
+                shape = tuple(local.shape)
+            elif type(tensor).__name__ != "DTensor":  # a plain tensor: one whole chunk (most states)
+                local = tensor
+                global_shape = shape = tuple(tensor.shape)
+                offsets = (0,) * len(shape)
             else:
                 global_shape, offsets, local = local_chunk(tensor, name)
+                shape = tuple(local.shape)
             if local.requires_grad:
                 local = local.detach()
-            nbytes = local.numel() * local.element_size()
-            chunks.append(
-                ChunkPlan(comp.name, name, dtype_name(tensor.dtype, key=name), global_shape, offsets,
-                          tuple(local.shape), nbytes)
-            )
+            chunks.append(ChunkPlan(comp.name, name, dtype, global_shape, offsets, shape, local.nbytes))
             local_tensors[(comp.name, name)] = local
     return chunks, local_tensors
 
@@ -191,13 +195,13 @@ def _write_chunked(
 def chunked_records(
     prepared: PreparedState,
     all_plans: Sequence[Sequence[ChunkPlan]],
-    reports: Sequence[tuple[list[tuple[str, str, ChunkRef]], dict[str, int], list[Any]]],
+    reports: Sequence[tuple[list[tuple[str, str, ChunkRef]], dict[str, int]]],
 ) -> tuple[dict[str, ComponentRecord], dict[str, int], dict[str, bytes]]:
     """The manifest's records, files and (no) indexes of a ``chunked`` save."""
     order = _tensor_order(all_plans)
     chunks: dict[tuple[str, str], list[ChunkRef]] = {}
     files: dict[str, int] = {}
-    for refs, rank_files, _ in reports:
+    for refs, rank_files in reports:
         files.update(rank_files)
         for component, name, ref in refs:
             chunks.setdefault((component, name), []).append(ref)
@@ -235,11 +239,15 @@ class HfFiles(NamedTuple):
     """(component, name) -> (file, the tensor's first byte there)."""
     indexes: dict[str, bytes]
     """Index file name -> its bytes (components of several files)."""
+    order: dict[str, dict[str, ChunkPlan]]
+    """component -> name -> a chunk of it, in the order the tensors are saved."""
 
     def parts(self, writes: Sequence[Sequence[ChunkPlan]]) -> list[HfPart]:
         """Each rank's share, given the chunks each writes: a file whose every tensor one
         rank writes whole is that rank's alone; the coordinator writes the headers of the
         others."""
+        if len(writes) == 1 and all(p.shape == p.global_shape for p in writes[0]):
+            return [HfPart(list(self.files), {}, {})]  # one process holding whole tensors
         writer: dict[str, int | None] = {}
         for rank, plans in enumerate(writes):
             for p in plans:
@@ -261,6 +269,12 @@ class HfFiles(NamedTuple):
         return out
 
 
+def _global_bytes(plan: ChunkPlan) -> int:
+    if plan.shape == plan.global_shape:
+        return plan.nbytes
+    return math.prod(plan.global_shape) * NAME_TO_DTYPE[plan.dtype].itemsize
+
+
 def plan_hf(
     prepared: PreparedState, all_plans: Sequence[Sequence[ChunkPlan]], max_shard_bytes: int, file_meta: dict[str, str]
 ) -> HfFiles:
@@ -268,27 +282,31 @@ def plan_hf(
     by the bytes ``transformers`` counts for the coordinator's own tensors (a view counts its
     storage, views of one storage share a file) and by their own bytes for the rest."""
     own = {comp.name: comp for comp in prepared.components}
+    order = _tensor_order(all_plans)
     files: list[tuple[str, PlannedFile]] = []
     placement: dict[tuple[str, str], tuple[str, int]] = {}
     indexes: dict[str, bytes] = {}
-    for component, plans in _tensor_order(all_plans).items():
-        specs = {n: TensorSpec(n, p.dtype, p.global_shape, math.prod(p.global_shape) * NAME_TO_DTYPE[p.dtype].itemsize)
-                 for n, p in plans.items()}
+    for component, plans in order.items():
+        specs = {n: TensorSpec(n, p.dtype, p.global_shape, _global_bytes(p)) for n, p in plans.items()}
         comp = own.get(component)
         sizes, storage = hf_sizes(comp) if comp is not None else ([], {})
-        counted = dict(sizes)
-        sizes = [(n, counted.get(n, spec.nbytes)) for n, spec in specs.items()]
+        if len(sizes) != len(specs):  # the coordinator holds only some of them (else the same names, in order)
+            counted = dict(sizes)
+            sizes = [(n, counted.get(n, spec.nbytes)) for n, spec in specs.items()]
         planned = plan_hf_files(component, specs, max_shard_bytes, file_meta, sizes=sizes, storage=storage)
         for f in planned:
             files.append((component, f))
             placement.update({(component, n): (f.name, off) for n, off in f.offsets.items()})
-        total = sum(spec.nbytes for spec in specs.values())
-        elements = sum(math.prod(p.global_shape) for p in plans.values())
-        params = elements if comp is None or comp.parameters is None else comp.parameters
-        index = hf_index(planned, total, params)
-        if index is not None:
-            indexes[index_name(component)] = index
-    return HfFiles(files, placement, indexes)
+        if len(planned) > 1:
+            total = sum(spec.nbytes for spec in specs.values())
+            params = comp.parameters if comp is not None and comp.parameters is not None else \
+                sum(math.prod(p.global_shape) for p in plans.values())
+            indexes[index_name(component)] = hf_index(planned, total, params) or b""
+    return HfFiles(files, placement, indexes, order)
+
+
+_Runs = list[tuple[str, str, int, int, int]]
+"""(component, name, byte start within the tensor, crc32c, length) of each run written."""
 
 
 def write_hf_part(
@@ -302,22 +320,19 @@ def write_hf_part(
     threads: int,
     segment: int,
     write: Write,
-) -> list[tuple[str, str, int, int, int]]:
-    """Write this rank's share of the HF files; return (component, name, byte start within
-    the tensor, crc32c, length) for every contiguous run written (a whole tensor is one)."""
-    out: list[tuple[str, str, int, int, int]] = []
+) -> tuple[dict[tuple[str, str], int], _Runs]:
+    """Write this rank's share of the HF files; return the crc32c of each (file, tensor) of
+    the files it wrote whole, and the runs it wrote into shared ones (a dim-0 shard is one
+    run; other shards one per contiguous range)."""
+    whole: dict[tuple[str, str], int] = {}
     if part.whole:
         writes = []
         for component, f in part.whole:
             tensors = tuple((n, local_tensors[(component, n)], off) for n, off in f.offsets.items())
             writes.append(FileWrite(f.name, f.header, f.size, tensors))
-        crcs = write(writes)
-        for component, f in part.whole:
-            for n in f.offsets:
-                t = local_tensors[(component, n)]
-                out.append((component, n, 0, crcs[(f.name, n)], t.numel() * t.element_size()))
+        whole = write(writes)
     if not part.shared:
-        return out
+        return whole, []
     items: dict[str, list[tuple[str, torch.Tensor, int]]] = {}
     runs_of: dict[str, tuple[str, str, int, int]] = {}
     for plan in to_write:
@@ -342,34 +357,31 @@ def write_hf_part(
     ]
     crcs = write_files(directory, writes, durable=durable, advance=advance, shared=True, threads=threads,
                        segment=segment)
-    out.extend((*runs_of[key][:3], crc, runs_of[key][3]) for (_, key), crc in crcs.items())
-    return out
+    return whole, [(*runs_of[key][:3], crc, runs_of[key][3]) for (_, key), crc in crcs.items()]
 
 
 def hf_records(
     prepared: PreparedState,
-    all_plans: Sequence[Sequence[ChunkPlan]],
-    reports: Sequence[tuple[list[Any], dict[str, int], list[tuple[str, str, int, int, int]]]],
+    reports: Sequence[tuple[dict[tuple[str, str], int], _Runs]],
     hf_files: HfFiles,
 ) -> tuple[dict[str, ComponentRecord], dict[str, int], dict[str, bytes]]:
     """The manifest's records, files and indexes of an ``hf`` save."""
+    whole: dict[tuple[str, str], int] = {}
     runs: dict[tuple[str, str], list[tuple[int, int, int]]] = {}
-    for _, _, rank_runs in reports:
-        for component, name, start, crc, length in rank_runs:
-            runs.setdefault((component, name), []).append((start, crc, length))
-    order = _tensor_order(all_plans)
+    for rank_whole, rank_runs in reports:
+        whole.update(rank_whole)
+        for component, name, start, run_crc, length in rank_runs:
+            runs.setdefault((component, name), []).append((start, run_crc, length))
     records = {}
+    placement = hf_files.placement
     for comp in prepared.components:
         tensors = {}
-        for name, plan in order.get(comp.name, {}).items():
+        for name, plan in hf_files.order.get(comp.name, {}).items():
             shape = plan.global_shape
-            nbytes = math.prod(shape) * NAME_TO_DTYPE[plan.dtype].itemsize
-            written = runs.get((comp.name, name), [])
-            if len(written) == 1 and written[0][0] == 0 and written[0][2] == nbytes:
-                crc = written[0][1]  # written whole
-            else:
-                crc = combine_runs(written, nbytes, where=f"{comp.name}/{name}")
-            fname = hf_files.placement[(comp.name, name)][0]
+            fname = placement[(comp.name, name)][0]
+            crc = whole.get((fname, name))
+            if crc is None:
+                crc = combine_runs(runs.get((comp.name, name), []), _global_bytes(plan), where=f"{comp.name}/{name}")
             tensors[name] = TensorRecord(plan.dtype, shape, (ChunkRef(fname, name, (0,) * len(shape), shape, crc),))
         records[comp.name] = ComponentRecord(comp.tree, tensors, dict(comp.aliases))
     files = {f.name: f.size for _, f in hf_files.files}
