@@ -24,8 +24,7 @@ from ._distributed import save as steps
 from ._distributed.group import Group
 from ._format.manifest import MANIFEST_NAME, ComponentRecord
 from ._format.names import check_file_name
-from ._io.transfer import FileWrite, writer_threads
-from ._options import current_options
+from ._io.transfer import FileWrite
 from ._planning.chunks import ChunkPlan
 from ._prepare import PreparedState
 from ._progress import byte_progress
@@ -184,8 +183,7 @@ def write_checkpoint(
             "planning the save", plan, assign, deciding="creating the checkpoint directory"
         )
         file_meta = file_metadata(job.save_id)
-        threads = writer_threads(job.ranks_here)
-        segment = current_options().collective.segment_bytes
+        threads, segment = steps.io_share(job.ranks_here)
         local = produce or steps.local_writer(threads, segment)
 
         def write() -> tuple[None, _RankReport]:

@@ -38,7 +38,8 @@ from .._format.dtypes import DTYPE_TO_NAME, NAME_TO_DTYPE, dtype_name
 from .._format.index import index_name
 from .._format.manifest import MANIFEST_NAME, ChunkRef, ComponentRecord, Manifest, TensorRecord
 from .._format.safetensors import TensorSpec
-from .._io.transfer import FileWrite, write_files
+from .._io.transfer import FileWrite, write_files, writer_threads
+from .._options import current_options
 from .._planning.chunks import ChunkPlan, assign_writers, byte_runs, split_replicated
 from .._planning.files import PlannedFile, hf_index, plan_hf_files, plan_rank_files
 from .._prepare import PreparedState, hf_sizes
@@ -147,6 +148,12 @@ def _rank_file_bytes(total: int, max_shard_bytes: int, threads: int) -> int:
     if threads <= 1 or total <= SPLIT_FLOOR_BYTES:
         return max_shard_bytes
     return min(max_shard_bytes, max(SPLIT_FLOOR_BYTES, math.ceil(total / threads)))
+
+
+def io_share(ranks_here: int) -> tuple[int, int]:
+    """(writer threads, bytes per write) of a rank: its share of the machine's CPUs (the
+    ranks on one host divide them), and the collective segment size."""
+    return writer_threads(ranks_here), current_options().collective.segment_bytes
 
 
 def local_writer(threads: int, segment: int) -> Callable[..., dict[tuple[str, str], int]]:
