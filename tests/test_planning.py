@@ -126,9 +126,12 @@ def test_chunked_rank_files_follow_the_writer_threads(tmp_path, monkeypatch):
         ChunkPlan("model", n, "F32", (512,), (0,), (512,), 2048) for n in tensors
     ]
     local = {("model", n): t for n, t in tensors.items()}
-    refs, files = save._write_chunked(
-        plans, local, str(tmp_path), 3, 5 << 30, {}, False, None, None, threads=2, segment=256 << 10
-    )
+    from shardpoint._io.writes import write_files
+
+    def write(planned):
+        return write_files(str(tmp_path), planned, durable=False, threads=2, segment=256 << 10)
+
+    refs, files = save._write_chunked(plans, local, 3, 5 << 30, {}, 2, write)
     assert sorted(files) == ["model-r00003-00001.safetensors", "model-r00003-00002.safetensors"]
     read = {}
     for name in files:
@@ -137,3 +140,93 @@ def test_chunked_rank_files_follow_the_writer_threads(tmp_path, monkeypatch):
     for n, t in tensors.items():
         assert torch.equal(read[n], t)
     assert {ref.file for _c, _n, ref in refs} == set(files)
+
+
+# ------------------------------------------------------------------ the file plan (pure)
+
+
+def _specs() -> dict:
+    from shardpoint._format.safetensors import TensorSpec
+
+    return {
+        "a": TensorSpec("a", "F32", (2,), 8),
+        "b": TensorSpec("b", "BF16", (2, 3), 12),
+        "big": TensorSpec("big", "F32", (10,), 40),
+    }
+
+
+def test_the_hf_file_plan_of_a_small_state_is_exactly_this():
+    from shardpoint._planning.files import hf_index, plan_hf_files
+
+    files = plan_hf_files("model", _specs(), 24, {"format": "pt"})
+    assert [(f.name, f.size, f.offsets) for f in files] == [
+        ("model-00001-of-00002.safetensors", 144, {"big": 104}),  # oversized: alone, first
+        ("model-00002-of-00002.safetensors", 172, {"a": 152, "b": 160}),
+    ]
+    assert files[0].header == (
+        b"`\x00\x00\x00\x00\x00\x00\x00"
+        b'{"__metadata__":{"format":"pt"},"big":{"dtype":"F32","shape":[10],"data_offsets":[0,40]}}       '
+    )
+    assert files[1].header == (
+        b"\x90\x00\x00\x00\x00\x00\x00\x00"
+        b'{"__metadata__":{"format":"pt"},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},'
+        b'"b":{"dtype":"BF16","shape":[2,3],"data_offsets":[8,20]}}  '
+    )
+    assert hf_index(files, 60, 15) == (
+        b'{\n  "metadata": {\n    "total_parameters": 15,\n    "total_size": 60\n  },\n  "weight_map": {\n'
+        b'    "a": "model-00002-of-00002.safetensors",\n    "b": "model-00002-of-00002.safetensors",\n'
+        b'    "big": "model-00001-of-00002.safetensors"\n  }\n}\n'
+    )
+    one = plan_hf_files("optim", _specs(), 1 << 30, {})
+    assert [(f.name, f.size, f.offsets) for f in one] == [
+        ("optim.safetensors", 260, {"a": 200, "b": 208, "big": 220})
+    ]
+    assert hf_index(one, 60, 15) is None
+
+
+def test_the_hf_file_plan_counts_the_sizes_and_storages_it_is_given():
+    from shardpoint._planning.files import plan_hf_files
+
+    # 'a' counted as its whole storage (36 bytes) and shared with 'b': both in one file.
+    files = plan_hf_files("model", _specs(), 40, {}, sizes=[("a", 36), ("b", 12), ("big", 40)],
+                          storage={"a": 1, "b": 1})
+    assert [(f.name, list(f.offsets)) for f in files] == [
+        ("model-00001-of-00002.safetensors", ["a", "b"]),
+        ("model-00002-of-00002.safetensors", ["big"]),
+    ]
+
+
+def test_the_chunked_file_plan_of_a_rank_is_exactly_this():
+    from shardpoint._planning.files import plan_rank_files
+
+    files = plan_rank_files("model", 2, list(_specs().values()), 24, {})
+    assert [(f.name, f.size, f.offsets) for f in files] == [
+        ("model-r00002-00001.safetensors", 128, {"big": 88}),
+        ("model-r00002-00002.safetensors", 164, {"a": 144, "b": 152}),
+    ]
+    assert files[0].header == (
+        b"P\x00\x00\x00\x00\x00\x00\x00"
+        b'{"__metadata__":{},"big":{"dtype":"F32","shape":[10],"data_offsets":[0,40]}}    '
+    )
+
+
+def test_a_file_one_rank_holds_whole_is_its_own_and_the_rest_are_shared():
+    from shardpoint._distributed.save import HfFiles, _tensor_order
+    from shardpoint._planning.files import PlannedFile
+
+    whole = ChunkPlan("model", "a", "F32", (4,), (0,), (4,), 16)
+    top = ChunkPlan("model", "b", "F32", (4,), (0,), (2,), 8)
+    bottom = ChunkPlan("model", "b", "F32", (4,), (2,), (2,), 8)
+    f1 = PlannedFile("model-00001-of-00002.safetensors", b"h1", 100, {"a": 84})
+    f2 = PlannedFile("model-00002-of-00002.safetensors", b"h2", 90, {"b": 74})
+    plan = HfFiles([("model", f1), ("model", f2)], {("model", "a"): (f1.name, 84), ("model", "b"): (f2.name, 74)},
+                   {}, _tensor_order([[whole, top], [bottom]]))
+    rank0, rank1 = plan.parts([[top], [whole, bottom]])
+    assert rank0.whole == [] and rank0.placement == {("model", "b"): (f2.name, 74)}
+    assert rank0.shared == {f2.name: (b"h2", 90)}  # the coordinator writes the shared header
+    assert rank1.whole == [("model", f1)]  # header and all
+    assert rank1.placement == {("model", "b"): (f2.name, 74)}
+    assert rank1.shared == {f2.name: (b"", 90)}
+    # One process holding whole tensors writes every file itself.
+    (alone,) = plan.parts([[whole, ChunkPlan("model", "b", "F32", (4,), (0,), (4,), 16)]])
+    assert alone.whole == [("model", f1), ("model", f2)] and alone.placement == {} and alone.shared == {}

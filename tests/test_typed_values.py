@@ -168,6 +168,11 @@ def _forge(tmp_path, node: dict[str, Any]) -> pathlib.Path:
     ("node", "message"),
     [
         ({"type": "path", "class": "os:system", "value": "x"}, "path node needs a 'class'"),
+        # JSON lists / objects where a class name belongs: refused, never a TypeError
+        # ("unhashable type") from looking them up.
+        ({"type": "path", "class": ["Path"], "value": "out"}, "path node needs a 'class'"),
+        ({"type": "datetime", "class": {"datetime": 1}, "value": "2024-01-01"}, "datetime node's class \"{'datetime': 1}\" is not one of"),
+        ({"type": "enum", "class": ["os", "x"], "member": "x"}, "enum node needs a 'class' ('module:qualname')"),
         ({"type": "enum", "class": "os", "member": "x"}, "enum node needs a 'class' ('module:qualname')"),
         ({"type": "datetime", "class": "datetime", "value": "2024-13-01"}, "datetime node's value '2024-13-01' is not a valid datetime"),
         ({"type": "datetime", "class": "timedelta", "value": [10**12, 0, 0]}, "is not a valid timedelta"),

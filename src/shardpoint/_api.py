@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Mapping
+from contextvars import ContextVar
 from typing import Any
 
 from ._async import AsyncQueue, AsyncSave, default_queue, raise_unobserved_failure
 from ._distributed.group import Group, resolve_group
-from ._distributed.save import write_distributed
 from ._gc import collector_paused
 from ._load.into import load_into
 from ._load.new import load
@@ -34,43 +34,12 @@ def check_options(layout: str | None, storage_options: Any) -> None:
         )
 
 
-def write_prepared(
-    prepared: PreparedState,
-    path: str | os.PathLike[str],
-    *,
-    group: Group,
-    layout: str | None,
-    max_shard_bytes: int,
-    overwrite: bool,
-    metadata: dict[str, Any],
-    durable: bool,
-    progress: bool | None,
-    storage_options: Mapping[str, Any] | None = None,
-) -> SaveInfo:
-    """Write in one process (layout hf) or collectively (default layout chunked)."""
-    if group.distributed or layout == "chunked":
-        return write_distributed(
-            prepared,
-            path,
-            group=group,
-            layout=layout or "chunked",
-            max_shard_bytes=max_shard_bytes,
-            overwrite=overwrite,
-            metadata=metadata,
-            durable=durable,
-            progress=progress,
-            storage_options=storage_options,
-        )
-    return write_checkpoint(
-        prepared,
-        path,
-        max_shard_bytes=max_shard_bytes,
-        overwrite=overwrite,
-        metadata=metadata,
-        durable=durable,
-        progress=progress,
-        storage_options=storage_options,
-    )
+def write_prepared(prepared: PreparedState, path: str | os.PathLike[str], *, group: Group, layout: str | None,
+                   **settings: Any) -> SaveInfo:
+    """Write with the one writer: layout ``hf`` by default in one process, ``chunked`` in a
+    collective save."""
+    chosen = layout or ("chunked" if group.distributed else "hf")
+    return write_checkpoint(prepared, path, group=group, layout=chosen, **settings)
 
 
 def save(
@@ -142,40 +111,8 @@ def save(
         >>> sp.load("memory://doc/ckpt")["w"].tolist()
         [1.0, 1.0]
     """
-    raise_unobserved_failure()
-    return save_now(
-        state,
-        path,
-        max_shard_size=max_shard_size,
-        layout=layout,
-        process_group=process_group,
-        overwrite=overwrite,
-        metadata=metadata,
-        storage_options=storage_options,
-        progress=progress,
-        durable=durable,
-        allow_pickle=allow_pickle,
-        options=options,
-    )
-
-
-def save_now(
-    state: Any,
-    path: str | os.PathLike[str],
-    *,
-    max_shard_size: int | str = "5GB",
-    layout: str | None = None,
-    process_group: Any = None,
-    overwrite: bool = False,
-    metadata: Mapping[str, Any] | None = None,
-    storage_options: Mapping[str, Any] | None = None,
-    progress: bool | None = None,
-    durable: bool = True,
-    allow_pickle: bool = False,
-    options: OptionsArg = None,
-) -> SaveInfo:
-    """:func:`save` without its check for an unseen failure of a bare ``async_save`` (a
-    ``CheckpointManager`` tracks its own async saves)."""
+    if not _manager_call.get():
+        raise_unobserved_failure()
     max_bytes = parse_size(max_shard_size)
     check_options(layout, storage_options)
     with applied(options), collector_paused():
@@ -193,6 +130,31 @@ def save_now(
             progress=progress,
             storage_options=storage_options,
         )
+
+
+_manager_call: ContextVar[bool] = ContextVar("shardpoint_manager_call", default=False)
+"""True inside :func:`save_now`: a ``CheckpointManager`` tracks its own async saves."""
+_queue_in_effect: ContextVar[AsyncQueue | None] = ContextVar("shardpoint_async_queue", default=None)
+"""The queue :func:`async_save` submits to inside :func:`async_save_on` (else the default one)."""
+
+
+def save_now(state: Any, path: str | os.PathLike[str], **kwargs: Any) -> SaveInfo:
+    """:func:`save` without its check for an unseen failure of a bare ``async_save`` (a
+    ``CheckpointManager`` tracks its own async saves)."""
+    token = _manager_call.set(True)
+    try:
+        return save(state, path, **kwargs)
+    finally:
+        _manager_call.reset(token)
+
+
+def async_save_on(queue: AsyncQueue, state: Any, path: str | os.PathLike[str], **kwargs: Any) -> AsyncSave:
+    """:func:`async_save` through ``queue`` (a manager's own, or the default one)."""
+    token = _queue_in_effect.set(queue)
+    try:
+        return async_save(state, path, **kwargs)
+    finally:
+        _queue_in_effect.reset(token)
 
 
 def async_save(
@@ -236,43 +198,8 @@ def async_save(
         >>> handle.result().tensor_bytes
         12
     """
-    return async_save_on(
-        default_queue(),
-        state,
-        path,
-        max_shard_size=max_shard_size,
-        layout=layout,
-        process_group=process_group,
-        overwrite=overwrite,
-        metadata=metadata,
-        storage_options=storage_options,
-        progress=progress,
-        durable=durable,
-        allow_pickle=allow_pickle,
-        on_commit=on_commit,
-        options=options,
-    )
-
-
-def async_save_on(
-    queue: AsyncQueue,
-    state: Any,
-    path: str | os.PathLike[str],
-    *,
-    max_shard_size: int | str = "5GB",
-    layout: str | None = None,
-    process_group: Any = None,
-    overwrite: bool = False,
-    metadata: Mapping[str, Any] | None = None,
-    storage_options: Mapping[str, Any] | None = None,
-    progress: bool | None = False,
-    durable: bool = True,
-    allow_pickle: bool = False,
-    on_commit: Callable[[SaveInfo], None] | None = None,
-    options: OptionsArg = None,
-) -> AsyncSave:
-    """:func:`async_save` through ``queue`` (a manager's own, or the default one)."""
     started = time.perf_counter()
+    queue = _queue_in_effect.get() or default_queue()
     chosen = merged(options)  # the background thread writes under the options of this call
     max_bytes = parse_size(max_shard_size)
     check_options(layout, storage_options)

@@ -27,8 +27,8 @@ from ._format.manifest import (
 )
 from ._format.names import check_file_name
 from ._format.safetensors import HeaderEntry, SafetensorsHeader, read_header, read_header_with
-from ._io.files import read_error
-from ._io.reads import header_reader
+from ._io.files import LocalFiles, read_error
+from ._io.reads import ByteSource, ObjectRanges, header_reader
 from ._options import current_options
 from ._storage.paths import member_path, open_regular, read_small_file
 from ._storage.remote_store import RemoteStore
@@ -78,6 +78,19 @@ class Checkpoint:
         """Whether the data files are local files held open (read with pread, mappable with
         mmap) rather than objects of a store (read with ranged requests)."""
         return self.store is None
+
+    def held_fd(self, name: str) -> int:
+        """The held descriptor of data file ``name`` (see :meth:`fd`); -1 on an object store,
+        whose bytes are read with ranged requests."""
+        return self.fd(name) if self.store is None else -1
+
+    def byte_source(self, local_threads: int | None = None) -> ByteSource:
+        """Where the read engine gets this checkpoint's bytes: its held local files (read by
+        ``local_threads`` threads, default :func:`~shardpoint._io.threads.reader_threads`) or
+        ranged requests to its store (``RemoteOptions.threads`` at once)."""
+        if self.store is not None:
+            return ObjectRanges(self.store)
+        return LocalFiles(threads=local_threads)
 
     def pin_directory(self) -> None:
         """Open the directory once; every file is then opened through it (idempotent)."""

@@ -1,9 +1,9 @@
 """convert: any checkpoint we can read -> an HF-layout shardpoint checkpoint, streaming.
 
 Orchestration only: open the source (``_sources.open``), describe the output as meta
-tensors (output dtype and shape), and hand it to the normal writer (``write_checkpoint``:
-shard planning, indexes, manifest, atomic commit) with a ``write`` step that produces each
-file's tensors a batch at a time from the source. Peak memory is about one batch
+tensors (output dtype and shape), and hand it to the one writer (``write_checkpoint``:
+shard planning, indexes, manifest, atomic commit) with a producer (``produce=``) that
+writes each planned file's tensors a batch at a time from the source. Peak memory is about one batch
 (``BATCH_BYTES``, or one tensor when larger), never the model.
 """
 
@@ -13,6 +13,7 @@ import multiprocessing
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,7 +141,8 @@ def _worker_write(
 
 
 class _StreamingWrite:
-    """Stands in for ``write_files``: the planned files' tensors come from the source."""
+    """The producer convert gives the writer: it writes the planned files (their tensors
+    ``meta`` descriptors) with the tensors read from the source."""
 
     def __init__(
         self, source: TensorSource, refs: dict[int, Ref], dtype: torch.dtype | None, workers: int
@@ -253,44 +255,19 @@ def select_components(source: TensorSource, names: Sequence[str] | None) -> None
     )
 
 
-def run_convert(
-    src: str | os.PathLike[str],
-    dst: str | os.PathLike[str],
-    *,
-    max_shard_size: int | str = "5GB",
-    dtype: str | torch.dtype | None = None,
-    trust_pickle: bool = False,
-    overwrite: bool = False,
-    progress: bool | None = None,
-    workers: int = 1,
-    cache_dir: str | os.PathLike[str] | None = None,
-    components: Sequence[str] | None = None,
-) -> tuple[SaveInfo, TensorSource]:
-    """``convert``, also returning the (closed) source: its kind and notes, for the CLI."""
-    src = local_path(src, cache_dir)
-    max_bytes = parse_size(max_shard_size)
-    want = parse_dtype(dtype)
-    if workers < 1:
-        raise InvalidArgumentError(f"convert: workers must be at least 1, not {workers}")
-    if isinstance(components, str):
-        components = [components]
-    source = open_source(src, trust_pickle=trust_pickle)
+_opened: ContextVar[list[TensorSource] | None] = ContextVar("shardpoint_convert_opened", default=None)
+"""Inside :func:`run_convert`: where :func:`convert` leaves the source it opened."""
+
+
+def run_convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], **kwargs: Any) -> tuple[SaveInfo, TensorSource]:
+    """:func:`convert`, also returning the (closed) source: its kind and notes, for the CLI."""
+    opened: list[TensorSource] = []
+    token = _opened.set(opened)
     try:
-        select_components(source, components)
-        prepared, refs = output_state(source, want)
-        info = write_checkpoint(
-            prepared,
-            dst,
-            max_shard_bytes=max_bytes,
-            overwrite=overwrite,
-            metadata=json_metadata(source.metadata),
-            durable=True,
-            progress=progress,
-            write=_StreamingWrite(source, refs, want, workers),
-        )
+        info = convert(src, dst, **kwargs)
     finally:
-        source.close()
-    return info, source
+        _opened.reset(token)
+    return info, opened[0]
 
 
 def convert(
@@ -370,16 +347,30 @@ def convert(
         >>> sp.load(os.path.join(d, "out"))["w"].dtype
         torch.bfloat16
     """
-    info, _ = run_convert(
-        src,
-        dst,
-        max_shard_size=max_shard_size,
-        dtype=dtype,
-        trust_pickle=trust_pickle,
-        overwrite=overwrite,
-        progress=progress,
-        workers=workers,
-        cache_dir=cache_dir,
-        components=components,
-    )
+    src = local_path(src, cache_dir)
+    max_bytes = parse_size(max_shard_size)
+    want = parse_dtype(dtype)
+    if workers < 1:
+        raise InvalidArgumentError(f"convert: workers must be at least 1, not {workers}")
+    if isinstance(components, str):
+        components = [components]
+    source = open_source(src, trust_pickle=trust_pickle)
+    opened = _opened.get()
+    if opened is not None:
+        opened.append(source)
+    try:
+        select_components(source, components)
+        prepared, refs = output_state(source, want)
+        info = write_checkpoint(
+            prepared,
+            dst,
+            max_shard_bytes=max_bytes,
+            overwrite=overwrite,
+            metadata=json_metadata(source.metadata),
+            durable=True,
+            progress=progress,
+            produce=_StreamingWrite(source, refs, want, workers),
+        )
+    finally:
+        source.close()
     return info

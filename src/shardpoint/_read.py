@@ -17,8 +17,7 @@ import torch
 from ._checkpoint import Checkpoint
 from ._format.manifest import TensorRecord
 from ._format.safetensors import HeaderEntry
-from ._io.files import LocalFiles
-from ._io.reads import ByteSource, ObjectRanges, ReadTask, run_reads
+from ._io.reads import ReadTask, run_reads
 from ._load.memory import allocate
 from ._planning.chunks import byte_runs, intersect
 from ._progress import byte_progress
@@ -113,7 +112,7 @@ class ReadBatch:
 
     def _fd(self, file: str) -> int:
         """The checkpoint's held descriptor of ``file`` (-1 on an object store)."""
-        return self.ckpt.fd(file) if self.ckpt.store is None else -1
+        return self.ckpt.held_fd(file)
 
     def _file(self, file: str) -> tuple[str, str, int]:
         """(how errors name data file ``file``, its path, its held descriptor)."""
@@ -197,13 +196,7 @@ class ReadBatch:
         total = sum(t.nbytes for t in self.tasks)
         desc = f"loading {os.path.basename(os.path.normpath(self.ckpt.location))}"
         with torch.no_grad(), byte_progress(total, desc, progress) as advance:
-            # The byte source: an object store's ranged GETs (its own thread count,
-            # ``RemoteOptions.threads``), or the local files.
-            source: ByteSource
-            if self.ckpt.store is not None:
-                source, threads = ObjectRanges(self.ckpt.store), None
-            else:
-                source, threads = LocalFiles(), self.threads
-            run_reads(self.tasks, source, threads=threads, advance=advance, staging_bytes=self.staging_bytes)
+            run_reads(self.tasks, self.ckpt.byte_source(self.threads), advance=advance,
+                      staging_bytes=self.staging_bytes)
             for dest, temp in self._copies:
                 dest.copy_(temp)

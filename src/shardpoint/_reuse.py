@@ -27,7 +27,7 @@ from ._io.memory import byte_view, contiguous_cpu
 from ._prepare import PreparedState
 from ._source import open_checkpoint
 from ._storage.local import LocalTransaction
-from ._write import SaveInfo, write_manifest
+from ._write import SaveInfo, Written, commit_written
 from .errors import CheckpointError
 
 
@@ -155,19 +155,8 @@ def _link_opened(
             txn.abort()
             return None
         # The indexes were linked with the data files: the stored names are the same.
-        write_manifest(
-            txn,
-            prepared,
-            records,
-            dict(manifest.files),
-            {},
-            save_id=manifest.save_id,
-            layout="hf",
-            world_size=1,
-            metadata=metadata,
-            durable=durable,
-        )
-        txn.commit(durable=durable)
+        linked = Written(manifest.save_id, "hf", 1, records, dict(manifest.files), {})
+        commit_written(txn, prepared, linked, metadata=metadata, durable=durable)
     except BaseException:
         txn.abort()
         raise

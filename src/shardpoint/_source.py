@@ -301,15 +301,22 @@ def not_readable(location: str, found: Detected, *, remote: bool = False) -> Che
     return CheckpointNotFoundError(f"{location} {found.reason}")
 
 
-def remote_listing(store: RemoteStore) -> tuple[RemoteStore, dict[str, int], str | None]:
+def remote_listing(store: RemoteStore, doing: str) -> tuple[RemoteStore, dict[str, int], str | None]:
     """What a location on an object store holds: (the prefix holding its files, their sizes,
-    the object's name when the location is a single ``.safetensors`` object, else None)."""
+    the object's name when the location is a single ``.safetensors`` object, else None).
+
+    Raises:
+        CheckpointNotFoundError: nothing is there (``doing``: what there is then nothing to do).
+    """
     if store.url.endswith(".safetensors"):
         info = store.info()
         if info is not None and info.get("type") == "file":
             parent, name = store.parent_and_name()
             return parent, {name: int(info.get("size") or 0)}, name
-    return store, store.list(), None
+    names = store.list()
+    if not names:
+        raise CheckpointNotFoundError(f"{store.url} holds no objects; nothing to {doing}")
+    return store, names, None
 
 
 def _open_remote(store: FsspecStore) -> Checkpoint:
@@ -319,12 +326,10 @@ def _open_remote(store: FsspecStore) -> Checkpoint:
     refused, never read as a Hugging Face checkpoint.
     """
     location = store.url
-    holder, names, single = remote_listing(store)
+    holder, names, single = remote_listing(store, "load")
     if single is not None:
         return _from_headers(location, holder.url, "hf-file", None, [single], single_file=True,
                              store=holder, sizes=names)
-    if not names:
-        raise CheckpointNotFoundError(f"{location} holds no objects; nothing to load")
     limit = current_options().io.max_json_bytes
     found = detect(names)
     if found.kind == SHARDPOINT:

@@ -198,7 +198,8 @@ def typed_leaf_problem(kind: str, node: Tree) -> str:
     """What is wrong with a ``path``, ``enum`` or ``datetime`` node ('' if nothing)."""
     value = node.get("value")
     if kind == "path":
-        if node.get("class") not in PATH_CLASSES or not isinstance(value, str):
+        cls = node.get("class")
+        if not isinstance(cls, str) or cls not in PATH_CLASSES or not isinstance(value, str):
             return "path node needs a 'class' (Path, PurePosixPath, PureWindowsPath) and a str 'value'"
         return ""
     if kind == "enum":
@@ -206,7 +207,7 @@ def typed_leaf_problem(kind: str, node: Tree) -> str:
             return "enum node needs a 'class' ('module:qualname') and a str 'member'"
         return ""
     cls_name = node.get("class")
-    if cls_name not in TIME_CLASSES:
+    if not isinstance(cls_name, str) or cls_name not in TIME_CLASSES:
         return f"datetime node's class {str(cls_name)[:40]!r} is not one of {', '.join(TIME_CLASSES)}"
     if node.get("fold", 0) not in (0, 1) or isinstance(node.get("fold", 0), bool):
         return "datetime node's 'fold' is not 0 or 1"

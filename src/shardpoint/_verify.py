@@ -20,16 +20,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ._checkpoint import Checkpoint
-from ._format.detect import (
-    HF_BIN,
-    HF_FILE,
-    HF_INDEX,
-    SHARDPOINT,
-    TORCH_SAVE,
-    UNCOMMITTED,
-    Detected,
-    detect,
-)
+from ._format import detect as kinds
+from ._format.detect import Detected, detect
 from ._format.index import index_name, parse_index
 from ._format.manifest import MANIFEST_NAME, PENDING_NAME, ChunkRef, Manifest
 from ._format.names import is_tmp_name
@@ -123,12 +115,12 @@ def _verify_local(store: LocalStore, *, checksums: bool, progress: bool | None) 
             )
             report = verify_checkpoint(sibling, checksums=checksums, progress=progress)
             return dataclasses.replace(report, notes=[note, *report.notes])
-        if found.kind == TORCH_SAVE:
+        if found.kind == kinds.TORCH_SAVE:
             return verify_pickled(
                 location, os.path.dirname(location) or ".", None,
                 [os.path.basename(location)], checksums=checksums,
             )
-        if found.kind != HF_FILE:
+        if found.kind != kinds.HF_FILE:
             raise not_readable(location, found)
         # The user named this file: follow it if it is a link (as in a Hugging Face cache).
         directory, name = os.path.split(os.path.realpath(location))
@@ -137,13 +129,13 @@ def _verify_local(store: LocalStore, *, checksums: bool, progress: bool | None) 
         raise CheckpointNotFoundError(f"{location} is neither a directory nor a checkpoint file")
     names = os.listdir(location)
     found = detect(names)
-    if found.kind == SHARDPOINT:
+    if found.kind == kinds.SHARDPOINT:
         return _verify_shardpoint(store, location, names, checksums=checksums, progress=progress)
-    if found.kind == HF_BIN:
+    if found.kind == kinds.HF_BIN:
         return verify_pickled(location, location, found.index, [], checksums=checksums, listing=names)
-    if found.kind == TORCH_SAVE and found.file is not None:
+    if found.kind == kinds.TORCH_SAVE and found.file is not None:
         return verify_pickled(location, location, None, [found.file], checksums=checksums, listing=names)
-    if found.kind == UNCOMMITTED:
+    if found.kind == kinds.UNCOMMITTED:
         return _uncommitted_report(location)
     kind, found_index, files = _foreign(location, found)
     return _verify_foreign(location, location, kind, found_index, files, checksums=checksums)
@@ -155,16 +147,14 @@ def _verify_local(store: LocalStore, *, checksums: bool, progress: bool | None) 
 def _verify_remote(store: FsspecStore, *, checksums: bool, progress: bool | None) -> VerifyReport:
     """``verify_checkpoint`` for a prefix (or single ``.safetensors`` object) on a store."""
     location = store.url
-    holder, sizes, single = remote_listing(store)
+    holder, sizes, single = remote_listing(store, "verify")
     if single is not None:
         return _verify_foreign(location, holder.url, "hf-file", None, [single], checksums=checksums,
                                store=holder, sizes=sizes)
-    if not sizes:
-        raise CheckpointNotFoundError(f"{location} holds no objects; nothing to verify")
     if MANIFEST_NAME in sizes:
         return _verify_shardpoint(store, location, list(sizes), checksums=checksums, progress=progress)
     found = detect(sizes)
-    if found.kind == UNCOMMITTED:
+    if found.kind == kinds.UNCOMMITTED:
         return _uncommitted_report(location)
     kind, index, files = _foreign(location, found, remote=True)
     return _verify_foreign(location, location, kind, index, files, checksums=checksums,
@@ -322,9 +312,9 @@ def _uncommitted_report(location: str) -> VerifyReport:
 def _foreign(location: str, found: Detected, *, remote: bool = False) -> tuple[str, str | None, list[str]]:
     """The HF safetensors checkpoint ``found`` names: (kind, index file or None, data files
     when there is no index); any other kind is refused, as load refuses it."""
-    if found.kind == HF_INDEX and found.index is not None:
+    if found.kind == kinds.HF_INDEX and found.index is not None:
         return "hf-index", found.index, []
-    if found.kind == HF_FILE and found.file is not None:
+    if found.kind == kinds.HF_FILE and found.file is not None:
         return "hf-file", None, [found.file]
     raise not_readable(location, found, remote=remote)
 

@@ -11,8 +11,7 @@ import torch
 from ._checkpoint import Checkpoint
 from ._format.manifest import ChunkRef
 from ._format.safetensors import SafetensorsHeader
-from ._io.files import LocalFiles
-from ._io.reads import ByteSource, ObjectRanges, ReadTask, run_reads
+from ._io.reads import ReadTask, run_reads
 from ._io.threads import reader_threads
 from ._progress import byte_progress
 from ._verify_report import CrcItem, Findings, file_label, name_list
@@ -62,7 +61,7 @@ def check_crcs(
         where = file_label(ckpt, fname)
         try:
             # The checkpoint's held descriptor: the version that was opened.
-            fd = ckpt.fd(fname) if ckpt.store is None else -1
+            fd = ckpt.held_fd(fname)
             path = ckpt.file_path(fname)
             if fd >= 0 and hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # read once, front to back
@@ -75,13 +74,12 @@ def check_crcs(
     failed: list[tuple[int, str]] = []
     order = {id(task): i for i, task in enumerate(tasks)}
     name = os.path.basename(os.path.normpath(ckpt.location))
-    source: ByteSource = ObjectRanges(ckpt.store) if ckpt.store is not None else LocalFiles()
     with byte_progress(sum(t.nbytes for t in tasks), f"verifying {name}", progress) as advance:
         # A thread per file (one stream each: a cold disk reads one file fastest front to
         # back), on local files; an object store's ranged GETs on its own threads.
-        threads = min(reader_threads(), len(names)) if ckpt.store is None else None
         read = run_reads(
-            tasks, source, threads=threads, advance=advance, staging_bytes=VERIFY_BUFFER_BYTES,
+            tasks, ckpt.byte_source(min(reader_threads(), max(len(names), 1))), advance=advance,
+            staging_bytes=VERIFY_BUFFER_BYTES,
             problems=lambda task, exc: failed.append((order[id(task)], str(exc))),
         )
     for i, message in sorted(failed):  # in file order, whichever thread found them first

@@ -1,30 +1,36 @@
-"""Writing prepared components: plan files, stream tensors, indexes, manifest, commit."""
+"""The one writer: every save, of one process or of a process group, runs plan -> write -> commit.
+
+The steps of each rank and the coordinator's plan are in ``_distributed/save.py`` (the
+file plan itself is pure: ``_planning/files.py``); this module sequences them over a
+:class:`~shardpoint._distributed.group.Group` (a group of one in a single process) and
+holds the one place that opens, writes into and commits the storage transaction.
+"""
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import os
+import socket
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from ._format.dtypes import dtype_name
-from ._format.index import index_name, render_index
-from ._format.manifest import MANIFEST_NAME, ChunkRef, ComponentRecord, Manifest, TensorRecord
+from ._distributed import save as steps
+from ._distributed.group import Group
+from ._format.manifest import MANIFEST_NAME, ComponentRecord
 from ._format.names import check_file_name
-from ._format.safetensors import TensorSpec, plan_file
-from ._io.writes import FileWrite, write_files
-from ._planning.shards import plan_shards, shard_file_names
-from ._prepare import PreparedState, hf_sizes
+from ._io.writes import FileWrite
+from ._planning.chunks import ChunkPlan
+from ._prepare import PreparedState
 from ._progress import byte_progress
-from ._storage import Transaction, open_transaction
-from ._version import __version__
-from .errors import InvalidStateError
+from ._storage import Transaction, open_store
+from ._storage.posix import reported
+from .errors import InvalidArgumentError, InvalidStateError
 
 
 @dataclass(frozen=True)
@@ -58,16 +64,55 @@ def file_metadata(save_id: str) -> dict[str, str]:
     return {"format": "pt", "shardpoint.save_id": save_id}
 
 
-def describe_tensors(
-    tensors: Mapping[str, torch.Tensor], names: list[str]
-) -> dict[str, tuple[str, tuple[int, ...], int]]:
-    """(safetensors dtype, shape, stored bytes) of each named tensor, worked out once: the
-    file plans and the manifest records both need them."""
-    out = {}
-    for name in names:
-        t = tensors[name]
-        out[name] = (dtype_name(t.dtype, key=name), tuple(t.shape), t.nbytes)
-    return out
+class _Assignment(NamedTuple):
+    """What the coordinator tells a rank after planning."""
+
+    save_id: str
+    directory: str
+    to_write: list[ChunkPlan]
+    """The chunks (or row pieces of replicated ones) this rank writes."""
+    hf_part: steps.HfPart | None
+    """Layout ``hf``: which files this rank writes whole, where its chunks go in shared ones."""
+    total: int
+    """Bytes of every distinct chunk, all ranks together."""
+    ranks_here: int
+    """Ranks on this rank's machine (same host name): they share its CPUs for writing."""
+
+
+_RankReport = tuple[Any, Any]
+"""A rank's report after writing: ``chunked``, (chunk refs, its files and sizes); ``hf``,
+(crc32c of each (file, tensor) of the files it wrote whole, the runs it wrote in shared ones)."""
+
+
+class Written(NamedTuple):
+    """What a save put in its transaction, for the manifest."""
+
+    save_id: str
+    layout: str
+    world_size: int
+    records: dict[str, ComponentRecord]
+    files: dict[str, int]
+    """Data file name -> bytes."""
+    indexes: dict[str, bytes]
+    """Index file name -> bytes."""
+
+
+def commit_written(
+    txn: Transaction,
+    prepared: PreparedState,
+    written: Written,
+    *,
+    metadata: dict[str, Any],
+    durable: bool,
+    extras: Mapping[str, bytes] | None = None,
+) -> None:
+    """The last step of every save (``_reuse``'s linked ones too): the extra files, the
+    indexes, the manifest (the commit marker), then the transaction's commit."""
+    for name, data in (extras or {}).items():
+        txn.write_bytes(name, data, durable=durable)
+    steps.write_manifest(txn, prepared, written.records, written.files, written.indexes, save_id=written.save_id,
+                         layout=written.layout, world_size=written.world_size, metadata=metadata, durable=durable)
+    txn.commit(durable=durable)
 
 
 def write_checkpoint(
@@ -79,116 +124,116 @@ def write_checkpoint(
     metadata: dict[str, Any],
     durable: bool,
     progress: bool | None,
+    group: Group | None = None,
+    layout: str = "hf",
     extra_files: Mapping[str, bytes] | None = None,
-    write: Callable[..., dict[tuple[str, str], int]] = write_files,
     storage_options: Mapping[str, Any] | None = None,
+    produce: Callable[..., dict[tuple[str, str], int]] | None = None,
 ) -> SaveInfo:
-    """Write ``prepared`` as an HF-layout checkpoint at ``path``, atomically.
+    """Save ``prepared`` at ``path`` over ``group`` (default: this process alone), atomically;
+    every rank of the group calls this with its own shards.
 
-    ``write`` moves the planned files' bytes (same signature as :func:`write_files`);
-    ``convert`` passes one that produces each tensor only when its turn comes (its
-    ``prepared`` holds ``meta`` descriptors, so planning costs no memory).
-
-    ``extra_files`` (name -> bytes, e.g. ``config.json``) are written into the same
-    temporary directory before the manifest, so they appear in the same commit.
-
-    ``path`` may be an fsspec URL (``storage_options`` go to its filesystem): the files are
-    then uploaded under the final prefix and the manifest last (see ``_storage/remote.py``).
+    Args:
+        layout: ``"hf"`` (whole tensors, HF files) or ``"chunked"`` (each rank's chunks in
+            files of its own).
+        extra_files: name -> bytes (e.g. ``config.json``) the coordinator writes into the
+            same transaction before the manifest, so they appear in the same commit.
+        storage_options: ``path`` may be an fsspec URL (``storage_options`` go to its
+            filesystem): the files are uploaded under the final prefix, the manifest last.
+        produce: writes the planned files in place of :func:`write_files`, taking the
+            directory and the files (``convert``: each file's tensors come from its source a
+            batch at a time; the planned ones are ``meta`` descriptors).
     """
     started = time.perf_counter()
-    save_id = uuid.uuid4().hex
-    file_meta = file_metadata(save_id)
-    writes: list[FileWrite] = []
-    file_of: dict[tuple[str, str], str] = {}
-    files: dict[str, int] = {}
-    indexes: dict[str, bytes] = {}
-    described: dict[str, dict[str, tuple[str, tuple[int, ...], int]]] = {}
-    for comp in prepared.components:
-        if not comp.stored:
-            continue  # a component of JSON values only lives in the manifest
-        info = described[comp.name] = describe_tensors(comp.tensors, comp.stored)
-        sizes, storage = hf_sizes(comp)
-        groups = plan_shards(sizes, max_shard_bytes, storage=storage)
-        weight_map: dict[str, str] = {}
-        for fname, group in zip(shard_file_names(comp.name, len(groups)), groups, strict=False):
-            specs = []
-            for key in group:
-                specs.append(TensorSpec(key, *info[key]))
-                weight_map[key] = file_of[(comp.name, key)] = fname
-            plan = plan_file(specs, file_meta)
-            tensors = tuple((k, comp.tensors[k], plan.ranges[k][0]) for k in group)
-            writes.append(FileWrite(fname, plan.header, plan.size, tensors))
-            files[fname] = plan.size
-        if len(groups) > 1:
-            indexes[index_name(comp.name)] = render_index(weight_map, comp.stored_bytes(), comp.parameter_count())
-
+    group = group if group is not None else Group(None)
+    store = open_store(path, storage_options)  # the path resolved once, here
+    if layout == "hf" and group.distributed and not store.shared_files:
+        raise InvalidArgumentError(
+            f"{os.fspath(path)}: layout='hf' in a collective save needs a shared POSIX "
+            "filesystem (ranks write parts of the same files), which an object store is not. "
+            "Save with layout='chunked' (each rank uploads its own files), then "
+            "`shardpoint convert` it to HF files where you need them"
+        )
+    chunked = layout == "chunked"
     extras = dict(extra_files or {})
+    txn: Transaction | None = None
+    all_plans: list[list[ChunkPlan]] = []  # the coordinator's, for the manifest
+    hf_files: steps.HfFiles | None = None
+
+    def plan() -> tuple[tuple[list[ChunkPlan], dict[tuple[str, str], torch.Tensor]], tuple[list[ChunkPlan], str]]:
+        mine, local_tensors = steps._plan_local(prepared)
+        return (mine, local_tensors), (mine, socket.gethostname())
+
+    def assign(reports: list[tuple[list[ChunkPlan], str]]) -> list[_Assignment]:
+        """The coordinator: who writes what, then the transaction (opened last)."""
+        nonlocal txn, all_plans, hf_files
+        all_plans, writes, total = steps.assign([plans for plans, _ in reports], chunked=chunked)
+        save_id = uuid.uuid4().hex
+        if not chunked:
+            hf_files = steps.plan_hf(prepared, all_plans, max_shard_bytes, file_metadata(save_id))
+        _check_extras(extras, hf_files, path)
+        parts: Sequence[steps.HfPart | None] = [None] * len(writes) if hf_files is None else hf_files.parts(writes)
+        txn = store.open_transaction(overwrite=overwrite)
+        per_host = Counter(host for _, host in reports)  # not hosts.count per rank: quadratic over thousands
+        return [_Assignment(save_id, txn.directory, w, part, total, per_host[host])
+                for w, part, (_, host) in zip(writes, parts, reports, strict=True)]
+
+    try:
+        (mine, local_tensors), job = group.exchange(
+            "planning the save", plan, assign, deciding="creating the checkpoint directory"
+        )
+        file_meta = file_metadata(job.save_id)
+        threads, segment = steps.io_share(job.ranks_here)
+        local = produce or steps.local_writer(threads, segment)
+
+        def write() -> tuple[None, _RankReport]:
+            target = store.writing_into(job.directory)  # where the coordinator's transaction writes
+            nbytes = sum(p.nbytes for p in job.to_write)
+            what = f"saving rank {group.rank}" if group.distributed else f"saving {os.path.basename(os.fspath(path))}"
+            with reported(path, "writing its data files"), byte_progress(nbytes, what, progress) as advance:
+
+                def write_whole(files: Sequence[FileWrite]) -> dict[tuple[str, str], int]:
+                    if txn is not None and not group.distributed:  # the process alone: its transaction
+                        return txn.write_files(files, durable=durable, advance=advance, write=produce)
+                    return target.write_data_files(files, durable=durable, advance=advance, local=local)
+
+                if job.hf_part is None:
+                    pieces = steps.pieces(job.to_write, mine, local_tensors)
+                    refs, files = steps._write_chunked(job.to_write, pieces, group.rank, max_shard_bytes,
+                                                       file_meta, threads, write_whole)
+                    return None, (refs, files)
+                return None, steps.write_hf_part(job.to_write, local_tensors, job.hf_part, job.directory,
+                                           durable=durable, advance=advance, threads=threads, segment=segment,
+                                           write=write_whole)
+
+        def commit(reports: list[_RankReport]) -> list[dict[str, int]]:
+            """The coordinator, once every rank has written: extras, indexes, the manifest, commit."""
+            assert txn is not None
+            if hf_files is None:
+                records = steps.chunked_records(prepared, all_plans, reports)
+            else:
+                records = steps.hf_records(prepared, reports, hf_files)
+            written = Written(job.save_id, layout, group.world_size, *records)
+            commit_written(txn, prepared, written, metadata=metadata, durable=durable, extras=extras)
+            return [written.files] * group.world_size
+
+        _, data_files = group.exchange(
+            "writing the checkpoint files", write, commit, deciding="committing the checkpoint"
+        )
+    except BaseException:
+        if txn is not None:
+            txn.abort()
+        raise
+    return SaveInfo(os.fspath(path), job.save_id, data_files, job.total, time.perf_counter() - started)
+
+
+def _check_extras(extras: Mapping[str, bytes], hf_files: steps.HfFiles | None, path: str | os.PathLike[str]) -> None:
+    """Refuse extra files that are not plain names or would replace the checkpoint's own."""
+    if not extras:
+        return
+    own = {MANIFEST_NAME} | set(hf_files.indexes if hf_files is not None else ())
+    own |= {f.name for _, f in (hf_files.files if hf_files is not None else ())}
     for name in extras:
         check_file_name(name, where=os.fspath(path))
-        if name in files or name in indexes or name == MANIFEST_NAME:
+        if name in own:
             raise InvalidStateError(f"extra file {name!r} would replace a file of the checkpoint itself")
-    total = prepared.total_bytes()
-    txn = open_transaction(path, overwrite=overwrite, storage_options=storage_options)
-    try:
-        with byte_progress(total, f"saving {os.path.basename(os.fspath(path))}", progress) as advance:
-            custom = None if write is write_files else write
-            crcs = txn.write_files(writes, durable=durable, advance=advance, write=custom)
-        for name, data in extras.items():
-            txn.write_bytes(name, data, durable=durable)
-        records: dict[str, ComponentRecord] = {}
-        for comp in prepared.components:
-            tensor_records = {}
-            info = described.get(comp.name, {})
-            for name in comp.stored:
-                dtype, shape, _nbytes = info[name]
-                fname = file_of[(comp.name, name)]
-                chunk = ChunkRef(fname, name, (0,) * len(shape), shape, crcs[(fname, name)])
-                tensor_records[name] = TensorRecord(dtype, shape, (chunk,))
-            records[comp.name] = ComponentRecord(comp.tree, tensor_records, dict(comp.aliases))
-        write_manifest(
-            txn,
-            prepared,
-            records,
-            files,
-            indexes,
-            save_id=save_id,
-            layout="hf",
-            world_size=1,
-            metadata=metadata,
-            durable=durable,
-        )
-        txn.commit(durable=durable)
-    except BaseException:
-        txn.abort()
-        raise
-    return SaveInfo(os.fspath(path), save_id, files, total, time.perf_counter() - started)
-
-
-def write_manifest(
-    txn: Transaction,
-    prepared: PreparedState,
-    records: dict[str, ComponentRecord],
-    files: dict[str, int],
-    indexes: dict[str, bytes],
-    *,
-    save_id: str,
-    layout: str,
-    world_size: int,
-    metadata: dict[str, Any],
-    durable: bool,
-) -> None:
-    """Write the indexes, then the manifest (the commit marker) into the transaction."""
-    manifest = Manifest(
-        save_id=save_id,
-        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        library_version=__version__,
-        world_size=world_size,
-        layout=layout,
-        flat=prepared.flat,
-        components=records,
-        files=files,
-        metadata=metadata,
-    )
-    for iname, data in indexes.items():
-        txn.write_bytes(iname, data, durable=durable)
-    txn.write_bytes(MANIFEST_NAME, manifest.to_json(), durable=durable)

@@ -1,75 +1,76 @@
-"""Collective saves: every rank writes its own bytes, the coordinator commits.
+"""A rank's steps of a save, and the coordinator's plan: the writer (``_write.py``) runs them.
 
-Two round trips through the coordinator (each a :meth:`Group.exchange`, so a failure
-anywhere makes every rank raise one error naming the failed ranks, and nothing is
-committed):
+Every save, of one process or of many, is two round trips through the coordinator (each a
+:meth:`Group.exchange`, so a failure anywhere makes every rank raise one error naming the
+failed ranks, and nothing is committed); a group of one runs the same steps in one process:
 
-1. plan: each rank lists the chunks it holds (DTensor shards, or whole plain tensors) and
-   sends the list to the coordinator, which assigns writers (replicated chunks written
-   once, balanced by bytes), lays out the shared files for ``hf``, creates the temporary
-   directory, and answers each rank with what it writes and where.
+1. plan: each rank lists the chunks it holds (:func:`plan_local`: DTensor shards, or whole
+   plain tensors); the coordinator assigns writers (:func:`assign`: replicated chunks
+   written once, balanced by bytes), lays out the shared files for ``hf``
+   (:func:`plan_hf`, with the pure planner ``_planning/files.py``) and answers each rank
+   with what it writes and where.
 2. write: ``chunked`` — each rank writes its chunks to files of its own
-   (``model-r00003-00001.safetensors``); ``hf`` — all ranks share the planned HF files and
-   each ``pwrite``s its chunks' bytes at their planned positions (a dim-0 shard is one
-   range; other shards one range per contiguous run). Each rank reports its chunk records
-   and crc32c; once every rank has, the coordinator writes the index and the manifest,
-   renames the directory into place, and answers with the files.
+   (``model-r00003-00001.safetensors``, :func:`write_chunked`); ``hf`` — a file whose
+   tensors one rank holds whole is written by that rank like any file (one process writes
+   them all so, to a local directory or an object store); other files are shared: every
+   rank ``pwrite``s its chunks' bytes at their planned positions (a dim-0 shard is one
+   range; other shards one range per contiguous run; :func:`write_hf_part`). Each rank
+   reports its chunk records and crc32c; the coordinator turns them into the manifest's
+   records (:func:`chunked_records`, :func:`hf_records`) and commits.
 
-No full tensor is gathered anywhere; this needs a filesystem every rank sees, or an
-fsspec URL (layout ``chunked`` only: each rank uploads its own objects under the final
-prefix, the coordinator uploads the manifest last once every rank reported success).
+No full tensor is gathered anywhere; a collective ``hf`` save needs a filesystem every rank
+sees (``chunked`` also works on an fsspec URL: each rank uploads its own objects under the
+final prefix, the coordinator uploads the manifest last).
 """
 
 from __future__ import annotations
 
+import datetime as _dt
 import functools
 import math
-import os
-import socket
-import time
-import uuid
-from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from .._checksum import combine_runs
-from .._format.dtypes import NAME_TO_DTYPE, dtype_name
-from .._format.index import index_name, render_index
-from .._format.manifest import ChunkRef, ComponentRecord, TensorRecord
-from .._format.safetensors import TensorSpec, plan_file
+from .._format.dtypes import DTYPE_TO_NAME, NAME_TO_DTYPE, dtype_name
+from .._format.index import index_name
+from .._format.manifest import MANIFEST_NAME, ChunkRef, ComponentRecord, Manifest, TensorRecord
+from .._format.safetensors import TensorSpec
 from .._io.threads import writer_threads
 from .._io.writes import FileWrite, write_files
 from .._options import current_options
 from .._planning.chunks import ChunkPlan, assign_writers, byte_runs, split_replicated
-from .._planning.shards import plan_shards, shard_file_names
-from .._prepare import PreparedState
-from .._progress import byte_progress
-from .._storage import Transaction, open_transaction
-from .._storage.local import reported
-from .._storage.store import resolve, write_files_at
-from .._write import SaveInfo, file_metadata, write_manifest
-from ..errors import InvalidArgumentError
-from .group import Group, local_chunk
+from .._planning.files import PlannedFile, hf_index, plan_hf_files, plan_rank_files
+from .._prepare import PreparedState, hf_sizes
+from .._storage import Transaction
+from .._version import __version__
+from .group import local_chunk
 
 
 def _plan_local(prepared: PreparedState) -> tuple[list[ChunkPlan], dict[tuple[str, str], torch.Tensor]]:
+    """The chunks this rank holds, and each one's local tensor."""
     chunks = []
     local_tensors = {}
+    names = DTYPE_TO_NAME
     for comp in prepared.components:
         for name in comp.stored:
             tensor = comp.tensors[name]
+            dtype = names.get(tensor.dtype) or dtype_name(tensor.dtype, key=name)
             if name in comp.placements:
                 (global_shape, offsets), local = comp.placements[name], tensor
+                shape = tuple(local.shape)
+            elif type(tensor).__name__ != "DTensor":  # a plain tensor: one whole chunk (most states)
+                local = tensor
+                global_shape = shape = tuple(tensor.shape)
+                offsets = (0,) * len(shape)
             else:
                 global_shape, offsets, local = local_chunk(tensor, name)
-            local = local.detach()
-            nbytes = local.numel() * local.element_size()
-            chunks.append(
-                ChunkPlan(comp.name, name, dtype_name(tensor.dtype, key=name), global_shape, offsets,
-                          tuple(local.shape), nbytes)
-            )
+                shape = tuple(local.shape)
+            if local.requires_grad:
+                local = local.detach()
+            chunks.append(ChunkPlan(comp.name, name, dtype, global_shape, offsets, shape, local.nbytes))
             local_tensors[(comp.name, name)] = local
     return chunks, local_tensors
 
@@ -88,118 +89,19 @@ def _wanted(plan: ChunkPlan) -> bool:
     return plan.nbytes > 0 or math.prod(plan.global_shape) == 0
 
 
-def write_distributed(
-    prepared: PreparedState,
-    path: str | os.PathLike[str],
-    *,
-    group: Group,
-    layout: str,
-    max_shard_bytes: int,
-    overwrite: bool,
-    metadata: dict[str, Any],
-    durable: bool,
-    progress: bool | None,
-    storage_options: Mapping[str, Any] | None = None,
-) -> SaveInfo:
-    """Save collectively over ``group``; every rank calls this with its own shards."""
-    started = time.perf_counter()
-    if layout == "hf" and resolve(path, storage_options)[1] is not None:
-        raise InvalidArgumentError(
-            f"{os.fspath(path)}: layout='hf' in a collective save needs a shared POSIX "
-            "filesystem (ranks write parts of the same files), which an object store is not. "
-            "Save with layout='chunked' (each rank uploads its own files), then "
-            "`shardpoint convert` it to HF files where you need them"
-        )
-    chunked = layout == "chunked"
-    txn: Transaction | None = None
-    all_plans: list[list[ChunkPlan]] = []  # the coordinator's, for the manifest
-    hf_files: _HfFiles | None = None
-
-    def plan() -> tuple[tuple[list[ChunkPlan], dict[tuple[str, str], torch.Tensor]], tuple[list[ChunkPlan], str]]:
-        mine, local_tensors = _plan_local(prepared)
-        return (mine, local_tensors), (mine, socket.gethostname())
-
-    def assign(reports: list[tuple[list[ChunkPlan], str]]) -> list[_Assignment]:
-        """The coordinator: who writes what, then the temporary directory (opened last)."""
-        nonlocal txn, all_plans, hf_files
-        gathered = [plans for plans, _ in reports]
-        hosts = [host for _, host in reports]
-        # Large replicated tensors: one row piece per holder.
-        all_plans = split_replicated(gathered) if chunked else [list(p) for p in gathered]
-        owner = assign_writers([[p for p in plans if _wanted(p)] for plans in all_plans])
-        save_id = uuid.uuid4().hex
-        hf_files = None if chunked else _hf_files(all_plans, max_shard_bytes, file_metadata(save_id))
-        total = sum({p.ident: p.nbytes for plans in all_plans for p in plans if _wanted(p)}.values())
-        writes = [[p for p in plans if _wanted(p) and owner.get(p.ident) == rank]
-                  for rank, plans in enumerate(all_plans)]
-        parts = [None if hf_files is None else hf_files.part(w, coordinator=rank == 0) for rank, w in enumerate(writes)]
-        txn = open_transaction(path, overwrite=overwrite, storage_options=storage_options)
-        per_host = Counter(hosts)  # not hosts.count per rank: quadratic over thousands of ranks
-        return [_Assignment(save_id, txn.directory, w, part, total, per_host[host])
-                for w, part, host in zip(writes, parts, hosts, strict=True)]
-
-    try:
-        (mine, local_tensors), job = group.exchange(
-            "planning the save", plan, assign, deciding="creating the checkpoint directory"
-        )
-        local_offsets = {(p.component, p.name): p.offsets for p in mine}
-        file_meta = file_metadata(job.save_id)
-
-        threads = writer_threads(job.ranks_here)
-        segment = current_options().collective.segment_bytes
-
-        def write() -> tuple[None, _Written]:
-            nbytes = sum(p.nbytes for p in job.to_write)
-            with reported(path, "writing its data files"), \
-                    byte_progress(nbytes, f"saving rank {group.rank}", progress) as advance:
-                if job.hf_part is None:
-                    pieces = {(p.component, p.name): _piece(p, local_tensors, local_offsets) for p in job.to_write}
-                    refs, files = _write_chunked(job.to_write, pieces, job.directory, group.rank, max_shard_bytes,
-                                                 file_meta, durable, advance, storage_options, threads, segment)
-                    return None, (refs, files, [])
-                runs = _write_hf_part(job.to_write, local_tensors, job.hf_part, job.directory, durable, advance,
-                                      threads, segment)
-                return None, ([], {}, runs)
-
-        def commit(reports: list[_Written]) -> list[dict[str, int]]:
-            """The coordinator, once every rank has written: the manifest, then the rename."""
-            assert txn is not None
-            if hf_files is None:
-                records, files, indexes = _chunked_records(prepared, all_plans, reports)
-            else:
-                records, files, indexes = _hf_records(prepared, all_plans, reports, hf_files)
-            write_manifest(txn, prepared, records, files, indexes, save_id=job.save_id, layout=layout,
-                           world_size=group.world_size, metadata=metadata, durable=durable)
-            txn.commit(durable=durable)
-            return [files] * group.world_size
-
-        _, data_files = group.exchange(
-            "writing the checkpoint files", write, commit, deciding="committing the checkpoint"
-        )
-    except BaseException:
-        if txn is not None:
-            txn.abort()
-        raise
-    return SaveInfo(os.fspath(path), job.save_id, data_files, job.total, time.perf_counter() - started)
-
-
-class _Assignment(NamedTuple):
-    """What the coordinator tells a rank after planning."""
-
-    save_id: str
-    directory: str
-    to_write: list[ChunkPlan]
-    """The chunks (or row pieces of replicated ones) this rank writes."""
-    hf_part: _HfPart | None
-    """Layout ``hf``: where this rank's chunks go in the shared files."""
-    total: int
-    """Bytes of every distinct chunk, all ranks together."""
-    ranks_here: int
-    """Ranks on this rank's machine (same host name): they share its CPUs for writing."""
-
-
-_Written = tuple[list[tuple[str, str, ChunkRef]], dict[str, int], list[tuple[str, str, int, int, int]]]
-"""A rank's report after writing: chunked (chunk refs, files and sizes), or hf runs."""
+def assign(all_plans: Sequence[Sequence[ChunkPlan]], *, chunked: bool) -> tuple[list[list[ChunkPlan]], list[list[ChunkPlan]], int]:
+    """The coordinator's choice of writers: (every rank's plans as the manifest sees them,
+    the chunks each rank writes, the bytes of every distinct chunk together)."""
+    if len(all_plans) == 1:  # a group of one writes all it holds
+        plans = list(all_plans[0])
+        mine = [p for p in plans if _wanted(p)]
+        return [plans], [mine], sum(p.nbytes for p in mine)
+    # Large replicated tensors: one row piece per holder.
+    planned = split_replicated(all_plans) if chunked else [list(p) for p in all_plans]
+    owner = assign_writers([[p for p in plans if _wanted(p)] for plans in planned])
+    total = sum({p.ident: p.nbytes for plans in planned for p in plans if _wanted(p)}.values())
+    writes = [[p for p in plans if _wanted(p) and owner.get(p.ident) == rank] for rank, plans in enumerate(planned)]
+    return planned, writes, total
 
 
 # --------------------------------------------------------------------------- chunked
@@ -219,6 +121,14 @@ def _piece(
     return tensor.narrow(0, plan.offsets[0] - local_offsets[key][0], plan.shape[0])
 
 
+def pieces(
+    to_write: Sequence[ChunkPlan], mine: Sequence[ChunkPlan], local_tensors: Mapping[tuple[str, str], torch.Tensor]
+) -> dict[tuple[str, str], torch.Tensor]:
+    """(component, name) -> the tensor a ``chunked`` rank writes for each of ``to_write``."""
+    local_offsets = {(p.component, p.name): p.offsets for p in mine}
+    return {(p.component, p.name): _piece(p, local_tensors, local_offsets) for p in to_write}
+
+
 SPLIT_FLOOR_BYTES = 256 << 20
 """Smallest file a rank splits its bytes into so that each writer thread has one of its own."""
 
@@ -228,10 +138,8 @@ def _rank_file_bytes(total: int, max_shard_bytes: int, threads: int) -> int:
     fill files of their own.
 
     Buffered writes to one file hold its inode lock while they copy (ext4, XFS), so two
-    threads on one file take turns, and the waiting one spins: with 1 rank writing 1.94 GB
-    durably into one file, 27 % of the CPU samples were ``rwsem_spin_on_owner``; with the
-    bytes in two files, 7 % and 1.5 % (perf, 2026-11-24). Files never go below 256 MiB for
-    this (small states stay in one file).
+    threads on one file take turns and the waiting one spins (``benchmarks/README.md``
+    has the profile). Files never go below 256 MiB for this (small states stay in one file).
 
         >>> _rank_file_bytes(2 << 30, 5 << 30, threads=2) == 1 << 30
         True
@@ -243,19 +151,32 @@ def _rank_file_bytes(total: int, max_shard_bytes: int, threads: int) -> int:
     return min(max_shard_bytes, max(SPLIT_FLOOR_BYTES, math.ceil(total / threads)))
 
 
+def io_share(ranks_here: int) -> tuple[int, int]:
+    """(writer threads, bytes per write) of a rank: its share of the machine's CPUs (the
+    ranks on one host divide them), and the collective segment size."""
+    return writer_threads(ranks_here), current_options().collective.segment_bytes
+
+
+def local_writer(threads: int, segment: int) -> Callable[..., dict[tuple[str, str], int]]:
+    """How a rank of a collective save writes whole files into a local directory: its share
+    of the machine's writer threads, the collective segment size."""
+    return functools.partial(write_files, threads=threads, segment=segment)
+
+
+Write = Callable[[Sequence[FileWrite]], dict[tuple[str, str], int]]
+"""Writes whole files of the save (into its directory, or under its URL): crc32c of each (file, key)."""
+
+
 def _write_chunked(
     to_write: list[ChunkPlan],
     local_tensors: dict[tuple[str, str], torch.Tensor],
-    directory: str,
     rank: int,
     max_shard_bytes: int,
     file_meta: dict[str, str],
-    durable: bool,
-    advance: Any,
-    storage_options: Mapping[str, Any] | None,
     threads: int,
-    segment: int,
+    write: Write,
 ) -> tuple[list[tuple[str, str, ChunkRef]], dict[str, int]]:
+    """Write this rank's chunks into files of its own; return their records and sizes."""
     by_component: dict[str, list[ChunkPlan]] = {}
     for plan in to_write:
         by_component.setdefault(plan.component, []).append(plan)
@@ -264,18 +185,14 @@ def _write_chunked(
     files: dict[str, int] = {}
     for component, plans in by_component.items():
         file_bytes = _rank_file_bytes(sum(p.nbytes for p in plans), max_shard_bytes, threads)
-        groups = plan_shards([(p.name, p.nbytes) for p in plans], file_bytes)
         by_name = {p.name: p for p in plans}
-        for i, names in enumerate(groups, start=1):
-            fname = f"{component}-r{rank:05d}-{i:05d}.safetensors"
-            specs = [TensorSpec(n, by_name[n].dtype, by_name[n].shape, by_name[n].nbytes) for n in names]
-            layout = plan_file(specs, file_meta)
-            tensors = tuple((n, local_tensors[(component, n)], layout.ranges[n][0]) for n in names)
-            writes.append(FileWrite(fname, layout.header, layout.size, tensors))
-            files[fname] = layout.size
-            placed.extend((by_name[n], fname) for n in names)
-    crcs = write_files_at(directory, writes, durable=durable, advance=advance,
-                          storage_options=storage_options, local=functools.partial(write_files, threads=threads, segment=segment))
+        specs = [TensorSpec(p.name, p.dtype, p.shape, p.nbytes) for p in plans]
+        for f in plan_rank_files(component, rank, specs, file_bytes, file_meta):
+            tensors = tuple((n, local_tensors[(component, n)], off) for n, off in f.offsets.items())
+            writes.append(FileWrite(f.name, f.header, f.size, tensors))
+            files[f.name] = f.size
+            placed.extend((by_name[n], f.name) for n in f.offsets)
+    crcs = write(writes)
     refs = [
         (p.component, p.name, ChunkRef(fname, p.name, p.offsets, p.shape, crcs[(fname, p.name)]))
         for p, fname in placed
@@ -283,15 +200,16 @@ def _write_chunked(
     return refs, files
 
 
-def _chunked_records(
+def chunked_records(
     prepared: PreparedState,
     all_plans: Sequence[Sequence[ChunkPlan]],
-    reports: Sequence[tuple[list[tuple[str, str, ChunkRef]], dict[str, int], list[Any]]],
+    reports: Sequence[tuple[list[tuple[str, str, ChunkRef]], dict[str, int]]],
 ) -> tuple[dict[str, ComponentRecord], dict[str, int], dict[str, bytes]]:
+    """The manifest's records, files and (no) indexes of a ``chunked`` save."""
     order = _tensor_order(all_plans)
     chunks: dict[tuple[str, str], list[ChunkRef]] = {}
     files: dict[str, int] = {}
-    for refs, rank_files, _ in reports:
+    for refs, rank_files in reports:
         files.update(rank_files)
         for component, name, ref in refs:
             chunks.setdefault((component, name), []).append(ref)
@@ -308,72 +226,128 @@ def _chunked_records(
 # -------------------------------------------------------------------------------- hf
 
 
-class _HfPart(NamedTuple):
-    """A rank's share of the shared HF files."""
+class HfPart(NamedTuple):
+    """A rank's share of the HF files."""
 
+    whole: list[tuple[str, PlannedFile]]
+    """(component, file) of each file this rank writes alone, header included."""
     placement: dict[tuple[str, str], tuple[str, int]]
-    """(component, name) of each chunk it writes -> (file, the tensor's first byte there)."""
-    files: dict[str, tuple[bytes, int]]
-    """Each file it writes to -> (header, or b"" where the coordinator writes it; file size)."""
+    """(component, name) of each chunk it writes into a shared file -> (file, the tensor's
+    first byte there)."""
+    shared: dict[str, tuple[bytes, int]]
+    """Each shared file it writes to -> (header, or b"" where the coordinator writes it; size)."""
 
 
-class _HfFiles(NamedTuple):
-    """The shared HF file layout of a collective save (computed by the coordinator)."""
+class HfFiles(NamedTuple):
+    """The HF file plan of a save (made by the coordinator)."""
 
+    files: list[tuple[str, PlannedFile]]
+    """(component, file), in file order."""
     placement: dict[tuple[str, str], tuple[str, int]]
     """(component, name) -> (file, the tensor's first byte there)."""
-    headers: dict[str, tuple[bytes, int]]
-    """file -> (header, size)."""
-    weight_maps: dict[str, dict[str, str]]
-    """component -> tensor name -> file."""
+    indexes: dict[str, bytes]
+    """Index file name -> its bytes (components of several files)."""
+    order: dict[str, dict[str, ChunkPlan]]
+    """component -> name -> a chunk of it, in the order the tensors are saved."""
 
-    def part(self, to_write: Sequence[ChunkPlan], *, coordinator: bool) -> _HfPart:
-        """What a rank writing ``to_write`` needs; the coordinator also writes every header."""
-        placement = {(p.component, p.name): self.placement[(p.component, p.name)] for p in to_write}
-        if coordinator:
-            return _HfPart(placement, dict(self.headers))
-        return _HfPart(placement, {f: (b"", self.headers[f][1]) for f, _ in placement.values()})
+    def parts(self, writes: Sequence[Sequence[ChunkPlan]]) -> list[HfPart]:
+        """Each rank's share, given the chunks each writes: a file whose every tensor one
+        rank writes whole is that rank's alone; the coordinator writes the headers of the
+        others."""
+        if len(writes) == 1 and all(p.shape == p.global_shape for p in writes[0]):
+            return [HfPart(list(self.files), {}, {})]  # one process holding whole tensors
+        writer: dict[str, int | None] = {}
+        for rank, plans in enumerate(writes):
+            for p in plans:
+                fname = self.placement[(p.component, p.name)][0]
+                alone = p.shape == p.global_shape and writer.get(fname, rank) == rank
+                writer[fname] = rank if alone else None
+        out = []
+        for rank, plans in enumerate(writes):
+            whole = [(c, f) for c, f in self.files if writer.get(f.name) == rank]
+            placement = {}
+            for p in plans:
+                where = self.placement[(p.component, p.name)]
+                if writer.get(where[0]) is None:
+                    placement[(p.component, p.name)] = where
+            touched = {fname for fname, _ in placement.values()}
+            shared = {f.name: (f.header if rank == 0 else b"", f.size) for _, f in self.files
+                      if writer.get(f.name, -1) is None and (rank == 0 or f.name in touched)}
+            out.append(HfPart(whole, placement, shared))
+        return out
 
 
-def _hf_files(
-    all_plans: Sequence[Sequence[ChunkPlan]], max_shard_bytes: int, file_meta: dict[str, str]
-) -> _HfFiles:
-    """Lay out the HF files every rank writes into: whole tensors, in first-seen order."""
+def _global_bytes(plan: ChunkPlan) -> int:
+    if plan.shape == plan.global_shape:
+        return plan.nbytes
+    return math.prod(plan.global_shape) * NAME_TO_DTYPE[plan.dtype].itemsize
+
+
+def plan_hf(
+    prepared: PreparedState, all_plans: Sequence[Sequence[ChunkPlan]], max_shard_bytes: int, file_meta: dict[str, str]
+) -> HfFiles:
+    """Lay out the HF files of every component: whole tensors, in first-seen order, grouped
+    by the bytes ``transformers`` counts for the coordinator's own tensors (a view counts its
+    storage, views of one storage share a file) and by their own bytes for the rest."""
+    own = {comp.name: comp for comp in prepared.components}
+    order = _tensor_order(all_plans)
+    files: list[tuple[str, PlannedFile]] = []
     placement: dict[tuple[str, str], tuple[str, int]] = {}
-    headers: dict[str, tuple[bytes, int]] = {}
-    weight_maps: dict[str, dict[str, str]] = {}
-    for component, plans in _tensor_order(all_plans).items():
-        itemsizes = {n: NAME_TO_DTYPE[p.dtype].itemsize for n, p in plans.items()}
-        sizes = [(n, math.prod(p.global_shape) * itemsizes[n]) for n, p in plans.items()]
-        groups = plan_shards(sizes, max_shard_bytes)
-        weight_map: dict[str, str] = {}
-        for fname, names in zip(shard_file_names(component, len(groups)), groups, strict=True):
-            specs = [TensorSpec(n, plans[n].dtype, plans[n].global_shape, dict(sizes)[n]) for n in names]
-            layout = plan_file(specs, file_meta)
-            headers[fname] = (layout.header, layout.size)
-            for n in names:
-                placement[(component, n)] = (fname, layout.ranges[n][0])
-                weight_map[n] = fname
-        weight_maps[component] = weight_map
-    return _HfFiles(placement, headers, weight_maps)
+    indexes: dict[str, bytes] = {}
+    for component, plans in order.items():
+        specs = {n: TensorSpec(n, p.dtype, p.global_shape, _global_bytes(p)) for n, p in plans.items()}
+        comp = own.get(component)
+        sizes, storage = hf_sizes(comp) if comp is not None else ([], {})
+        if len(sizes) != len(specs):  # the coordinator holds only some of them (else the same names, in order)
+            counted = dict(sizes)
+            sizes = [(n, counted.get(n, spec.nbytes)) for n, spec in specs.items()]
+        planned = plan_hf_files(component, specs, max_shard_bytes, file_meta, sizes=sizes, storage=storage)
+        for f in planned:
+            files.append((component, f))
+            placement.update({(component, n): (f.name, off) for n, off in f.offsets.items()})
+        if len(planned) > 1:
+            total = sum(spec.nbytes for spec in specs.values())
+            params = comp.parameters if comp is not None and comp.parameters is not None else \
+                sum(math.prod(p.global_shape) for p in plans.values())
+            indexes[index_name(component)] = hf_index(planned, total, params) or b""
+    return HfFiles(files, placement, indexes, order)
 
 
-def _write_hf_part(
+_Runs = list[tuple[str, str, int, int, int]]
+"""(component, name, byte start within the tensor, crc32c, length) of each run written."""
+
+
+def write_hf_part(
     to_write: list[ChunkPlan],
     local_tensors: dict[tuple[str, str], torch.Tensor],
-    part: _HfPart,
+    part: HfPart,
     directory: str,
+    *,
     durable: bool,
     advance: Any,
     threads: int,
     segment: int,
-) -> list[tuple[str, str, int, int, int]]:
-    """Write this rank's chunks into the shared HF files; return (component, name,
-    byte start within the tensor, crc32c, length) for every contiguous run written."""
+    write: Write,
+) -> tuple[dict[tuple[str, str], int], _Runs]:
+    """Write this rank's share of the HF files; return the crc32c of each (file, tensor) of
+    the files it wrote whole, and the runs it wrote into shared ones (a dim-0 shard is one
+    run; other shards one per contiguous range)."""
+    whole: dict[tuple[str, str], int] = {}
+    if part.whole:
+        writes = []
+        for component, f in part.whole:
+            tensors = tuple((n, local_tensors[(component, n)], off) for n, off in f.offsets.items())
+            writes.append(FileWrite(f.name, f.header, f.size, tensors))
+        whole = write(writes)
+    if not part.shared:
+        return whole, []
     items: dict[str, list[tuple[str, torch.Tensor, int]]] = {}
     runs_of: dict[str, tuple[str, str, int, int]] = {}
     for plan in to_write:
-        fname, start = part.placement[(plan.component, plan.name)]
+        where = part.placement.get((plan.component, plan.name))
+        if where is None:
+            continue  # in a file this rank writes whole
+        fname, start = where
         local = local_tensors[(plan.component, plan.name)]
         if not local.is_contiguous() or local.device.type != "cpu":
             local = local.contiguous().cpu()
@@ -387,42 +361,66 @@ def _write_hf_part(
             pos += length
     writes = [
         FileWrite(fname, header, size, tuple(items.get(fname, ())))
-        for fname, (header, size) in sorted(part.files.items())
+        for fname, (header, size) in sorted(part.shared.items())
     ]
     crcs = write_files(directory, writes, durable=durable, advance=advance, shared=True, threads=threads,
                        segment=segment)
-    return [(*runs_of[key][:3], crc, runs_of[key][3]) for (_, key), crc in crcs.items()]
+    return whole, [(*runs_of[key][:3], crc, runs_of[key][3]) for (_, key), crc in crcs.items()]
 
 
-def _hf_records(
+def hf_records(
     prepared: PreparedState,
-    all_plans: Sequence[Sequence[ChunkPlan]],
-    reports: Sequence[tuple[list[Any], dict[str, int], list[tuple[str, str, int, int, int]]]],
-    hf_files: _HfFiles,
+    reports: Sequence[tuple[dict[tuple[str, str], int], _Runs]],
+    hf_files: HfFiles,
 ) -> tuple[dict[str, ComponentRecord], dict[str, int], dict[str, bytes]]:
-    placement, headers, weight_maps = hf_files
+    """The manifest's records, files and indexes of an ``hf`` save."""
+    whole: dict[tuple[str, str], int] = {}
     runs: dict[tuple[str, str], list[tuple[int, int, int]]] = {}
-    for _, _, rank_runs in reports:
-        for component, name, start, crc, length in rank_runs:
-            runs.setdefault((component, name), []).append((start, crc, length))
-    order = _tensor_order(all_plans)
+    for rank_whole, rank_runs in reports:
+        whole.update(rank_whole)
+        for component, name, start, run_crc, length in rank_runs:
+            runs.setdefault((component, name), []).append((start, run_crc, length))
     records = {}
-    indexes = {}
+    placement = hf_files.placement
     for comp in prepared.components:
         tensors = {}
-        total = elements = 0
-        for name, plan in order.get(comp.name, {}).items():
-            nbytes = math.prod(plan.global_shape) * NAME_TO_DTYPE[plan.dtype].itemsize
-            crc = combine_runs(runs.get((comp.name, name), []), nbytes, where=f"{comp.name}/{name}")
-            fname, _ = placement[(comp.name, name)]
+        for name, plan in hf_files.order.get(comp.name, {}).items():
             shape = plan.global_shape
+            fname = placement[(comp.name, name)][0]
+            crc = whole.get((fname, name))
+            if crc is None:
+                crc = combine_runs(runs.get((comp.name, name), []), _global_bytes(plan), where=f"{comp.name}/{name}")
             tensors[name] = TensorRecord(plan.dtype, shape, (ChunkRef(fname, name, (0,) * len(shape), shape, crc),))
-            total += nbytes
-            elements += math.prod(plan.global_shape)
         records[comp.name] = ComponentRecord(comp.tree, tensors, dict(comp.aliases))
-        if len(set(weight_maps.get(comp.name, {}).values())) > 1:
-            indexes[index_name(comp.name)] = render_index(
-                weight_maps[comp.name], total, elements if comp.parameters is None else comp.parameters
-            )
-    files = {fname: size for fname, (_, size) in headers.items()}
-    return records, files, indexes
+    files = {f.name: f.size for _, f in hf_files.files}
+    return records, files, hf_files.indexes
+
+
+def write_manifest(
+    txn: Transaction,
+    prepared: PreparedState,
+    records: dict[str, ComponentRecord],
+    files: dict[str, int],
+    indexes: dict[str, bytes],
+    *,
+    save_id: str,
+    layout: str,
+    world_size: int,
+    metadata: dict[str, Any],
+    durable: bool,
+) -> None:
+    """Write the indexes, then the manifest (the commit marker) into the transaction."""
+    manifest = Manifest(
+        save_id=save_id,
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        library_version=__version__,
+        world_size=world_size,
+        layout=layout,
+        flat=prepared.flat,
+        components=records,
+        files=files,
+        metadata=metadata,
+    )
+    for iname, data in indexes.items():
+        txn.write_bytes(iname, data, durable=durable)
+    txn.write_bytes(MANIFEST_NAME, manifest.to_json(), durable=durable)

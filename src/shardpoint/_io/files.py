@@ -211,9 +211,11 @@ class LocalFiles:
     system refuses it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int | None = None) -> None:
         cfg = current_options()
         native = native_loops()
+        self._threads = threads
+        """Reads at once (default :func:`.threads.reader_threads`)."""
         self.segment = cfg.io.segment_bytes
         self._read = native.pread_into if native is not None else _read_segments
         self._cached_prefix = native.cached_prefix if native is not None else None
@@ -236,7 +238,7 @@ class LocalFiles:
         self._bounce = threading.local()
 
     def threads(self) -> int:
-        return reader_threads()
+        return self._threads or reader_threads()
 
     def piece_bytes(self) -> int:
         return plan.PIECE_BYTES

@@ -64,7 +64,7 @@ def check_memory(ckpt: Checkpoint, total: int, files: set[str]) -> None:
     if limit is None or total <= limit:
         return
     on_disk = ""
-    if ckpt.store is None:
+    if ckpt.local_files:
         blocks = 0
         for name in files:
             with contextlib.suppress(CheckpointError, OSError):

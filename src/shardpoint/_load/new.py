@@ -152,7 +152,7 @@ def _load(
     allow_pickle: bool,
     max_buffer_bytes: int | str | None,
 ) -> Any:
-    if mmap and ckpt.store is not None:
+    if mmap and not ckpt.local_files:
         raise InvalidArgumentError(f"{ckpt.location}: mmap=True needs local files; load it with mmap=False")
     device = torch.device(device)
     batch = ReadBatch(ckpt, verify=resolve_verify(verify) and not mmap, staging_bytes=staging_size(max_buffer_bytes))

@@ -9,20 +9,27 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class ChunkPlan:
-    """One chunk a rank holds, as announced before a distributed save."""
+class ChunkPlan(NamedTuple):
+    """One chunk a rank holds, as announced when a save is planned. (A named tuple: every
+    save makes one per tensor, and a state may hold 10^5 small ones.)"""
 
     component: str
+    """The component (top-level key) the tensor belongs to."""
     name: str
+    """The tensor's name in its component."""
     dtype: str
+    """safetensors dtype string."""
     global_shape: tuple[int, ...]
+    """Shape of the whole tensor."""
     offsets: tuple[int, ...]
+    """Where the chunk starts in the whole tensor, per dimension."""
     shape: tuple[int, ...]
+    """Shape of the chunk."""
     nbytes: int
+    """Bytes of the chunk."""
 
     @property
     def ident(self) -> tuple[str, str, tuple[int, ...], tuple[int, ...]]:

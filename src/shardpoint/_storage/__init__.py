@@ -11,7 +11,7 @@ so they never import this package).
 
 from __future__ import annotations
 
-from .store import Store, open_store, open_transaction
+from .store import Store, open_store
 from .transaction import Transaction
 
-__all__ = ["Store", "Transaction", "open_store", "open_transaction"]
+__all__ = ["Store", "Transaction", "open_store"]

@@ -74,3 +74,10 @@ class FsspecStore(RemoteStore):
 
     def open_transaction(self, *, overwrite: bool) -> RemoteTransaction:
         return RemoteTransaction(self, overwrite=overwrite)
+
+    def writing_into(self, directory: str) -> FsspecStore:
+        """The same filesystem at ``directory`` (a remote transaction's is its final prefix:
+        this store itself)."""
+        if directory == self.url:
+            return self
+        return FsspecStore(self.fs, self.fs._strip_protocol(directory), directory)

@@ -164,3 +164,6 @@ class LocalStore:
 
     def open_transaction(self, *, overwrite: bool) -> LocalTransaction:
         return LocalTransaction(self.location, overwrite=overwrite)
+
+    def writing_into(self, directory: str) -> LocalStore:
+        return LocalStore(directory)

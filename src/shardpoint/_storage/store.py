@@ -11,7 +11,6 @@ the store's transaction, and the few capabilities that differ are named properti
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -95,6 +94,11 @@ class Store(Protocol):
     def open_transaction(self, *, overwrite: bool) -> Transaction:
         """Start a save here; its commit makes it visible (see the transaction modules)."""
 
+    def writing_into(self, directory: str) -> Store:
+        """The store a collective save's rank writes its files into: ``directory`` is the
+        coordinator's transaction's (a local temporary directory; an object store's final
+        prefix, where the manifest goes last)."""
+
 
 def open_store(path: Any, storage_options: Mapping[str, Any] | None = None) -> Store:
     """The store of ``path``: a local directory (or ``file://`` URL), or any fsspec URL.
@@ -107,28 +111,6 @@ def open_store(path: Any, storage_options: Mapping[str, Any] | None = None) -> S
     """
     where, store = resolve(path, storage_options)
     return LocalStore(where) if store is None else store
-
-
-def open_transaction(
-    path: str | os.PathLike[str], *, overwrite: bool, storage_options: Mapping[str, Any] | None
-) -> Transaction:
-    """A transaction saving to ``path``: local (temp dir + atomic rename) or remote (ordered)."""
-    return open_store(path, storage_options).open_transaction(overwrite=overwrite)
-
-
-def write_files_at(
-    directory: str,
-    files: Sequence[FileWrite],
-    *,
-    durable: bool,
-    advance: Callable[[int], None] | None,
-    storage_options: Mapping[str, Any] | None,
-    local: Callable[..., dict[tuple[str, str], int]],
-) -> dict[tuple[str, str], int]:
-    """Write ``files`` into a local directory (with ``local``) or upload them under a URL
-    (the path form of :meth:`Store.write_data_files`)."""
-    store = open_store(directory, storage_options)
-    return store.write_data_files(files, durable=durable, advance=advance, local=local)
 
 
 def is_url(path: object) -> bool:
@@ -192,9 +174,3 @@ def resolve(path: Any, storage_options: Mapping[str, Any] | None) -> tuple[Any, 
             f"{path}: storage_options were not accepted by the {protocol}:// backend ({exc})"
         ) from None
     return path, FsspecStore(fs, root, path)
-
-
-def store_for(path: Any, storage_options: Mapping[str, Any] | None) -> FsspecStore | None:
-    """The store of a URL, None for a local path."""
-    return resolve(path, storage_options)[1]
-
