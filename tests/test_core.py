@@ -262,10 +262,7 @@ def test_foreign_single_file_and_directory(tmp_path):
 
 def test_large_tensor_split_across_threads_verifies(tmp_path, monkeypatch, use_options):
     """A tensor larger than one I/O piece is written/read by several threads; crcs combine."""
-    import shardpoint._io.plan as io_plan
-
-    monkeypatch.setattr(io_plan, "PIECE_BYTES", 4096)
-    use_options(io=sp.IOOptions(segment_bytes=1000))
+    use_options(io=sp.IOOptions(segment_bytes=1000, piece_bytes=4096))
     t = torch.randn(10_000)
     sp.save({"t": t}, tmp_path / "ck")
     manifest = json.loads((tmp_path / "ck" / "shardpoint.json").read_text())

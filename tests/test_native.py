@@ -19,7 +19,7 @@ import torch
 
 import shardpoint as sp
 from shardpoint import _checksum
-from shardpoint._io import files, plan
+from shardpoint._io import files
 from shardpoint.errors import ChecksumMismatchError, CorruptCheckpointError
 
 native = _checksum.NATIVE
@@ -448,9 +448,8 @@ def test_a_file_system_refusing_direct_reads_is_read_through_the_page_cache(tmp_
     (f,) = out.glob("*.safetensors")
     _evict(f)
     refusing = _CountingNative(native, direct_errno=errno.EINVAL)
-    monkeypatch.setattr(plan, "PIECE_BYTES", 4 << 20)  # 5 pieces of the one file
     monkeypatch.setattr(files, "_native", refusing)
-    use_options(io=sp.IOOptions(read_threads=1, direct_reads=True))
+    use_options(io=sp.IOOptions(read_threads=1, direct_reads=True, piece_bytes=4 << 20))  # 5 pieces of the one file
     assert torch.equal(sp.load(out)["t"], tensor)
     assert refusing.direct == [0], "refused once, then that file is read as usual"
     # Any other error is the disk's: it is raised, naming the file.

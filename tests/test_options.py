@@ -41,7 +41,7 @@ def test_literal_defaults_without_the_environment() -> None:
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {
         "io": {
-            "write_threads": 0, "read_threads": 0, "segment_bytes": 2 << 20,
+            "write_threads": 0, "read_threads": 0, "segment_bytes": 2 << 20, "piece_bytes": 64 << 20,
             "staging_buffer_bytes": 64 << 20, "verify_checksums": True, "native": True,
             "cached_copy": True, "direct_reads": False, "max_header_bytes": 100_000_000,
             "max_json_bytes": 256 << 20,

@@ -26,7 +26,6 @@ import torch
 from .._checksum import NATIVE, combine_runs, crc32c_update
 from .._options import current_options
 from ..errors import CheckpointError, StorageError
-from . import plan
 from .memory import host_bytes, unchanged_size
 from .plan import ReadTask
 from .threads import cpu_count, reader_threads
@@ -241,7 +240,7 @@ class LocalFiles:
         return self._threads or reader_threads()
 
     def piece_bytes(self) -> int:
-        return plan.PIECE_BYTES
+        return current_options().io.piece_bytes
 
     def fd(self, task: ReadTask) -> int:
         if task.fd >= 0:

@@ -9,11 +9,6 @@ from typing import NamedTuple
 
 import torch
 
-PIECE_BYTES = 64 << 20
-"""Unit of work shared between threads; crcs of whole pieces are combined cheaply. (For
-reads, 16 MB pieces balanced the threads' finish no better and made cold reads ~15 %
-slower: more, shorter streams.)"""
-
 SMALL_TENSOR_BYTES = 64 << 10
 """Tensors of at most this many bytes are written (and read) in runs of neighbours: one
 ``pwrite`` / ``preadv`` (or ranged GET) per run through one buffer, instead of one call (and

@@ -97,6 +97,7 @@ class LocalFileSink:
     def plan(self, files: Sequence[FileWrite]) -> list[Any]:
         # Round-robin across files so concurrent threads mostly hit different inodes. A run
         # of small neighbouring tensors is one item (``small_runs``).
+        piece = current_options().io.piece_bytes
         per_file: list[list[Any]] = []
         for f in files:
             items: list[Any] = []
@@ -114,7 +115,7 @@ class LocalFileSink:
                 key, tensor, offset = f.tensors[i]
                 nbytes = sizes[i][1]
                 simple = tensor.device.type == "cpu" and tensor.is_contiguous() and not tensor.is_conj()
-                spans = plan.pieces(nbytes, plan.PIECE_BYTES) if simple else [(0, nbytes)]
+                spans = plan.pieces(nbytes, piece) if simple else [(0, nbytes)]
                 for start, end in spans:
                     items.append((f.name, key, tensor, offset, start, end))
                 i += 1
