@@ -106,3 +106,15 @@ def test_a_safetensors_sibling_is_read_instead_of_the_pickle(tmp_path):
     target = {"w": torch.full((4,), float("nan"))}
     sp.load_into(target, tmp_path / "model.pt")
     assert target["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_local_bin_path_refuses_storage_options_as_safetensors_does(tmp_path):
+    """The path is resolved once, to its store, before the format is looked at: options for
+    an object store given with a local path are refused alike for every format."""
+    torch.save({"w": torch.ones(2)}, tmp_path / "model.pt")
+    sp.save({"w": torch.ones(2)}, tmp_path / "ck", progress=False)
+    for path in (tmp_path / "model.pt", tmp_path / "ck"):
+        with pytest.raises(sp.InvalidArgumentError, match=f"storage_options were given but {path} is a local path"):
+            sp.load(path, storage_options={"anon": True})
+        with pytest.raises(sp.InvalidArgumentError, match="is a local path; they apply to fsspec URLs only"):
+            sp.load_into({"w": torch.zeros(2)}, path, storage_options={"anon": True})

@@ -55,7 +55,7 @@ from ._storage.local_recovery import hidden_sibling_message, missing_path_messag
 from ._storage.local_store import LocalStore
 from ._storage.paths import member_path, open_regular
 from ._storage.remote_store import RemoteStore
-from ._storage.store import open_store
+from ._storage.store import Store, open_store
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -123,12 +123,12 @@ def _fill_from_headers(ckpt: Checkpoint, weight_map: dict[str, str] | None, file
 
 
 def open_checkpoint(
-    path: str | os.PathLike[str] | LocalStore | FsspecStore, storage_options: Mapping[str, Any] | None = None
+    path: str | os.PathLike[str] | Store, storage_options: Mapping[str, Any] | None = None
 ) -> Checkpoint:
     """Open a checkpoint directory (ours or HF) or a single ``.safetensors`` file, local or
     at an fsspec URL (``storage_options`` go to its filesystem), or the store a caller
     already resolved at its API edge (:func:`~shardpoint._storage.store.open_store`)."""
-    store = path if isinstance(path, (LocalStore, FsspecStore)) else open_store(path, storage_options)
+    store = open_store(path, storage_options) if isinstance(path, (str, os.PathLike)) else path
     return _OPENERS[type(store)](store)
 
 

@@ -67,7 +67,7 @@ from .._sizes import human_size
 from .._source import detect_local, open_checkpoint
 from .._sources.contract import SourceSpec
 from .._sources.pickled import BinShardsSource, TorchSaveSource
-from .._storage.store import is_url
+from .._storage.store import open_store
 from .main import add_cache_dir, add_checkpoint_path, add_storage_options, hub_storage_options
 from .output import emit, emit_json, printable
 
@@ -126,7 +126,8 @@ def describe_path(
     location = os.fspath(path)
     notes = []
     pickled: tuple[str, str, str | None] | None = None
-    found = detect_local(location) if not is_url(location) and os.path.exists(location) else None
+    local = open_store(location, storage_options).local_path
+    found = detect_local(local) if local is not None and os.path.exists(local) else None
     if found is not None and found.instead_of is not None and found.file is not None:
         sibling = os.path.join(os.path.dirname(location), found.file)
         notes.append(

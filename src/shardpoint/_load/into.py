@@ -25,6 +25,7 @@ from .._read import ReadBatch
 from .._source import OPEN_TRIES, open_checkpoint
 from .._sources.contract import SourceSpec
 from .._stateful import find_modules, parameter_names
+from .._storage.store import open_store
 from ..errors import InvalidStateError, LoadMismatchError, StorageError
 from .pickled import PickledBatch, route
 from .planner import Planner
@@ -168,10 +169,10 @@ def _open_on_every_rank(group: Group, path: str | os.PathLike[str],
 
     def open_here() -> tuple[Checkpoint | None, Any]:
         hub_path, options = resolve_hub(path, storage_options)
-        routed, pickled = route(hub_path)
+        store, pickled = route(open_store(hub_path, options))
         if pickled is not None:
             return None, None
-        ckpt = open_checkpoint(routed, options)
+        ckpt = open_checkpoint(store)
         return ckpt, ckpt.manifest.save_id if ckpt.manifest is not None else None
 
     for _ in range(OPEN_TRIES):
@@ -192,10 +193,10 @@ def _load_into(target: Any, path: str | os.PathLike[str], settings: IntoSettings
     if opened is not None:  # opened (and later closed) by load_into, agreed on by every rank
         return _load_into_checkpoint(target, opened, settings)
     path, storage_options = resolve_hub(path, storage_options)
-    path, pickled = route(path)
+    store, pickled = route(open_store(path, storage_options))  # the path resolved once, here
     if pickled is not None:
         return _load_pickled_into(target, path, pickled, settings)
-    with open_checkpoint(path, storage_options) as ckpt:
+    with open_checkpoint(store) as ckpt:
         return _load_into_checkpoint(target, ckpt, settings)
 
 

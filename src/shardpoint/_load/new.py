@@ -23,6 +23,7 @@ from .._hub import resolve_hub
 from .._options import OptionsArg, applied
 from .._read import ReadBatch
 from .._source import open_checkpoint
+from .._storage.store import open_store
 from ..errors import InvalidArgumentError
 from .memory import check_memory
 from .pickled import load_pickled, route
@@ -129,7 +130,7 @@ def load(
     """
     with applied(options):
         path, storage_options = resolve_hub(path, storage_options)
-        path, pickled = route(path)
+        store, pickled = route(open_store(path, storage_options))  # the path resolved once, here
         if pickled is not None:
             if mmap:
                 raise InvalidArgumentError(
@@ -137,7 +138,7 @@ def load(
                     "load it with mmap=False, or convert it first (shardpoint convert)"
                 )
             return load_pickled(path, pickled, keys=keys, device=torch.device(device), dtype=dtype)
-        with collector_paused(), open_checkpoint(path, storage_options) as ckpt:
+        with collector_paused(), open_checkpoint(store) as ckpt:
             return _load(ckpt, keys, device, dtype, mmap, progress, verify, allow_pickle, max_buffer_bytes)
 
 

@@ -24,30 +24,32 @@ from .._format.detect import HF_BIN, TORCH_SAVE
 from .._source import detect_local
 from .._sources.contract import SourceSpec, TensorSource, batches
 from .._sources.pickled import BinShardsSource, TorchSaveSource
+from .._storage.local_store import LocalStore
 from .._storage.paths import member_path
-from .._storage.store import is_url
+from .._storage.store import Store
 from ..errors import InvalidArgumentError, InvalidStateError
 
 
-def route(path: str | os.PathLike[str]) -> tuple[str | os.PathLike[str], SourceSpec | None]:
-    """What a load of local ``path`` reads, as ``_format.detect`` decides: ``(path, None)``
-    for safetensors, ours or an HF directory, where a ``model.pt`` with a
+def route(store: Store) -> tuple[Store, SourceSpec | None]:
+    """What a load of ``store`` reads, as ``_format.detect`` decides: ``(store, None)`` for
+    safetensors, ours or an HF directory, where a local ``model.pt`` with a
     ``model.safetensors`` beside it becomes the sibling (same weights, no unpickling); or
-    ``(path, spec)`` for ``.bin`` / ``.pt`` weights, read zip-format only. Anything else
-    is ``(path, None)``: the safetensors reader says what is wrong."""
-    location = os.fspath(path)
-    if is_url(location) or not os.path.exists(location):
-        return path, None
+    ``(store, spec)`` for local ``.bin`` / ``.pt`` weights, read zip-format only. Anything
+    else (an object store too: pickled weights are read from local files only) is
+    ``(store, None)``: the safetensors reader says what is wrong."""
+    location = store.local_path
+    if location is None or not os.path.exists(location):
+        return store, None
     found = detect_local(location)
     if found.instead_of is not None and found.file is not None:
         parent = os.path.dirname(location) or "."
-        return member_path(parent, found.file, where=parent), None
+        return LocalStore(member_path(parent, found.file, where=parent)), None
     if found.kind == HF_BIN:
-        return path, SourceSpec(location, HF_BIN, trust_pickle=False, zip_only=True, index=found.index)
+        return store, SourceSpec(location, HF_BIN, trust_pickle=False, zip_only=True, index=found.index)
     if found.kind == TORCH_SAVE and found.file is not None:
         real = location if found.named_file else member_path(location, found.file, where=location)
-        return path, SourceSpec(real, TORCH_SAVE, trust_pickle=False, zip_only=True)
-    return path, None
+        return store, SourceSpec(real, TORCH_SAVE, trust_pickle=False, zip_only=True)
+    return store, None
 
 
 def _open_flat(path: str | os.PathLike[str], spec: SourceSpec) -> tuple[TensorSource, Any]:

@@ -32,6 +32,10 @@ class FsspecStore(RemoteStore):
     def location(self) -> str:
         return self.url
 
+    @property
+    def local_path(self) -> None:
+        return None
+
     def children(self) -> dict[str, bool]:
         """One listing of everything below: sub-prefix -> whether it holds a manifest."""
         names: dict[str, set[str]] = {}

@@ -51,6 +51,11 @@ class Store(Protocol):
         """Whether reading a small file costs no request (a local disk): retention then
         reads every step's manifest and never counts or deletes a damaged one."""
 
+    @property
+    def local_path(self) -> str | None:
+        """The path on this machine's filesystem (files readable by path: ``mmap``,
+        ``torch.load``), None on an object store."""
+
     def child(self, name: str) -> Store:
         """The directory (prefix) ``name`` directly below this one."""
 
