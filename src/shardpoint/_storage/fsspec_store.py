@@ -27,14 +27,12 @@ class FsspecStore(RemoteStore):
     small_reads_are_cheap = False
     shared_files = False
     """An object is written whole by one writer: ranks cannot write parts of one file."""
+    local_path = None
+    """No object here is a file on this machine."""
 
     @property
     def location(self) -> str:
         return self.url
-
-    @property
-    def local_path(self) -> None:
-        return None
 
     def children(self) -> dict[str, bool]:
         """One listing of everything below: sub-prefix -> whether it holds a manifest."""

@@ -41,13 +41,10 @@ class LocalStore:
     shared_files = True
     """Ranks of a collective save may write parts of one file (a shared POSIX filesystem)."""
 
-    @property
-    def local_path(self) -> str:
-        return self.path
-
     def __init__(self, location: str | os.PathLike[str]) -> None:
         self.path = os.fspath(location)
         """The path as it was given (errors name it so)."""
+        self.local_path: str = self.path
         self.location = Path(location)
         self.sole_writer = False
         """True once :meth:`locked` found no locks here: one writer per directory is then
