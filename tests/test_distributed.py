@@ -639,7 +639,9 @@ def threads_worker(rank: int, world: int, root: str) -> None:
     ran_with: list[int | None] = []
     with (
         _recorded(opening, "reader_threads", asked_read, lambda ranks_here=1: ranks_here),
-        _recorded(reading, "run_reads", ran_with, lambda *a, **kw: kw.get("threads")),
+        # the reads' thread count: the byte source's (the checkpoint's local files, given
+        # the load's share of the machine), unless the call names one
+        _recorded(reading, "run_reads", ran_with, lambda tasks, source, **kw: kw.get("threads") or source.threads()),
     ):
         target = parallelize(Net(), "fsdp2", world)
         assert sp.load_into(target, Path(root) / "chunked", process_group=dist.group.WORLD).ok
