@@ -26,7 +26,7 @@ from ._format.manifest import ComponentRecord, Manifest, TensorRecord
 from ._io.memory import byte_view, contiguous_cpu
 from ._prepare import PreparedState
 from ._source import open_checkpoint
-from ._storage.local import LocalTransaction
+from ._storage.local_store import LocalStore
 from ._write import SaveInfo, Written, commit_written
 from .errors import CheckpointError
 
@@ -149,7 +149,7 @@ def _link_opened(
     if ckpt.names is None:
         return None
     names += [index_name(c) for c in manifest.components if index_name(c) in ckpt.names]
-    txn = LocalTransaction(path, overwrite=overwrite)
+    txn = LocalStore(path).open_transaction(overwrite=overwrite)  # hard links: local files only
     try:
         if not _link_files(ckpt, manifest, names, txn.directory):
             txn.abort()
