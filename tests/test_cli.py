@@ -91,7 +91,7 @@ def test_inspect_shows_format_files_dtypes_and_tensors(
     lines = out.splitlines()
     assert lines[:7] == [
         f"path        {ckpt}",
-        f"format      shardpoint (format version 2, saved by shardpoint {sp.__version__})",
+        f"format      shardpoint (format version 3, saved by shardpoint {sp.__version__})",
         "layout      hf",
         "world size  1",
         lines[4],  # the save time, checked below
@@ -128,7 +128,7 @@ def test_inspect_json_has_exact_values(ckpt: Path, capsys: pytest.CaptureFixture
     manifest = json.loads((ckpt / "shardpoint.json").read_text())
     assert doc["path"] == str(ckpt)
     assert doc["format"] == "shardpoint"
-    assert doc["format_version"] == 2
+    assert doc["format_version"] == 3
     assert doc["library_version"] == sp.__version__
     assert doc["created"] == manifest["created"]
     assert doc["save_id"] == manifest["save_id"]

@@ -375,10 +375,12 @@ def test_two_rank_chunked_save_consolidates_to_whole_tensors(
     run_ranks = pytest.importorskip("_dist_utils").run_ranks  # tests/_dist_utils.py
 
     run_ranks(_save_sharded, 2, str(tmp_path / "dist"))
-    manifest = json.loads((tmp_path / "dist" / "shardpoint.json").read_text())
-    chunks = manifest["components"]["model"]["tensors"]["model.embed_tokens.weight"]["chunks"]
+    from shardpoint._source import open_checkpoint
+
+    with open_checkpoint(tmp_path / "dist") as ckpt:  # the chunks, from the rule and the ranks' tables
+        chunks = ckpt.components["model"].tensors["model.embed_tokens.weight"].chunks
     # really split across the ranks
-    assert sorted(c["offsets"] for c in chunks) == [[0, 0], [32, 0]]
+    assert sorted(c.offsets for c in chunks) == [(0, 0), (32, 0)]
     sp.convert(tmp_path / "dist", tmp_path / "hf")
     assert sorted(os.listdir(tmp_path / "hf")) == ["model.safetensors", "shardpoint.json"]
     assert_same(sp.load(tmp_path / "hf"), dict(llama.state_dict()))

@@ -110,6 +110,7 @@ class Injected(RuntimeError):
 def raise_worker(rank: int, world: int, root_str: str, reports: str) -> None:
     import torch.distributed as dist
 
+    import shardpoint._distributed.regular as regular
     import shardpoint._distributed.save as collective
     from shardpoint._distributed.group import Group
     from shardpoint._storage import posix as sp_posix
@@ -132,8 +133,10 @@ def raise_worker(rank: int, world: int, root_str: str, reports: str) -> None:
 
     # (name, victim rank, module, attribute, replacement, how the save is called)
     cases: list[tuple[str, int, Any, str, Any, str]] = [
-        ("plan", 1, collective, "_plan_local", fail, "sync"),
-        ("plan-async", 2, collective, "_plan_local", fail, "async"),
+        # a chunked save of this (regular) state plans by rules; an hf one from chunk lists
+        ("plan", 1, regular, "describe", fail, "sync"),
+        ("plan-async", 2, regular, "describe", fail, "async"),
+        ("plan-hf", 1, collective, "_plan_local", fail, "hf"),
         ("write", 2, collective, "write_files", fail, "sync"),
         ("write-hf", 1, collective, "write_files", fail, "hf"),
         ("commit", 0, collective, "write_manifest", fail, "sync"),
@@ -174,6 +177,7 @@ def test_a_rank_raising_in_each_phase_fails_every_rank_alike(tmp_path: Path, rep
     expected = {
         "plan": (1, "planning the save", "Injected: injected on rank 1"),
         "plan-async": (2, "planning the save", "Injected: injected on rank 2"),
+        "plan-hf": (1, "planning the save", "Injected: injected on rank 1"),
         "write": (2, "writing the checkpoint files", "Injected: injected on rank 2"),
         "write-hf": (1, "writing the checkpoint files", "Injected: injected on rank 1"),
         "commit": (0, "committing the checkpoint", "Injected: injected on rank 0"),

@@ -309,13 +309,15 @@ def load_worker(rank: int, world: int, root: str) -> None:
 
 
 def _chunks(path: Path, component: str) -> dict[str, dict[str, list[list[int]]]]:
-    """file -> tensor -> [offsets, shape] of the chunk it holds, from the manifest."""
-    manifest = json.loads((path / "shardpoint.json").read_text())
+    """file -> tensor -> [offsets, shape] of the chunk it holds, as the checkpoint records it
+    (format 3: the manifest's rules and the ranks' tables)."""
+    from shardpoint._source import open_checkpoint
+
     out: dict[str, dict[str, list[list[int]]]] = {}
-    for name, record in manifest["components"][component]["tensors"].items():
-        for chunk in record["chunks"]:
-            whole = [[0] * len(record["shape"]), record["shape"]]  # a whole tensor's chunk omits them
-            out.setdefault(chunk["file"], {})[name] = [chunk.get("offsets", whole[0]), chunk.get("shape", whole[1])]
+    with open_checkpoint(path) as ckpt:
+        for name, record in ckpt.components[component].tensors.items():
+            for chunk in record.chunks:
+                out.setdefault(chunk.file, {})[name] = [list(chunk.offsets), list(chunk.shape)]
     return out
 
 

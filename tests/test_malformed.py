@@ -934,10 +934,10 @@ _CHUNK = [*_W, "chunks", 0]
 # (edit, error class, message after "{manifest}")
 MANIFEST_CASES = [
     pytest.param(
-        _set(["format_version"], 3),
+        _set(["format_version"], 4),
         UnsupportedFormatError,
-        ": format_version 3 is not supported by this shardpoint (reads versions 1, 2)",
-        id="format-version-3",
+        ": format_version 4 is not supported by this shardpoint (reads versions 1, 2, 3)",
+        id="format-version-4",
     ),
     pytest.param(
         _set(["format_version"], "1"),

@@ -10,6 +10,7 @@ once, when a tensor of their file is first needed. ``_source.open_checkpoint`` m
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
 import resource
@@ -24,12 +25,14 @@ from ._format.manifest import (
     ChunkRef,
     ComponentRecord,
     Manifest,
+    TensorRecord,
 )
 from ._format.names import check_file_name
 from ._format.safetensors import HeaderEntry, SafetensorsHeader, read_header, read_header_with
 from ._io.files import LocalFiles, read_error
 from ._io.reads import ByteSource, ObjectRanges, header_reader
 from ._options import current_options
+from ._rule_chunks import RuleChunks
 from ._storage.paths import member_path, open_regular, read_small_file
 from ._storage.remote_store import RemoteStore
 from .errors import (
@@ -72,6 +75,36 @@ class Checkpoint:
     _open_errors: dict[str, BaseException] = field(default_factory=dict)
     """Why a data file could not be opened (raised when the file is needed)."""
     _finalizer: Any = None
+    rules: RuleChunks | None = None
+    """Format 3: the writers' tables of rule-described tensors, read as they are needed."""
+
+    def attach_manifest(self, manifest: Manifest) -> None:
+        """Take ``manifest`` as what this checkpoint holds."""
+        self.kind = "shardpoint"
+        self.manifest = manifest
+        self.components = manifest.components
+        self.flat = manifest.flat
+        if manifest.tables:
+            self.rules = RuleChunks(manifest, self.location, lambda name, where: self.read_member(name, where=where))
+
+    def expand_tables(self) -> None:
+        """Read every table now and list every chunk in :attr:`components` (for the tools
+        that look at everything; loads read only the tables they need)."""
+        if self.rules is None or self.manifest is None:
+            return
+        listed = self.manifest.files
+        self.components, files = self.rules.expand()
+        self.manifest = dataclasses.replace(self.manifest, components=self.components, files=files)
+        self.open_all([f for f in files if f not in listed])
+
+    def resolved(
+        self, record: TensorRecord, offsets: tuple[int, ...] | None = None, shape: tuple[int, ...] | None = None
+    ) -> TensorRecord:
+        """``record`` with its chunks listed: those overlapping the box (default: all) of a
+        rule-described tensor not yet expanded; any other record as it is."""
+        if record.rule is None or record.chunks or self.rules is None:
+            return record
+        return record._replace(chunks=self.rules.chunks(record, offsets, shape))
 
     @property
     def local_files(self) -> bool:
@@ -293,6 +326,8 @@ class Checkpoint:
     def _check_size(self, name: str, size: int, where: str, what: str) -> None:
         """Refuse a data file whose size is not the one the manifest recorded."""
         expected = None if self.manifest is None else self.manifest.files.get(name)
+        if expected is None and self.rules is not None:
+            expected = self.rules.files.get(name)
         if expected is not None and size != expected:
             raise CorruptCheckpointError(
                 f"{where} is {size} bytes but the manifest recorded {expected}; "

@@ -61,6 +61,7 @@ class ReadBatch:
             offsets = (0,) * dest.dim()
         if dest.numel() == 0:
             return
+        record = self.ckpt.resolved(record, offsets, tuple(dest.shape))
         if self._fill_whole(record, dest, label, offsets):
             return
         covered = 0
@@ -162,6 +163,7 @@ class ReadBatch:
         size) with the manifest's dtype and shape, and the manifest gives each (file, key) to
         one chunk only: so the tensors of a load never need more memory than its files hold.
         """
+        record = self.ckpt.resolved(record)
         return sum(self.ckpt.entry(chunk, record.dtype, label).nbytes for chunk in record.chunks)
 
     def new(self, record: TensorRecord, label: str, *, device: torch.device, dtype: torch.dtype | None,
@@ -171,6 +173,7 @@ class ReadBatch:
         Every chunk is checked against its file before the tensor is allocated (``entry``:
         the first chunk's header entry, when the caller already checked it).
         """
+        record = self.ckpt.resolved(record)
         if entry is None:
             entry = self.ckpt.entry(record.chunks[0], record.dtype, label)
         if len(record.chunks) > 1:

@@ -123,13 +123,23 @@ def _fill_from_headers(ckpt: Checkpoint, weight_map: dict[str, str] | None, file
 
 
 def open_checkpoint(
-    path: str | os.PathLike[str] | Store, storage_options: Mapping[str, Any] | None = None
+    path: str | os.PathLike[str] | Store, storage_options: Mapping[str, Any] | None = None, *, lazy: bool = False
 ) -> Checkpoint:
     """Open a checkpoint directory (ours or HF) or a single ``.safetensors`` file, local or
     at an fsspec URL (``storage_options`` go to its filesystem), or the store a caller
-    already resolved at its API edge (:func:`~shardpoint._storage.store.open_store`)."""
+    already resolved at its API edge (:func:`~shardpoint._storage.store.open_store`).
+
+    A format-3 checkpoint's chunk tables are all read now, unless ``lazy``: then a load
+    reads only those it needs (:meth:`Checkpoint.resolved`)."""
     store = open_store(path, storage_options) if isinstance(path, (str, os.PathLike)) else path
-    return _OPENERS[type(store)](store)
+    ckpt = _OPENERS[type(store)](store)
+    if not lazy:
+        try:
+            ckpt.expand_tables()
+        except BaseException:
+            ckpt.close()
+            raise
+    return ckpt
 
 
 def _open_local(store: LocalStore) -> Checkpoint:
@@ -224,10 +234,7 @@ def _fill_local(ckpt: Checkpoint) -> Checkpoint:
     if found.kind == SHARDPOINT:
         where = os.path.join(location, MANIFEST_NAME)
         manifest = parse_manifest(control(MANIFEST_NAME), where=where)
-        ckpt.kind = "shardpoint"
-        ckpt.components = manifest.components
-        ckpt.flat = manifest.flat
-        ckpt.manifest = manifest
+        ckpt.attach_manifest(manifest)
         ckpt.open_all(list(manifest.files))
         return ckpt
     if found.kind == HF_FILE and found.file is not None:
@@ -335,8 +342,9 @@ def _open_remote(store: FsspecStore) -> Checkpoint:
     if found.kind == SHARDPOINT:
         where = store.url_of(MANIFEST_NAME)
         manifest = parse_manifest(store.get(MANIFEST_NAME, limit=limit), where=where)
-        return Checkpoint(location, location, "shardpoint", manifest.components, manifest.flat,
-                          manifest, store=store, sizes=names)
+        ckpt = Checkpoint(location, location, "shardpoint", {}, manifest.flat, store=store, sizes=names)
+        ckpt.attach_manifest(manifest)
+        return ckpt
     if found.kind == HF_FILE and found.file is not None:
         return _from_headers(location, location, "hf-file", None, [found.file], store=store, sizes=names)
     if found.kind == HF_INDEX and found.index is not None:

@@ -224,7 +224,7 @@ def _verify_shardpoint(
             )
 
     expected_indexes = _check_indexes(ckpt, manifest, names, found)
-    accounted = {MANIFEST_NAME, *manifest.files, *expected_indexes}
+    accounted = {MANIFEST_NAME, *manifest.files, *expected_indexes, *manifest.table_files()}
     unchecked = unreferenced(
         found, location, names, accounted, "safetensors", "the manifest does not list it"
     )

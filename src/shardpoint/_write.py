@@ -9,6 +9,7 @@ holds the one place that opens, writes into and commits the storage transaction.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
@@ -20,17 +21,24 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ._checksum import crc32c
+from ._distributed import regular
 from ._distributed import save as steps
 from ._distributed.group import Group
+from ._distributed.plan_cache import PLANS, Offer, fingerprint
 from ._format.manifest import MANIFEST_NAME, ComponentRecord
 from ._format.names import check_file_name
+from ._format.tables import render_table, table_name
 from ._io.writes import FileWrite
 from ._planning.chunks import ChunkPlan
+from ._planning.rules import Rule, plan_rules
 from ._prepare import PreparedState
 from ._progress import byte_progress
 from ._storage import Transaction, open_store
 from ._storage.posix import reported
 from .errors import InvalidArgumentError, InvalidStateError
+
+_log = logging.getLogger("shardpoint")
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,9 @@ class SaveInfo:
     tensor_bytes: int
     """Bytes of tensor data stored (aliases counted once)."""
     seconds: float
+    plan_reused: bool = False
+    """A collective save whose structure was the previous save's: it reused that save's
+    agreed plan (each rank sent a fingerprint, nobody planned)."""
 
 
 def json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -69,14 +80,24 @@ class _Assignment(NamedTuple):
 
     save_id: str
     directory: str
-    to_write: list[ChunkPlan]
-    """The chunks (or row pieces of replicated ones) this rank writes."""
+    to_write: list[ChunkPlan] | None
+    """The chunks (or row pieces of replicated ones) this rank writes; None when the rank
+    works them out itself (a save by rules) or holds them from the plan it reuses."""
     hf_part: steps.HfPart | None
     """Layout ``hf``: which files this rank writes whole, where its chunks go in shared ones."""
     total: int
     """Bytes of every distinct chunk, all ranks together."""
     ranks_here: int
     """Ranks on this rank's machine (same host name): they share its CPUs for writing."""
+    plan_id: str
+    reused: bool
+    """The plan is the previous save's (the rank holds its part of it)."""
+    by_rules: bool
+    """Every rank described the state by the same rules (``_distributed/regular.py``)."""
+
+
+RESEND = "resend"
+"""The coordinator's answer when a rank left out a chunk list the coordinator does not hold."""
 
 
 _RankReport = tuple[Any, Any]
@@ -95,6 +116,8 @@ class Written(NamedTuple):
     """Data file name -> bytes."""
     indexes: dict[str, bytes]
     """Index file name -> bytes."""
+    tables: tuple[tuple[int, int], ...] = ()
+    """(size, crc32c) of each rank's table (a save by rules)."""
 
 
 def commit_written(
@@ -111,7 +134,8 @@ def commit_written(
     for name, data in (extras or {}).items():
         txn.write_bytes(name, data, durable=durable)
     steps.write_manifest(txn, prepared, written.records, written.files, written.indexes, save_id=written.save_id,
-                         layout=written.layout, world_size=written.world_size, metadata=metadata, durable=durable)
+                         layout=written.layout, world_size=written.world_size, metadata=metadata, durable=durable,
+                         tables=written.tables)
     txn.commit(durable=durable)
 
 
@@ -159,36 +183,79 @@ def write_checkpoint(
     txn: Transaction | None = None
     all_plans: list[list[ChunkPlan]] = []  # the coordinator's, for the manifest
     hf_files: steps.HfFiles | None = None
+    by_rules = chunked and group.distributed  # a regular state is then planned by rules
+    resend = False
 
-    def plan() -> tuple[tuple[list[ChunkPlan], dict[tuple[str, str], torch.Tensor]], tuple[list[ChunkPlan], str]]:
+    def plan() -> tuple[_Local, Offer]:
+        host = socket.gethostname()
+        if by_rules:
+            desc = regular.describe(prepared, group.ranks)
+            if desc is not None:
+                fp = "rules:" + regular.digest(desc.entries, group.world_size)
+                return _Local(desc, [], {}, fp), PLANS.offer(fp, None, host, rules=True)
         mine, local_tensors = steps._plan_local(prepared)
-        return (mine, local_tensors), (mine, socket.gethostname())
+        fp = fingerprint(layout, group.world_size, group.rank, mine)
+        return _Local(None, mine, local_tensors, fp), PLANS.offer(fp, mine, host, rules=False, full=resend)
 
-    def assign(reports: list[tuple[list[ChunkPlan], str]]) -> list[_Assignment]:
-        """The coordinator: who writes what, then the transaction (opened last)."""
+    def assign(offers: list[Offer]) -> list[_Assignment | str]:
+        """The coordinator: who writes what (or the plan agreed before), then the transaction."""
         nonlocal txn, all_plans, hf_files
-        all_plans, writes, total = steps.assign([plans for plans, _ in reports], chunked=chunked)
+        agreed = PLANS.agreed(offers)
+        rules = all(o.fingerprint == offers[0].fingerprint for o in offers) and offers[0].fingerprint.startswith("rules:")
+        total = 0
+        writes: list[list[ChunkPlan]] = [[] for _ in offers]
+        if rules:
+            plan_id = agreed[0] if agreed is not None else PLANS.agree(offers, None)
+        elif agreed is not None:
+            plan_id, (all_plans, writes, total) = agreed
+        elif any(o.payload is None for o in offers):
+            return [RESEND] * len(offers)  # a rank left out a list this coordinator does not hold
+        else:
+            all_plans, writes, total = steps.assign([o.payload for o in offers], chunked=chunked)
+            plan_id = PLANS.agree(offers, (all_plans, writes, total))
         save_id = uuid.uuid4().hex
         if not chunked:
             hf_files = steps.plan_hf(prepared, all_plans, max_shard_bytes, file_metadata(save_id))
         _check_extras(extras, hf_files, path)
-        parts: Sequence[steps.HfPart | None] = [None] * len(writes) if hf_files is None else hf_files.parts(writes)
+        parts: Sequence[steps.HfPart | None] = [None] * len(offers) if hf_files is None else hf_files.parts(writes)
         txn = store.open_transaction(overwrite=overwrite)
-        per_host = Counter(host for _, host in reports)  # not hosts.count per rank: quadratic over thousands
-        return [_Assignment(save_id, txn.directory, w, part, total, per_host[host])
-                for w, part, (_, host) in zip(writes, parts, reports, strict=True)]
+        per_host = Counter(o.host for o in offers)  # not hosts.count per rank: quadratic over thousands
+        reused = agreed is not None
+        return [_Assignment(save_id, txn.directory, None if reused or rules else w, part, total, per_host[o.host],
+                            plan_id, reused, rules)
+                for w, part, o in zip(writes, parts, offers, strict=True)]
 
     try:
-        (mine, local_tensors), job = group.exchange(
-            "planning the save", plan, assign, deciding="creating the checkpoint directory"
-        )
+        for _attempt in range(2):
+            local_state, job = group.exchange(
+                "planning the save", plan, assign, deciding="creating the checkpoint directory"
+            )
+            if job != RESEND:
+                break
+            by_rules, resend = False, True  # someone's chunk list is needed: every rank sends its own
+        assert isinstance(job, _Assignment)
         file_meta = file_metadata(job.save_id)
         threads, segment = steps.io_share(job.ranks_here)
         local = produce or steps.local_writer(threads, segment)
+        rules_held: list[Rule] = []
+        if job.by_rules:
+            desc = local_state.desc
+            assert desc is not None
+            rules_held = (PLANS.mine(local_state.fp, job.plan_id) if job.reused else None) or []
+            if not rules_held:
+                rules_held = plan_rules(desc.entries, group.world_size)
+                PLANS.keep_mine(local_state.fp, job.plan_id, rules_held)
+            to_write, local_tensors = regular.my_writes(desc, rules_held, group.rank, group.world_size)
+            total = regular.total_bytes(desc.entries)
+        else:
+            local_tensors = local_state.local_tensors
+            to_write = job.to_write if job.to_write is not None else PLANS.mine(local_state.fp, job.plan_id)
+            PLANS.keep_mine(local_state.fp, job.plan_id, to_write)
+            total = job.total
 
         def write() -> tuple[None, _RankReport]:
             target = store.writing_into(job.directory)  # where the coordinator's transaction writes
-            nbytes = sum(p.nbytes for p in job.to_write)
+            nbytes = sum(p.nbytes for p in to_write)
             what = f"saving rank {group.rank}" if group.distributed else f"saving {os.path.basename(os.fspath(path))}"
             with reported(path, "writing its data files"), byte_progress(nbytes, what, progress) as advance:
 
@@ -197,18 +264,34 @@ def write_checkpoint(
                         return txn.write_files(files, durable=durable, advance=advance, write=produce)
                     return target.write_data_files(files, durable=durable, advance=advance, local=local)
 
+                if job.by_rules:
+                    assert local_state.desc is not None
+                    refs, files = steps._write_chunked(to_write, local_tensors, group.rank, max_shard_bytes,
+                                                       file_meta, threads, write_whole)
+                    rows = regular.table_rows(local_state.desc, rules_held, refs)
+                    table = render_table(job.save_id, group.rank, files, rows)
+                    write_whole([FileWrite(table_name(group.rank), table, len(table), ())])
+                    return None, (files, (len(table), crc32c(table)))
                 if job.hf_part is None:
-                    pieces = steps.pieces(job.to_write, mine, local_tensors)
-                    refs, files = steps._write_chunked(job.to_write, pieces, group.rank, max_shard_bytes,
+                    pieces = steps.pieces(to_write, local_state.mine, local_tensors)
+                    refs, files = steps._write_chunked(to_write, pieces, group.rank, max_shard_bytes,
                                                        file_meta, threads, write_whole)
                     return None, (refs, files)
-                return None, steps.write_hf_part(job.to_write, local_tensors, job.hf_part, job.directory,
+                return None, steps.write_hf_part(to_write, local_tensors, job.hf_part, job.directory,
                                            durable=durable, advance=advance, threads=threads, segment=segment,
                                            write=write_whole)
 
         def commit(reports: list[_RankReport]) -> list[dict[str, int]]:
             """The coordinator, once every rank has written: extras, indexes, the manifest, commit."""
             assert txn is not None
+            if job.by_rules:
+                assert local_state.desc is not None
+                comps = regular.records(prepared, local_state.desc, rules_held)
+                everything = {name: size for files, _ in reports for name, size in files.items()}
+                written = Written(job.save_id, layout, group.world_size, comps, {}, {},
+                                  tuple(table for _, table in reports))
+                commit_written(txn, prepared, written, metadata=metadata, durable=durable, extras=extras)
+                return [everything] + [files for files, _ in reports[1:]]
             if hf_files is None:
                 records = steps.chunked_records(prepared, all_plans, reports)
             else:
@@ -224,7 +307,19 @@ def write_checkpoint(
         if txn is not None:
             txn.abort()
         raise
-    return SaveInfo(os.fspath(path), job.save_id, data_files, job.total, time.perf_counter() - started)
+    info = SaveInfo(os.fspath(path), job.save_id, data_files, total, time.perf_counter() - started, job.reused)
+    if job.reused:
+        _log.debug("%s: reused the plan of the previous save (%s)", os.fspath(path), job.plan_id)
+    return info
+
+
+class _Local(NamedTuple):
+    """What a rank found about its own state when planning."""
+
+    desc: regular.Description | None
+    mine: list[ChunkPlan]
+    local_tensors: dict[tuple[str, str], torch.Tensor]
+    fp: str
 
 
 def _check_extras(extras: Mapping[str, bytes], hf_files: steps.HfFiles | None, path: str | os.PathLike[str]) -> None:

@@ -144,7 +144,9 @@ def describe_path(
     else:
         doc = describe(open_checkpoint(path, storage_options), pattern=pattern, limit=limit)
     index = doc.pop("_index", None)
+    doc["_tables"] = doc.pop("_tables", [])
     doc["unchecked"] = _unchecked(location, doc, index) if os.path.isdir(location) else []
+    doc.pop("_tables")
     doc["notes"] = notes
     return doc
 
@@ -153,7 +155,7 @@ def _unchecked(location: str, doc: dict[str, Any], index: str | None) -> list[st
     """The directory's files that are not the checkpoint's data, manifest or index."""
     names = os.listdir(location)
     used = {f["name"] for f in doc["files"]} | {MANIFEST_NAME, index or ""}
-    used |= {index_name(c) for c in doc["components"]}
+    used |= {index_name(c) for c in doc["components"]} | set(doc.get("_tables", ()))
     if doc["format"] == "hf-index":
         used.add(detect(names).index or "")
     return sorted(n for n in names if n not in used and not is_tmp_name(n))
@@ -355,6 +357,7 @@ def describe(ckpt: Checkpoint, *, pattern: str | None = None, limit: int = 0) ->
         "metadata": manifest.metadata if manifest is not None else {},
         "components": components,
         "files": [{"name": f, "size": size} for f, size in files.items()],
+        "_tables": manifest.table_files() if manifest is not None else [],
         **_totals(files, components, dtypes, matched, limit),
     }
 

@@ -112,6 +112,13 @@ class Group:
             self.world_size = dist.get_world_size(pg)
 
     @property
+    def ranks(self) -> list[int]:
+        """The global rank of each rank of the group, in group order."""
+        if self.pg is None:
+            return [0]
+        return list(_dist().get_process_group_ranks(self.pg))
+
+    @property
     def is_coordinator(self) -> bool:
         return self.rank == 0
 

@@ -408,6 +408,7 @@ def write_manifest(
     world_size: int,
     metadata: dict[str, Any],
     durable: bool,
+    tables: tuple[tuple[int, int], ...] = (),
 ) -> None:
     """Write the indexes, then the manifest (the commit marker) into the transaction."""
     manifest = Manifest(
@@ -420,6 +421,7 @@ def write_manifest(
         components=records,
         files=files,
         metadata=metadata,
+        tables=tables,
     )
     for iname, data in indexes.items():
         txn.write_bytes(iname, data, durable=durable)

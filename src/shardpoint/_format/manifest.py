@@ -11,21 +11,25 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from .._planning.rules import Rule, describe_checks
 from .._tree_validation import validate_tree
 from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedFormatError
 from .dtypes import dtype_from_name, itemsize
 from .names import check_component_name, check_file_name
 from .safetensors import addressable, colons, parse_json_object, quick_shape, require_unique_keys
+from .tables import table_name
 
 MANIFEST_NAME = "shardpoint.json"
 PENDING_NAME = "shardpoint.pending"
 """On an object store: written before anything else of a save and deleted after its
 manifest; a prefix holding it and no manifest is a save that never committed."""
 FORMAT_NAME = "shardpoint"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """Written by this shardpoint. Version 2 lets a chunk that is its whole tensor leave out
-``offsets`` and ``shape``, and any chunk leave out a ``key`` equal to the tensor's name."""
-READ_VERSIONS = (1, 2)
+``offsets`` and ``shape``, and any chunk leave out a ``key`` equal to the tensor's name.
+Version 3 lets a regularly sharded tensor give a rule (``grid`` and ``writer``) in place of
+its chunks, whose files and crc32c are then in the writers' tables (``tables``)."""
+READ_VERSIONS = (1, 2, 3)
 """Versions this shardpoint reads (version 1 chunks give every field)."""
 LAYOUTS = ("hf", "chunked")
 
@@ -55,6 +59,12 @@ class TensorRecord(NamedTuple):
     dtype: str
     shape: tuple[int, ...]
     chunks: tuple[ChunkRef, ...]
+    """Empty for a tensor described by ``rule`` until its tables are read
+    (:meth:`~shardpoint._checkpoint.Checkpoint.resolved`)."""
+    rule: Rule | None = None
+    """Format 3: where a regularly sharded tensor's cells are (the chunks are in tables)."""
+    slot: int = -1
+    """The tensor's number among the manifest's rule-described tensors (tables name it so)."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +93,17 @@ class Manifest:
     metadata: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     """The version the manifest was read as (``to_json`` always writes ``FORMAT_VERSION``)."""
+    tables: tuple[tuple[int, int], ...] = ()
+    """Format 3: (size, crc32c) of each rank's table (``_format/tables.py``), by rank; empty
+    when every tensor lists its chunks."""
+
+    def table_files(self) -> list[str]:
+        """The names of the tables (format 3)."""
+        return [table_name(rank) for rank in range(len(self.tables))]
+
+    def rule_slots(self) -> list[tuple[str, str, TensorRecord]]:
+        """(component, name, record) of each rule-described tensor, by slot."""
+        return [(c, n, r) for c, comp in self.components.items() for n, r in comp.tensors.items() if r.rule is not None]
 
     def to_json(self) -> bytes:
         doc = {
@@ -100,18 +121,15 @@ class Manifest:
                     "tree": tree_json(comp.tree),
                     "aliases": comp.aliases,
                     "tensors": {
-                        tname: {
-                            "dtype": rec.dtype,
-                            "shape": list(rec.shape),
-                            "chunks": [chunk_json(c, tname, rec.shape) for c in rec.chunks],
-                        }
-                        for tname, rec in comp.tensors.items()
+                        tname: tensor_json(rec, tname) for tname, rec in comp.tensors.items()
                     },
                 }
                 for name, comp in self.components.items()
             },
             "files": {name: {"size": size} for name, size in self.files.items()},
         }
+        if self.tables:
+            doc["tables"] = [list(t) for t in self.tables]
         # Compact: the C encoder (``indent`` forces the pure-Python one, ~100x slower on the
         # manifest of a large sharded model). ``shardpoint inspect`` is the readable view.
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
@@ -153,6 +171,17 @@ def _tensor_dict(tree: dict[str, Any], known: Any, where: str) -> tuple[dict[str
     _need(not missing, where, f"the tree names {str(min(missing, default=''))[:80]!r}, which is not a tensor of this component")
     full = {"type": "dict", "items": [["str", n, {"type": "tensor", "name": n}] for n in names]}
     return full, 2 + colons(tree) + colons(names)
+
+
+def tensor_json(rec: TensorRecord, name: str) -> dict[str, Any]:
+    """A tensor's manifest entry: its chunks, or its rule (format 3)."""
+    doc: dict[str, Any] = {"dtype": rec.dtype, "shape": list(rec.shape)}
+    if rec.rule is not None:
+        doc["grid"] = list(rec.rule.grid)
+        doc["writer"] = [rec.rule.base, list(rec.rule.strides)]
+    else:
+        doc["chunks"] = [chunk_json(c, name, rec.shape) for c in rec.chunks]
+    return doc
 
 
 def chunk_json(chunk: ChunkRef, name: str, shape: tuple[int, ...]) -> dict[str, Any]:
@@ -241,6 +270,39 @@ def _whole_tensor(
     return TensorRecord(dtype, shape, (ChunkRef(file, name, _ZEROS[len(shape)], shape, crc),))
 
 
+def _tables(value: Any, version: int, world_size: int, where: str) -> tuple[tuple[int, int], ...]:
+    """The (size, crc32c) of each rank's table, checked."""
+    if value == []:
+        return ()
+    _need(version >= 3 and type(value) is list and len(value) == world_size, where,
+          "'tables' must list one [size, crc32c] per rank of the save")
+    out = []
+    for item in value:
+        _need(
+            type(item) is list and len(item) == 2 and all(type(v) is int for v in item)
+            and 2 <= item[0] < 2**40 and 0 <= item[1] < 2**32,
+            where, f"table entry {str(item)[:80]} is not [size, crc32c]",
+        )
+        out.append((item[0], item[1]))
+    return tuple(out)
+
+
+def _rule_tensor(rec: dict[str, Any], slot: int, world_size: int, has_tables: bool, where: str) -> TensorRecord:
+    """A tensor given by a rule (format 3): ``{"dtype", "shape", "grid", "writer": [base, strides]}``."""
+    _need(set(rec) == {"dtype", "shape", "grid", "writer"}, where, "a rule entry has exactly dtype, shape, grid, writer")
+    _need(has_tables, where, "it is described by a rule but the manifest lists no tables")
+    dtype = rec["dtype"]
+    itemsize(dtype_from_name(dtype, where=where))
+    shape = _shape(rec["shape"], where, "shape")
+    grid = _int_list(rec["grid"], where, "grid")
+    writer = rec["writer"]
+    _need(type(writer) is list and len(writer) == 2 and type(writer[0]) is int, where, "'writer' is not [base, strides]")
+    rule = Rule(grid, writer[0], _int_list(writer[1], where, "writer strides"))
+    problem = describe_checks(rule, shape, world_size)
+    _need(problem is None, where, str(problem))
+    return TensorRecord(dtype, shape, (), rule, slot)
+
+
 def parse_manifest(raw: bytes, *, where: str) -> Manifest:
     """Validate and decode a manifest; ``where`` names the file in errors."""
     try:
@@ -288,6 +350,7 @@ def _parse_manifest(raw: bytes, *, where: str) -> Manifest:
         _need(type(size) is int and size >= 8, where, f"file {fname!r} has invalid size {size!r}")
         files[fname] = size
     counted += len(files) + colons(files) + sum(map(len, files_raw.values()))
+    tables = _tables(doc.get("tables", []), version, world_size, where)
 
     comps_raw: Any = doc.get("components")
     _need(isinstance(comps_raw, dict) and bool(comps_raw), where, "'components' is missing or empty")
@@ -301,6 +364,8 @@ def _parse_manifest(raw: bytes, *, where: str) -> Manifest:
     # Each stored (file, key) backs one chunk of one tensor (tied weights are aliases), so
     # the tensors of a manifest can never need more memory than its files hold.
     used: set[tuple[str, str]] = set()
+    slots: list[str] = []
+    """The rule-described tensors so far (format 3)."""
     item_of: dict[str, int] = {}
     """Bytes per element of each dtype string already checked."""
     for cname, craw in comps_raw.items():
@@ -320,6 +385,11 @@ def _parse_manifest(raw: bytes, *, where: str) -> Manifest:
         counted += len(craw) + colons(craw) + json_keys(aliases) + len(traw) + colons(traw)
         tensors: dict[str, TensorRecord] = {}
         for tname, rec in traw.items():
+            if version >= 3 and type(rec) is dict and "grid" in rec:
+                counted += json_keys(rec)
+                tensors[tname] = _rule_tensor(rec, len(slots), world_size, bool(tables), f"{cwhere}, tensor {tname!r}")
+                slots.append(tname)
+                continue
             whole = _whole_tensor(rec, tname, files, used, item_of) if compact else None
             if whole is not None:
                 tensors[tname] = whole
@@ -400,4 +470,5 @@ def _parse_manifest(raw: bytes, *, where: str) -> Manifest:
         files=files,
         metadata=metadata,
         format_version=version,
+        tables=tables,
     )

@@ -172,7 +172,7 @@ def _open_on_every_rank(group: Group, path: str | os.PathLike[str],
         store, pickled = route(open_store(hub_path, options))
         if pickled is not None:
             return None, None
-        ckpt = open_checkpoint(store)
+        ckpt = open_checkpoint(store, lazy=True)
         return ckpt, ckpt.manifest.save_id if ckpt.manifest is not None else None
 
     for _ in range(OPEN_TRIES):
@@ -196,7 +196,7 @@ def _load_into(target: Any, path: str | os.PathLike[str], settings: IntoSettings
     store, pickled = route(open_store(path, storage_options))  # the path resolved once, here
     if pickled is not None:
         return _load_pickled_into(target, path, pickled, settings)
-    with open_checkpoint(store) as ckpt:
+    with open_checkpoint(store, lazy=True) as ckpt:
         return _load_into_checkpoint(target, ckpt, settings)
 
 

@@ -31,6 +31,7 @@ from .settings import resolve_verify, staging_size
 
 
 def _mmap_tensor(ckpt: Checkpoint, record: TensorRecord, label: str, maps: dict[str, Any]) -> torch.Tensor:
+    record = ckpt.resolved(record)
     chunk = record.chunks[0]
     if len(record.chunks) != 1 or chunk.shape != record.shape:
         raise InvalidArgumentError(
@@ -138,7 +139,7 @@ def load(
                     "load it with mmap=False, or convert it first (shardpoint convert)"
                 )
             return load_pickled(path, pickled, keys=keys, device=torch.device(device), dtype=dtype)
-        with collector_paused(), open_checkpoint(store) as ckpt:
+        with collector_paused(), open_checkpoint(store, lazy=True) as ckpt:
             return _load(ckpt, keys, device, dtype, mmap, progress, verify, allow_pickle, max_buffer_bytes)
 
 
@@ -170,7 +171,7 @@ def _load(
         comp = ckpt.components[cname]
         stored_names = dict.fromkeys(comp.aliases.get(n, n) for n in (list(comp.tensors) if names is None else names))
         for stored in stored_names:
-            record = comp.tensors[stored]
+            record = ckpt.resolved(comp.tensors[stored])
             if len(record.chunks) == 1:
                 chunk = record.chunks[0]
                 entry = entries[stored] = entry_of(chunk, record.dtype, stored)
