@@ -17,8 +17,9 @@ from collections.abc import Callable, Iterable
 from ._format.dtypes import NAME_TO_DTYPE
 from ._format.manifest import ChunkRef, ComponentRecord, Manifest, TensorRecord
 from ._format.tables import Table, parse_table, table_name
+from ._io.files import read_error
 from ._planning.rules import cell_box, cells_overlapping, linear
-from .errors import CorruptCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, MissingShardError
 
 
 class RuleChunks:
@@ -51,7 +52,18 @@ class RuleChunks:
             if found is None:
                 name = table_name(rank)
                 where = f"{self.location}/{name}"
-                found = parse_table(self._read(name, where), where=where, save_id=self.manifest.save_id, rank=rank,
+                try:
+                    raw = self._read(name, where)
+                except FileNotFoundError:
+                    raise MissingShardError(
+                        f"{where} is missing: the manifest lists the chunk table of rank {rank}, but it "
+                        "is not there; the checkpoint is incomplete (copy the file back or load another checkpoint)"
+                    ) from None
+                except CheckpointError:
+                    raise
+                except OSError as exc:
+                    raise read_error(exc, where, "reading") from None
+                found = parse_table(raw, where=where, save_id=self.manifest.save_id, rank=rank,
                                     expected=self.manifest.tables[rank], rules=self._rules)
                 for fname, size in found.files.items():
                     if self.files.setdefault(fname, size) != size or fname in self.manifest.files:

@@ -91,6 +91,12 @@ class PlanCache:
             found = self._mine.get(fp)
         return found[1] if found is not None and found[0] == plan_id else None
 
+    def clear(self) -> None:
+        """Forget every plan (the next save plans afresh)."""
+        with self._lock:
+            self._agreed.clear()
+            self._mine.clear()
+
     def keep_mine(self, fp: str, plan_id: str, part: Any) -> None:
         with self._lock:
             self._mine[fp] = (plan_id, part)

@@ -262,18 +262,27 @@ class HfFiles(NamedTuple):
                 fname = self.placement[(p.component, p.name)][0]
                 alone = p.shape == p.global_shape and writer.get(fname, rank) == rank
                 writer[fname] = rank if alone else None
+        # Each file looked at once, not once per rank: linear in ranks and files.
+        whole_of: dict[int, list[tuple[str, PlannedFile]]] = {}
+        shared_files = {}
+        for c, f in self.files:
+            owner = writer.get(f.name, -1)
+            if owner is None:
+                shared_files[f.name] = f
+            elif owner >= 0:
+                whole_of.setdefault(owner, []).append((c, f))
         out = []
         for rank, plans in enumerate(writes):
-            whole = [(c, f) for c, f in self.files if writer.get(f.name) == rank]
             placement = {}
             for p in plans:
                 where = self.placement[(p.component, p.name)]
                 if writer.get(where[0]) is None:
                     placement[(p.component, p.name)] = where
-            touched = {fname for fname, _ in placement.values()}
-            shared = {f.name: (f.header if rank == 0 else b"", f.size) for _, f in self.files
-                      if writer.get(f.name, -1) is None and (rank == 0 or f.name in touched)}
-            out.append(HfPart(whole, placement, shared))
+            if rank == 0:  # the coordinator writes every shared file's header
+                shared = {name: (f.header, f.size) for name, f in shared_files.items()}
+            else:
+                shared = {fname: (b"", shared_files[fname].size) for fname, _ in sorted(placement.values())}
+            out.append(HfPart(whole_of.get(rank, []), placement, shared))
         return out
 
 

@@ -129,12 +129,14 @@ def parse_table(
         if not 0 <= slot < len(rules) or not 0 <= fidx < len(names) or not 0 <= ccrc < 2**32:
             raise _bad(where, f"chunk entry {item} is out of range")
         label, shape, itemsize, rule = rules[slot]
-        if not 0 <= cell < rule.cells or (slot, cell) in chunks or (slot, fidx) in used:
-            raise _bad(where, f"tensor {label!r}: cell {cell} is out of range or listed twice")
+        if not 0 <= cell < rule.cells:
+            raise _bad(where, f"tensor {label!r}: cell {cell} is out of range (its grid has {rule.cells})")
         box = cell_box(shape, rule.grid, unravel(rule.grid, cell))[1]
         whole = math.prod(shape) == 0 and cell == 0
         if rule.writer(unravel(rule.grid, cell)) != rank or not (whole or math.prod(box)):
             raise _bad(where, f"tensor {label!r}: cell {cell} is not one rank {rank} writes")
+        if (slot, cell) in chunks or (slot, fidx) in used:
+            raise _bad(where, f"tensor {label!r}: cell {cell} is listed twice, or a second chunk of it in one file")
         if math.prod(box) * itemsize > files[names[fidx]]:
             raise _bad(where, f"tensor {label!r}: cell {cell} is larger than its file {names[fidx]!r}")
         used.add((slot, fidx))

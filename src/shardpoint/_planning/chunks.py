@@ -88,9 +88,14 @@ def split_replicated(
     [[((0, 0), (2, 2))], [((2, 0), (2, 2))]]
     """
     holders: dict[tuple[str, str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    place: dict[tuple[tuple[str, str, tuple[int, ...], tuple[int, ...]], int], int] = {}
+    """(chunk, rank) -> the rank's place among the chunk's holders (not ``list.index``:
+    that is quadratic in ranks when every rank holds every chunk)."""
     for rank, chunks in enumerate(plans):
         for chunk in chunks:
-            holders.setdefault(chunk.ident, []).append(rank)
+            ranks = holders.setdefault(chunk.ident, [])
+            place[(chunk.ident, rank)] = len(ranks)
+            ranks.append(rank)
     shared = {ident for ident, ranks in holders.items() if len(ranks) > 1}
     sizes = {c.ident: c.nbytes for chunks in plans for c in chunks if c.ident in shared}
     threshold = sum(sizes.values()) / (pieces_per_rank * max(1, len(plans)))
@@ -103,7 +108,7 @@ def split_replicated(
             if chunk.ident not in shared or chunk.nbytes <= threshold or count < 2:
                 out[rank].append(chunk)
                 continue
-            j = ranks.index(rank)
+            j = place[(chunk.ident, rank)]
             if j >= count:
                 continue  # fewer pieces than holders: the first `count` holders write them
             base, extra = divmod(rows, count)

@@ -1,0 +1,240 @@
+"""Format 3: tensors described by rules, their chunks in the writing ranks' tables.
+
+One 4-rank gloo save (module fixture) of a regular state: ``Shard(0)`` over 4 ranks, a 2x2
+mesh ``(Shard(0), Shard(1))``, a ``Replicate()`` DTensor, an empty sharded tensor and a plain
+tensor. Then, in this process: what the manifest and tables say, that a load reads only the
+tables it needs, and that every forged or damaged table or rule is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardpoint as sp
+from _dist_utils import run_ranks
+from shardpoint._checksum import crc32c
+from shardpoint._rule_chunks import RuleChunks
+from shardpoint._source import open_checkpoint
+from shardpoint._verify import verify_checkpoint
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+
+
+def expected() -> dict[str, torch.Tensor]:
+    return {
+        "w": torch.arange(10 * 3, dtype=torch.float32).reshape(10, 3),
+        "v": torch.arange(4 * 6, dtype=torch.bfloat16).reshape(4, 6),
+        "r": torch.arange(6, dtype=torch.float64) / 7,
+        "e": torch.zeros(0, 2),
+        "b": torch.arange(5, dtype=torch.int64) * 1000,
+    }
+
+
+def save_worker(rank: int, world: int, root: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    mesh2 = init_device_mesh("cpu", (2, world // 2))
+    full = expected()
+    state = {
+        "w": distribute_tensor(full["w"], mesh, [Shard(0)]),
+        "v": distribute_tensor(full["v"], mesh2, [Shard(0), Shard(1)]),
+        "r": distribute_tensor(full["r"], mesh, [Replicate()]),
+        "e": distribute_tensor(full["e"], mesh, [Shard(0)]),
+        "b": full["b"],
+    }
+    first = sp.save(state, Path(root) / "first", layout="chunked")
+    info = sp.save(state, Path(root) / "ckpt", layout="chunked")
+    assert (first.plan_reused, info.plan_reused) == (False, True), (first, info)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("rules")
+    run_ranks(save_worker, 4, str(root), timeout=180)
+    return root / "ckpt"
+
+
+def test_manifest_gives_rules_and_tables_not_chunks(saved: Path) -> None:
+    doc = json.loads((saved / "shardpoint.json").read_text())
+    assert doc["format_version"] == 3
+    tensors = doc["components"]["model"]["tensors"]
+    assert {n: (t["grid"], t["writer"]) for n, t in tensors.items()} == {
+        "w": ([4, 1], [0, [1, 0]]),  # rows 3, 3, 3, 1: rank r writes cell r
+        "v": ([2, 2], [0, [2, 1]]),  # the 2x2 mesh row-major: cell (i, j) by rank 2i + j
+        # Whole tensors every rank holds, largest first, to the least loaded rank: after the
+        # shards (48, 48, 48, 24 bytes) r (48 bytes) goes to rank 3, then b (40) to rank 0.
+        "r": ([1], [3, [0]]),
+        "e": ([4, 1], [0, [1, 0]]),
+        "b": ([1], [0, [0]]),
+    }
+    assert "chunks" not in json.dumps(tensors)
+    assert doc["files"] == {}
+    assert [len(t) for t in doc["tables"]] == [2, 2, 2, 2]
+    for rank, (size, crc) in enumerate(doc["tables"]):
+        raw = (saved / f"shardpoint-r{rank:05d}.json").read_bytes()
+        assert (len(raw), crc32c(raw)) == (size, crc)
+        table = json.loads(raw)
+        assert table["rank"] == rank and table["save_id"] == doc["save_id"]
+        assert table["files"] == [[f"model-r{rank:05d}-00001.safetensors",
+                                   (saved / f"model-r{rank:05d}-00001.safetensors").stat().st_size]]
+
+
+def test_loads_are_exact_and_read_only_the_tables_they_need(saved: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    read: list[int] = []
+    real = RuleChunks.table
+
+    def counted(self: RuleChunks, rank: int) -> Any:
+        if rank not in self._tables:
+            read.append(rank)
+        return real(self, rank)
+
+    monkeypatch.setattr(RuleChunks, "table", counted)
+    full = expected()
+    assert torch.equal(sp.load(saved, keys=["b"])["b"], full["b"])
+    assert read == [0]  # b's writer's table alone
+    read.clear()
+    assert torch.equal(sp.load(saved, keys=["w"])["w"], full["w"])
+    assert sorted(read) == [0, 1, 2, 3]
+    read.clear()
+    # A rank filling rows 4..6 of w (a 3-rank reshard: its shard) needs cells 1 and 2 only.
+    with open_checkpoint(saved, lazy=True) as ckpt:
+        record = ckpt.components["model"].tensors["w"]
+        chunks = ckpt.resolved(record, (4, 0), (3, 3)).chunks
+        assert [(c.file, c.offsets, c.shape) for c in chunks] == [
+            ("model-r00001-00001.safetensors", (3, 0), (3, 3)),
+            ("model-r00002-00001.safetensors", (6, 0), (3, 3)),
+        ]
+        assert ckpt.rules is not None and ckpt.rules.tables_read == 2
+    read.clear()
+    loaded = sp.load(saved)
+    assert sorted(read) == [0, 1, 2, 3]
+    for name, tensor in full.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+    target = {name: torch.full_like(t, 7) for name, t in full.items()}
+    assert sp.load_into(target, saved).ok  # 4 -> 1 rank
+    assert all(torch.equal(target[n], full[n]) for n in full)
+    report = verify_checkpoint(saved)
+    assert report.ok and report.problems == [] and report.warnings == [], report
+
+
+def _copy(saved: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "ckpt"
+    shutil.copytree(saved, out)
+    return out
+
+
+def _rewrite_table(ckpt: Path, rank: int, edit: Any) -> None:
+    """Change rank ``rank``'s table and record its new size and crc32c in the manifest, as a
+    forger who knows the format would."""
+    path = ckpt / f"shardpoint-r{rank:05d}.json"
+    table = json.loads(path.read_text())
+    edit(table)
+    raw = json.dumps(table).encode()
+    path.write_bytes(raw)
+    manifest = json.loads((ckpt / "shardpoint.json").read_text())
+    manifest["tables"][rank] = [len(raw), crc32c(raw)]
+    (ckpt / "shardpoint.json").write_text(json.dumps(manifest))
+
+
+def _rewrite_manifest(ckpt: Path, edit: Any) -> None:
+    manifest = json.loads((ckpt / "shardpoint.json").read_text())
+    edit(manifest)
+    (ckpt / "shardpoint.json").write_text(json.dumps(manifest))
+
+
+def _flip_byte(ckpt: Path) -> None:
+    path = ckpt / "shardpoint-r00002.json"
+    raw = bytearray(path.read_bytes())
+    raw[10] ^= 1
+    path.write_bytes(bytes(raw))
+
+
+def _set_tensor(name: str, key: str, value: Any) -> Any:
+    return lambda m: m["components"]["model"]["tensors"][name].__setitem__(key, value)
+
+
+FORGERIES = [
+    pytest.param(_flip_byte, "shardpoint-r00002.json is", "the table is damaged or from another save", id="damaged-table"),
+    pytest.param(lambda c: (c / "shardpoint-r00003.json").unlink(), "shardpoint-r00003.json", "", id="missing-table"),
+    pytest.param(lambda c: _rewrite_table(c, 1, lambda t: t.__setitem__("save_id", "0" * 32)),
+                 "shardpoint-r00001.json", "not save", id="table-of-another-save"),
+    pytest.param(lambda c: _rewrite_table(c, 2, lambda t: t.__setitem__("chunks", [])),
+                 "is missing from shardpoint-r00002.json", "incomplete", id="table-missing-a-chunk"),
+    pytest.param(lambda c: _rewrite_table(c, 1, lambda t: t["files"][0].__setitem__(0, "../escape.safetensors")),
+                 "../escape.safetensors", "", id="table-file-leaves-directory"),
+    pytest.param(lambda c: _rewrite_table(c, 1, lambda t: t["chunks"].append([0, 2, 0, 5])),
+                 "tensor 'model/w': cell 2 is not one rank 1 writes", "forged", id="table-claims-another-ranks-cell"),
+    pytest.param(lambda c: _rewrite_table(c, 0, lambda t: t.__setitem__("chunks", [[99, 0, 0, 0]])),
+                 "is out of range", "forged", id="table-slot-out-of-range"),
+    pytest.param(lambda c: _rewrite_manifest(c, _set_tensor("w", "grid", [1_000_000, 1])),
+                 "has more cells than the 4 ranks", "forged", id="grid-larger-than-world"),
+    pytest.param(lambda c: _rewrite_manifest(c, _set_tensor("b", "writer", [4, [0]])),
+                 "written by rank 4, but only 4 ranks saved it", "forged", id="writer-outside-world"),
+    pytest.param(lambda c: _rewrite_manifest(c, lambda m: m.__setitem__("tables", m["tables"][:3])),
+                 "'tables' must list one [size, crc32c] per rank", "forged", id="tables-short"),
+    pytest.param(lambda c: _rewrite_manifest(c, _set_tensor("w", "chunks", [])),
+                 "exactly dtype, shape, grid, writer", "forged", id="rule-and-chunks"),
+]
+
+
+@pytest.mark.parametrize(("forge", "names", "says"), FORGERIES)
+def test_forged_rules_and_tables_are_refused_by_name(
+    saved: Path, tmp_path: Path, forge: Any, names: str, says: str
+) -> None:
+    ckpt = _copy(saved, tmp_path)
+    forge(ckpt)
+    with pytest.raises(sp.CheckpointError) as exc:
+        sp.load(ckpt)
+    assert names in str(exc.value) and says in str(exc.value), str(exc.value)
+    assert isinstance(exc.value, (sp.CorruptCheckpointError, sp.MissingShardError)), type(exc.value)
+    report = verify_checkpoint(ckpt)
+    assert not report.ok and any(names in p for p in report.problems), report.problems
+
+
+def test_a_table_file_from_another_save_is_refused(saved: Path, tmp_path: Path) -> None:
+    """Two saves of the same structure: swapping in the other's table (its bytes are a valid
+    table) fails on the manifest's crc32c before the table is parsed."""
+    ckpt = _copy(saved, tmp_path)
+    other = saved.parent / "first"
+    shutil.copy(other / "shardpoint-r00001.json", ckpt / "shardpoint-r00001.json")
+    with pytest.raises(sp.CorruptCheckpointError, match=r"shardpoint-r00001\.json is \d+ bytes with crc32c"):
+        sp.load(ckpt)
+
+
+def reuse_worker(rank: int, world: int, root: str) -> None:
+    """Plan reuse on the path of explicit chunk lists (layout hf, and a state that is not
+    regular), and the coordinator asking again when it no longer holds a rank's list."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from shardpoint._distributed import plan_cache
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = expected()
+
+    def state(k: int) -> dict[str, Any]:
+        return {"w": distribute_tensor(full["w"] * k, mesh, [Shard(0)]), "b": full["b"] * k}
+
+    got = []
+    for k, layout in ((1, "hf"), (2, "hf"), (3, "hf")):
+        if k == 3 and rank == 0:
+            plan_cache.PLANS.clear()  # the coordinator forgot (a restarted process): ranks must resend
+        got.append(sp.save(state(k), Path(root) / f"{layout}-{k}", layout=layout).plan_reused)
+    assert got == [False, True, False], (rank, got)
+
+
+def test_plan_reuse_with_explicit_chunk_lists(tmp_path: Path) -> None:
+    run_ranks(reuse_worker, 2, str(tmp_path), timeout=180)
+    full = expected()
+    for k in (1, 2, 3):
+        loaded = sp.load(tmp_path / f"hf-{k}")
+        assert torch.equal(loaded["w"], full["w"] * k) and torch.equal(loaded["b"], full["b"] * k), k
+        assert json.loads((tmp_path / f"hf-{k}" / "shardpoint.json").read_text())["layout"] == "hf"
