@@ -238,3 +238,22 @@ def test_plan_reuse_with_explicit_chunk_lists(tmp_path: Path) -> None:
         loaded = sp.load(tmp_path / f"hf-{k}")
         assert torch.equal(loaded["w"], full["w"] * k) and torch.equal(loaded["b"], full["b"] * k), k
         assert json.loads((tmp_path / f"hf-{k}" / "shardpoint.json").read_text())["layout"] == "hf"
+
+
+def test_manifest_and_tables_validate_against_the_shipped_schemas(saved: Path) -> None:
+    from importlib import resources
+
+    import jsonschema
+
+    schemas = resources.files("shardpoint._format")
+    manifest_schema = json.loads(schemas.joinpath("manifest.schema.json").read_text())
+    table_schema = json.loads(schemas.joinpath("table.schema.json").read_text())
+    for schema in (manifest_schema, table_schema):
+        jsonschema.Draft202012Validator.check_schema(schema)
+    jsonschema.validate(json.loads((saved / "shardpoint.json").read_text()), manifest_schema)
+    for rank in range(4):
+        jsonschema.validate(json.loads((saved / f"shardpoint-r{rank:05d}.json").read_text()), table_schema)
+    # A rule entry that also lists chunks is not a valid manifest.
+    doc = json.loads((saved / "shardpoint.json").read_text())
+    doc["components"]["model"]["tensors"]["w"]["chunks"] = [{"file": "x", "crc32c": 0}]
+    assert list(jsonschema.Draft202012Validator(manifest_schema).iter_errors(doc))

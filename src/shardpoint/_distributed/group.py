@@ -314,18 +314,29 @@ class Group:
         return result, verdict.answer
 
     def _exchange_collectively(self, error: str | None, report: Any, decide: _Decide | None) -> _Verdict:
-        """:meth:`_exchange_reports` over collectives (groups without point to point)."""
-        gathered = self.all_gather((error, report))
-        failed = {rank: text for rank, (text, _) in enumerate(gathered) if text is not None}
-        if failed or decide is None:
-            return _Verdict(failed)
-        box: tuple[list[Any], str | None] = ([], None)
-        if self.is_coordinator:
-            box = decide([r for _, r in gathered])
-        answers, decide_error = self.broadcast(box)
-        if decide_error is not None:
-            return _Verdict({0: decide_error}, None, True)
-        return _Verdict({}, answers[self.rank])
+        """:meth:`_exchange_reports` over collectives (groups without point to point): the
+        reports gathered on the coordinator, each rank's verdict scattered back (not every
+        report to every rank: that would grow with the square of the ranks)."""
+        dist = _dist()
+        coordinator = dist.get_global_rank(self.pg, 0)
+        gathered: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
+        with _lost_peers("gathering the ranks' plans and reports"):
+            dist.gather_object((error, report), gathered, dst=coordinator, group=self.pg)
+        verdicts: list[_Verdict] | None = None
+        if gathered is not None:
+            failed = {rank: text for rank, (text, _) in enumerate(gathered) if text is not None}
+            if failed or decide is None:
+                verdicts = [_Verdict(failed)] * self.world_size
+            else:
+                answers, decide_error = decide([r for _, r in gathered])
+                if decide_error is not None:
+                    verdicts = [_Verdict({0: decide_error}, None, True)] * self.world_size
+                else:
+                    verdicts = [_Verdict({}, answer) for answer in answers]
+        box: list[Any] = [None]
+        with _lost_peers("receiving the coordinator's decision"):
+            dist.scatter_object_list(box, verdicts, src=coordinator, group=self.pg)
+        return box[0]
 
 
 _Decide = Callable[[list[Any]], tuple[list[Any], str | None]]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+from collections import Counter
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -140,9 +141,6 @@ def load_into(
     with applied(options):
         group = resolve_group(process_group, target)
         threads = None
-        if group.distributed:  # the ranks on this machine share its CPUs
-            host = socket.gethostname()
-            threads = reader_threads(group.all_gather(host).count(host))
 
         def load_here() -> LoadResult:  # in the phase: a refused argument fails alike on every rank
             settings = IntoSettings(strict, progress, resolve_verify(verify), allow_pickle, torch.device(device),
@@ -150,7 +148,9 @@ def load_into(
             return _load_into(target, path, settings, storage_options, opened)
 
         with collector_paused():
-            opened = _open_on_every_rank(group, path, storage_options)
+            opened, ranks_here = _open_on_every_rank(group, path, storage_options)
+            if group.distributed:  # the ranks on this machine share its CPUs
+                threads = reader_threads(ranks_here)
             try:
                 return group.phase(f"loading {os.fspath(path)}", load_here)
             finally:
@@ -159,27 +159,34 @@ def load_into(
 
 
 def _open_on_every_rank(group: Group, path: str | os.PathLike[str],
-                        storage_options: Mapping[str, Any] | None) -> Checkpoint | None:
+                        storage_options: Mapping[str, Any] | None) -> tuple[Checkpoint | None, int]:
     """In a process group, open the checkpoint on every rank and agree that all opened the
     same save (its ``save_id``); a save committed between two ranks' opens makes every rank
-    open again (a few times). None without a group, or for ``.bin`` weights."""
+    open again (a few times). Also how many ranks share this rank's machine (same host
+    name), counted by the coordinator: each rank hears its own count, not every rank's host.
+    (None, 1) without a group; the checkpoint is None for ``.bin`` weights."""
     if not group.distributed:
-        return None
+        return None, 1
     where = os.fspath(path)
+    host = socket.gethostname()
 
     def open_here() -> tuple[Checkpoint | None, Any]:
         hub_path, options = resolve_hub(path, storage_options)
         store, pickled = route(open_store(hub_path, options))
         if pickled is not None:
-            return None, None
+            return None, (None, host)
         ckpt = open_checkpoint(store, lazy=True)
-        return ckpt, ckpt.manifest.save_id if ckpt.manifest is not None else None
+        return ckpt, (ckpt.manifest.save_id if ckpt.manifest is not None else None, host)
+
+    def decide(reports: list[tuple[str | None, str]]) -> list[tuple[bool, int]]:
+        same = len({save_id for save_id, _ in reports}) == 1
+        per_host = Counter(h for _, h in reports)
+        return [(same, per_host[h]) for _, h in reports]
 
     for _ in range(OPEN_TRIES):
-        ckpt, same = group.exchange(f"opening {where}", open_here,
-                                    decide=lambda ids: [len(set(ids)) == 1] * len(ids))
+        ckpt, (same, ranks_here) = group.exchange(f"opening {where}", open_here, decide=decide)
         if same:
-            return ckpt
+            return ckpt, ranks_here
         if ckpt is not None:
             ckpt.close()
     raise StorageError(
