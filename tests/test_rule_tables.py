@@ -53,6 +53,10 @@ def save_worker(rank: int, world: int, root: str) -> None:
     first = sp.save(state, Path(root) / "first", layout="chunked")
     info = sp.save(state, Path(root) / "ckpt", layout="chunked")
     assert (first.plan_reused, info.plan_reused) == (False, True), (first, info)
+    # An async save stages the shards (plain tensors then) but keeps their mesh layout: the
+    # same rules, so the same plan again.
+    staged = sp.async_save(state, Path(root) / "async", layout="chunked").result()
+    assert staged.plan_reused, staged
 
 
 @pytest.fixture(scope="module")
@@ -257,3 +261,12 @@ def test_manifest_and_tables_validate_against_the_shipped_schemas(saved: Path) -
     doc = json.loads((saved / "shardpoint.json").read_text())
     doc["components"]["model"]["tensors"]["w"]["chunks"] = [{"file": "x", "crc32c": 0}]
     assert list(jsonschema.Draft202012Validator(manifest_schema).iter_errors(doc))
+
+
+def test_an_async_save_is_planned_by_the_same_rules(saved: Path) -> None:
+    staged = saved.parent / "async"
+    doc = json.loads((staged / "shardpoint.json").read_text())
+    sync = json.loads((saved / "shardpoint.json").read_text())
+    assert doc["components"] == sync["components"] and len(doc["tables"]) == 4
+    loaded = sp.load(staged)
+    assert all(torch.equal(loaded[n], t) for n, t in expected().items())

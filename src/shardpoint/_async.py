@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ._distributed.group import Group, local_chunk
+from ._distributed.regular import mesh_layout
 from ._gc import collector_paused
 from ._prepare import Component, PreparedState
 from ._write import SaveInfo
@@ -63,6 +64,8 @@ def stage(prepared: PreparedState, pool: StagingPool) -> PreparedState:
     staged: dict[str, dict[str, torch.Tensor]] = {c.name: {} for c in prepared.components}
     cuda_used = False
     placements = {c.name: dict(c.placements) for c in prepared.components}
+    layouts = {c.name: dict(c.layouts) for c in prepared.components}
+    meshes: dict[int, tuple[int, ...]] = {}
     typed: dict[torch.dtype, torch.Tensor] = {}
     """The arena as each dtype (offsets are multiples of ``_ALIGN``, so of every itemsize)."""
     cpu_dst: list[torch.Tensor] = []
@@ -74,8 +77,9 @@ def stage(prepared: PreparedState, pool: StagingPool) -> PreparedState:
                 src = tensor
             else:
                 global_shape, chunk_offsets, src = local_chunk(tensor)
-                if src is not tensor:  # a DTensor: keep where its shard sits
+                if src is not tensor:  # a DTensor: keep where its shard sits, and its mesh layout
                     placements[comp.name][name] = (global_shape, chunk_offsets)
+                    layouts[comp.name][name] = mesh_layout(tensor, meshes)
             view = typed.get(src.dtype)
             if view is None:
                 view = typed[src.dtype] = arena[: arena.numel() // src.element_size() * src.element_size()].view(
@@ -100,7 +104,7 @@ def stage(prepared: PreparedState, pool: StagingPool) -> PreparedState:
             tensors[alias] = tensors[stored]
         components.append(
             Component(comp.name, comp.tree, tensors, list(comp.stored), dict(comp.aliases), placements[comp.name],
-                      dict(comp.hf_storage), comp.parameters)
+                      dict(comp.hf_storage), comp.parameters, layouts[comp.name])
         )
     return PreparedState(components, prepared.flat)
 

@@ -36,6 +36,9 @@ class Component:
     parameters: int | None = None
     """Parameter count of the module this component was taken from (``num_parameters()``
     in ``transformers``); None for a state dict, where every stored element counts."""
+    layouts: dict[str, Any] = field(default_factory=dict)
+    """For staged shards of DTensors: name -> the DTensor's mesh layout
+    (``_distributed.regular.MeshLayout``), so a staged save can still be planned by rules."""
 
     def stored_bytes(self) -> int:
         return sum(self.tensors[n].numel() * self.tensors[n].element_size() for n in self.stored)

@@ -39,36 +39,52 @@ class Description(NamedTuple):
     """This rank's local tensor of each."""
 
 
-def _mesh_ok(mesh: Any, group_ranks: list[int], seen: dict[int, bool]) -> bool:
-    """Whether ``mesh`` lays the save's ranks out row-major, in group order."""
-    known = seen.get(id(mesh))
-    if known is None:
-        known = seen[id(mesh)] = mesh.mesh.flatten().tolist() == group_ranks
-    return known
+class MeshLayout(NamedTuple):
+    """Where a DTensor's shard sits, as plain data (kept when an async save stages it)."""
+
+    mesh_ranks: tuple[int, ...]
+    """The mesh's global ranks, row-major (one tuple shared by the tensors of one mesh)."""
+    mesh_shape: tuple[int, ...]
+    placements: tuple[tuple[str, int], ...]
+    """Per mesh dimension: ("Shard", dim), ("Replicate", 0), or (another placement's class name, 0)."""
+    coordinate: tuple[int, ...] | None
+    """This rank's place in the mesh."""
 
 
-def _dtensor_entry(
-    component: str, name: str, dtype: str, item: int, tensor: Any, group_ranks: list[int], seen: dict[int, bool]
-) -> tuple[Entry, tuple[int, ...], torch.Tensor] | None:
+def mesh_layout(tensor: Any, seen: dict[int, tuple[int, ...]]) -> MeshLayout:
+    """The layout of DTensor ``tensor``; ``seen`` caches each mesh's ranks (a mesh is shared
+    by every tensor of a model: its rank list is read once, not once per tensor)."""
     mesh = tensor.device_mesh
-    if not _mesh_ok(mesh, group_ranks, seen):
+    ranks = seen.get(id(mesh))
+    if ranks is None:
+        ranks = seen[id(mesh)] = tuple(mesh.mesh.flatten().tolist())
+    placements = tuple(
+        (type(p).__name__, p.dim if type(p).__name__ == "Shard" else 0) for p in tensor.placements
+    )
+    coord = mesh.get_coordinate()
+    return MeshLayout(ranks, tuple(int(s) for s in mesh.mesh.shape), placements,
+                      tuple(coord) if coord is not None else None)
+
+
+def _sharded_entry(
+    component: str, name: str, dtype: str, item: int, global_shape: tuple[int, ...], offsets: tuple[int, ...],
+    local: torch.Tensor, layout: MeshLayout, group_ranks: tuple[int, ...],
+) -> tuple[Entry, tuple[int, ...]] | None:
+    """The entry of a shard laid out by ``layout``, and the cell this rank holds; None when
+    the layout is not one a rule describes, or the shard is not the cell it predicts."""
+    if layout.mesh_ranks != group_ranks or layout.coordinate is None:
         return None
-    mesh_shape = tuple(int(s) for s in mesh.mesh.shape)
+    mesh_shape, coord, shape = layout.mesh_shape, layout.coordinate, global_shape
     stride = [math.prod(mesh_shape[m + 1 :]) for m in range(len(mesh_shape))]
-    shape = tuple(tensor.shape)
     by_dim: list[list[int]] = [[] for _ in shape]
     replicas = []
-    for m, p in enumerate(tensor.placements):
-        kind = type(p).__name__
+    for m, (kind, dim) in enumerate(layout.placements):
         if kind == "Shard":
-            by_dim[p.dim % max(1, len(shape))].append(m)
+            by_dim[dim % max(1, len(shape))].append(m)
         elif kind == "Replicate":
             replicas.append((mesh_shape[m], stride[m]))
-        else:  # Partial (refused by local_chunk), _StridedShard, anything new
+        else:  # _StridedShard, anything new (Partial is refused when the shard is taken)
             return None
-    coord = mesh.get_coordinate()
-    if coord is None:
-        return None
     grid, strides, cell = [], [], []
     for d, dims in enumerate(by_dim):
         k = math.prod(mesh_shape[m] for m in dims)
@@ -83,44 +99,48 @@ def _dtensor_entry(
         grid.append(k)
         strides.append(stride[dims[-1]] if dims else 0)
         cell.append(c)
-    global_shape, offsets, local = local_chunk(tensor, name)
     want_offsets, want_shape = cell_box(global_shape, grid, cell)
     if math.prod(want_shape):
         if tuple(offsets) != want_offsets or tuple(local.shape) != want_shape:
             return None
     elif local.numel():
         return None
-    entry = Entry(component, name, dtype, global_shape, item, tuple(grid), tuple(strides), tuple(replicas))
-    return entry, tuple(cell), local
+    return Entry(component, name, dtype, global_shape, item, tuple(grid), tuple(strides), tuple(replicas)), tuple(cell)
 
 
 def describe(prepared: PreparedState, group_ranks: list[int]) -> Description | None:
     """This rank's description of ``prepared``, or None when it is not regular."""
-    world = len(group_ranks)
+    ranks = tuple(group_ranks)
+    world = len(ranks)
     entries: list[Entry] = []
     own: list[tuple[int, ...]] = []
     local: list[torch.Tensor] = []
-    seen: dict[int, bool] = {}
+    seen: dict[int, tuple[int, ...]] = {}
     for comp in prepared.components:
-        if comp.placements:
-            return None
         for name in comp.stored:
             tensor = comp.tensors[name]
             dtype = DTYPE_TO_NAME.get(tensor.dtype) or dtype_name(tensor.dtype, key=name)
             item = NAME_TO_DTYPE[dtype].itemsize
-            if type(tensor).__name__ == "DTensor":
-                found = _dtensor_entry(comp.name, name, dtype, item, tensor, group_ranks, seen)
-                if found is None:
+            if name in comp.placements:  # a staged shard (async save): its layout was kept
+                layout = comp.layouts.get(name)
+                if layout is None:
                     return None
-                entry, cell, tensor = found
+                global_shape, offsets = comp.placements[name]
+                found = _sharded_entry(comp.name, name, dtype, item, global_shape, offsets, tensor, layout, ranks)
+            elif type(tensor).__name__ == "DTensor":
+                layout = mesh_layout(tensor, seen)
+                global_shape, offsets, tensor = local_chunk(tensor, name)
+                found = _sharded_entry(comp.name, name, dtype, item, global_shape, offsets, tensor, layout, ranks)
             else:
                 shape = tuple(tensor.shape)
                 entry = Entry(comp.name, name, dtype, shape, item, (1,) * len(shape), (0,) * len(shape), ((world, 1),))
-                cell = (0,) * len(shape)
+                found = entry, (0,) * len(shape)
+            if found is None:
+                return None
             if tensor.requires_grad:
                 tensor = tensor.detach()
-            entries.append(entry)
-            own.append(cell)
+            entries.append(found[0])
+            own.append(found[1])
             local.append(tensor)
     return Description(entries, own, local)
 
