@@ -233,6 +233,19 @@ def reuse_worker(rank: int, world: int, root: str) -> None:
             plan_cache.PLANS.clear()  # the coordinator forgot (a restarted process): ranks must resend
         got.append(sp.save(state(k), Path(root) / f"{layout}-{k}", layout=layout).plan_reused)
     assert got == [False, True, False], (rank, got)
+    # Ranks holding different tensors (pipeline stages): descriptions that differ, so the
+    # coordinator asks every rank for its chunk list and plans from the lists.
+    stage = {"w": distribute_tensor(full["w"], mesh, [Shard(0)]), f"stage{rank}.b": full["b"] + rank}
+    try:
+        sp.save(stage, Path(root) / "stages", layout="chunked")
+    except sp.DistributedCheckpointError as exc:
+        assert "rank 1 holds tensor 'stage1.b' of component 'model', which rank 0's state does not have" in str(exc)
+    else:
+        raise AssertionError("a save that would drop rank 1's tensor was not refused")
+    # Every rank passing the whole structure: saved, every tensor loadable.
+    stage = {"shared": {"w": distribute_tensor(full["w"], mesh, [Shard(0)])}}
+    stage.update({f"stage{r}": {"b": full["b"] + r} for r in range(world)})
+    sp.save(stage, Path(root) / "stages", layout="chunked")
 
 
 def test_plan_reuse_with_explicit_chunk_lists(tmp_path: Path) -> None:
@@ -242,6 +255,9 @@ def test_plan_reuse_with_explicit_chunk_lists(tmp_path: Path) -> None:
         loaded = sp.load(tmp_path / f"hf-{k}")
         assert torch.equal(loaded["w"], full["w"] * k) and torch.equal(loaded["b"], full["b"] * k), k
         assert json.loads((tmp_path / f"hf-{k}" / "shardpoint.json").read_text())["layout"] == "hf"
+    stages = sp.load(tmp_path / "stages")
+    assert torch.equal(stages["shared"]["w"], full["w"])
+    assert torch.equal(stages["stage0"]["b"], full["b"]) and torch.equal(stages["stage1"]["b"], full["b"] + 1)
 
 
 def test_manifest_and_tables_validate_against_the_shipped_schemas(saved: Path) -> None:

@@ -211,6 +211,7 @@ def write_checkpoint(
         elif any(o.payload is None for o in offers):
             return [RESEND] * len(offers)  # a rank left out a list this coordinator does not hold
         else:
+            steps.check_names(prepared, [o.payload for o in offers])
             all_plans, writes, total = steps.assign([o.payload for o in offers], chunked=chunked)
             plan_id = PLANS.agree(offers, (all_plans, writes, total))
         save_id = uuid.uuid4().hex

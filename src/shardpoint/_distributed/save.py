@@ -46,6 +46,7 @@ from .._planning.files import PlannedFile, hf_index, plan_hf_files, plan_rank_fi
 from .._prepare import PreparedState, hf_sizes
 from .._storage import Transaction
 from .._version import __version__
+from ..errors import InvalidStateError
 from .group import local_chunk
 
 
@@ -87,6 +88,22 @@ def _tensor_order(all_plans: Sequence[Sequence[ChunkPlan]]) -> dict[str, dict[st
 def _wanted(plan: ChunkPlan) -> bool:
     """Empty shards of a non-empty tensor (uneven sharding) hold nothing to write."""
     return plan.nbytes > 0 or math.prod(plan.global_shape) == 0
+
+
+def check_names(prepared: PreparedState, all_plans: Sequence[Sequence[ChunkPlan]]) -> None:
+    """Refuse a tensor some rank holds that the coordinator's state does not have: the
+    manifest's tree is the coordinator's, so it would be saved but never loaded."""
+    known = {(comp.name, name) for comp in prepared.components for name in comp.stored}
+    for rank, plans in enumerate(all_plans):
+        for p in plans:
+            if (p.component, p.name) not in known:
+                raise InvalidStateError(
+                    f"rank {rank} holds tensor {p.name!r} of component {p.component!r}, which rank 0's "
+                    "state does not have: in a collective save every rank passes the same structure "
+                    "(the same components and names, each rank its own shards of them). Save states "
+                    "that differ per rank (pipeline stages) each to its own path, with "
+                    "process_group= the ranks of that stage"
+                )
 
 
 def assign(all_plans: Sequence[Sequence[ChunkPlan]], *, chunked: bool) -> tuple[list[list[ChunkPlan]], list[list[ChunkPlan]], int]:
