@@ -111,7 +111,7 @@ def test_sharded_layout_index_and_metadata(tmp_path):
             assert f.metadata()["format"] == "pt"
             assert f.metadata()["shardpoint.save_id"] == info.save_id
     manifest = json.loads((tmp_path / "ck" / "shardpoint.json").read_text())
-    assert manifest["format"] == "shardpoint" and manifest["format_version"] == 2
+    assert manifest["format"] == "shardpoint" and manifest["format_version"] == 3
     assert manifest["layout"] == "hf" and manifest["world_size"] == 1 and manifest["flat"] is True
     chunk = manifest["components"]["model"]["tensors"]["layer.3.weight"]["chunks"][0]
     data = torch.full((10, 10), 3.0).numpy().tobytes()

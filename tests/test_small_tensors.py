@@ -152,7 +152,7 @@ def test_manifest_is_compact(tmp_path: Path) -> None:
     state = {f"t.{i}": torch.ones(4) for i in range(1000)}
     sp.save(state, tmp_path / "ck")
     doc = json.loads((tmp_path / "ck" / "shardpoint.json").read_text())
-    assert doc["format_version"] == 2
+    assert doc["format_version"] == 3
     assert doc["components"]["model"]["tensors"]["t.7"] == {
         "dtype": "F32",
         "shape": [4],
