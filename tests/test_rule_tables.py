@@ -233,6 +233,11 @@ def reuse_worker(rank: int, world: int, root: str) -> None:
             plan_cache.PLANS.clear()  # the coordinator forgot (a restarted process): ranks must resend
         got.append(sp.save(state(k), Path(root) / f"{layout}-{k}", layout=layout).plan_reused)
     assert got == [False, True, False], (rank, got)
+    assert plan_cache.PLANS.resends == (1 if rank == 0 else 0)  # the save after forgetting
+    # Rank 0 alone changes (one more tensor, written by it): only its list travels, the
+    # coordinator plans with rank 1's list from the last plan; no resend.
+    changed = sp.save({**state(4), "extra": full["r"]}, Path(root) / "hf-4", layout="hf")
+    assert not changed.plan_reused and plan_cache.PLANS.resends == (1 if rank == 0 else 0)
     # Ranks holding different tensors (pipeline stages): descriptions that differ, so the
     # coordinator asks every rank for its chunk list and plans from the lists.
     stage = {"w": distribute_tensor(full["w"], mesh, [Shard(0)]), f"stage{rank}.b": full["b"] + rank}
@@ -255,6 +260,8 @@ def test_plan_reuse_with_explicit_chunk_lists(tmp_path: Path) -> None:
         loaded = sp.load(tmp_path / f"hf-{k}")
         assert torch.equal(loaded["w"], full["w"] * k) and torch.equal(loaded["b"], full["b"] * k), k
         assert json.loads((tmp_path / f"hf-{k}" / "shardpoint.json").read_text())["layout"] == "hf"
+    four = sp.load(tmp_path / "hf-4")
+    assert torch.equal(four["w"], full["w"] * 4) and torch.equal(four["extra"], full["r"])
     stages = sp.load(tmp_path / "stages")
     assert torch.equal(stages["shared"]["w"], full["w"])
     assert torch.equal(stages["stage0"]["b"], full["b"]) and torch.equal(stages["stage1"]["b"], full["b"] + 1)

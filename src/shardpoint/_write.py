@@ -208,12 +208,14 @@ def write_checkpoint(
             plan_id = agreed[0] if agreed is not None else PLANS.agree(offers, None)
         elif agreed is not None:
             plan_id, (all_plans, writes, total) = agreed
-        elif any(o.payload is None for o in offers):
-            return [RESEND] * len(offers)  # a rank left out a list this coordinator does not hold
         else:
-            steps.check_names(prepared, [o.payload for o in offers])
-            all_plans, writes, total = steps.assign([o.payload for o in offers], chunked=chunked)
-            plan_id = PLANS.agree(offers, (all_plans, writes, total))
+            lists = PLANS.lists(offers)  # the ranks that changed sent theirs; the others' are known
+            if lists is None:
+                PLANS.resend()
+                return [RESEND] * len(offers)  # a rank left out a list this coordinator does not hold
+            steps.check_names(prepared, lists)
+            all_plans, writes, total = steps.assign(lists, chunked=chunked)
+            plan_id = PLANS.agree(offers, (all_plans, writes, total), lists)
         save_id = uuid.uuid4().hex
         if not chunked:
             hf_files = steps.plan_hf(prepared, all_plans, max_shard_bytes, file_metadata(save_id))

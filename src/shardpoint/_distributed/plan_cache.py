@@ -52,8 +52,12 @@ class PlanCache:
         self._lock = threading.Lock()
         self._agreed: OrderedDict[tuple[tuple[str, str], ...], tuple[str, Any]] = OrderedDict()
         """The coordinator's: every rank's fingerprint -> (plan id, the plan)."""
+        self._lists: OrderedDict[tuple[tuple[str, str], ...], list[Any]] = OrderedDict()
+        """The coordinator's: every rank's fingerprint -> the chunk lists they planned from."""
         self._mine: OrderedDict[str, tuple[str, Any]] = OrderedDict()
         """A rank's: its fingerprint -> (plan id, its part of the plan)."""
+        self.resends = 0
+        """Saves whose coordinator had to ask every rank for its chunk list again."""
 
     def offer(self, fp: str, payload: Any, host: str, *, rules: bool, full: bool = False) -> Offer:
         """This rank's offer: the payload left out when it planned with ``fp`` before (unless
@@ -76,14 +80,39 @@ class PlanCache:
             return None
         return found
 
-    def agree(self, offers: list[Offer], plan: Any) -> str:
-        """Remember ``plan`` as the one agreed for ``offers``; its new id."""
+    def agree(self, offers: list[Offer], plan: Any, lists: list[Any] | None = None) -> str:
+        """Remember ``plan`` as the one agreed for ``offers`` (planned from ``lists``, each
+        rank's chunk list); its new id."""
         plan_id = uuid.uuid4().hex
+        key = tuple((o.fingerprint, o.host) for o in offers)
         with self._lock:
-            self._agreed[tuple((o.fingerprint, o.host) for o in offers)] = (plan_id, plan)
-            while len(self._agreed) > _KEEP:
-                self._agreed.popitem(last=False)
+            self._agreed[key] = (plan_id, plan)
+            if lists is not None:
+                self._lists[key] = lists
+            for table in (self._agreed, self._lists):
+                while len(table) > _KEEP:
+                    table.popitem(last=False)
         return plan_id
+
+    def lists(self, offers: list[Offer]) -> list[Any] | None:
+        """Every rank's chunk list: sent with its offer, or the one it planned with last
+        (a save where some ranks changed gets only theirs); None if one is not known."""
+        with self._lock:
+            recent = list(reversed(self._lists.items()))
+        out = []
+        for rank, o in enumerate(offers):
+            payload = o.payload
+            if payload is None:
+                payload = next((lists[rank] for key, lists in recent
+                                if len(key) == len(offers) and key[rank] == (o.fingerprint, o.host)), None)
+                if payload is None:
+                    return None
+            out.append(payload)
+        return out
+
+    def resend(self) -> None:
+        with self._lock:
+            self.resends += 1
 
     def mine(self, fp: str, plan_id: str) -> Any:
         """This rank's part of plan ``plan_id`` (None if it does not hold it)."""
@@ -95,6 +124,7 @@ class PlanCache:
         """Forget every plan (the next save plans afresh)."""
         with self._lock:
             self._agreed.clear()
+            self._lists.clear()
             self._mine.clear()
 
     def keep_mine(self, fp: str, plan_id: str, part: Any) -> None:
