@@ -238,6 +238,10 @@ def reuse_worker(rank: int, world: int, root: str) -> None:
     # coordinator plans with rank 1's list from the last plan; no resend.
     changed = sp.save({**state(4), "extra": full["r"]}, Path(root) / "hf-4", layout="hf")
     assert not changed.plan_reused and plan_cache.PLANS.resends == (1 if rank == 0 else 0)
+    # A DDP state of one small tensor: one rank writes it, the other writes no table at all.
+    import torch.distributed as dist
+
+    sp.save({"b": full["b"]}, Path(root) / "ddp", layout="chunked", process_group=dist.group.WORLD)
     # Ranks holding different tensors (pipeline stages): descriptions that differ, so the
     # coordinator asks every rank for its chunk list and plans from the lists.
     stage = {"w": distribute_tensor(full["w"], mesh, [Shard(0)]), f"stage{rank}.b": full["b"] + rank}
@@ -260,6 +264,11 @@ def test_plan_reuse_with_explicit_chunk_lists(tmp_path: Path) -> None:
         loaded = sp.load(tmp_path / f"hf-{k}")
         assert torch.equal(loaded["w"], full["w"] * k) and torch.equal(loaded["b"], full["b"] * k), k
         assert json.loads((tmp_path / f"hf-{k}" / "shardpoint.json").read_text())["layout"] == "hf"
+    ddp = tmp_path / "ddp"
+    assert json.loads((ddp / "shardpoint.json").read_text())["tables"][1] is None
+    assert sorted(p.name for p in ddp.iterdir()) == [
+        "model-r00000-00001.safetensors", "shardpoint-r00000.json", "shardpoint.json"]
+    assert torch.equal(sp.load(ddp)["b"], full["b"]) and verify_checkpoint(ddp).ok
     four = sp.load(tmp_path / "hf-4")
     assert torch.equal(four["w"], full["w"] * 4) and torch.equal(four["extra"], full["r"])
     stages = sp.load(tmp_path / "stages")

@@ -52,6 +52,11 @@ class RuleChunks:
             if found is None:
                 name = table_name(rank)
                 where = f"{self.location}/{name}"
+                expected = self.manifest.tables[rank]
+                if expected is None:  # the rank wrote nothing: no cell can be its
+                    found = Table({}, {})
+                    self._tables[rank] = found
+                    return found
                 try:
                     raw = self._read(name, where)
                 except FileNotFoundError:
@@ -64,7 +69,7 @@ class RuleChunks:
                 except OSError as exc:
                     raise read_error(exc, where, "reading") from None
                 found = parse_table(raw, where=where, save_id=self.manifest.save_id, rank=rank,
-                                    expected=self.manifest.tables[rank], rules=self._rules)
+                                    expected=expected, rules=self._rules)
                 for fname, size in found.files.items():
                     if self.files.setdefault(fname, size) != size or fname in self.manifest.files:
                         raise CorruptCheckpointError(

@@ -116,8 +116,8 @@ class Written(NamedTuple):
     """Data file name -> bytes."""
     indexes: dict[str, bytes]
     """Index file name -> bytes."""
-    tables: tuple[tuple[int, int], ...] = ()
-    """(size, crc32c) of each rank's table (a save by rules)."""
+    tables: tuple[tuple[int, int] | None, ...] = ()
+    """(size, crc32c) of each rank's table (a save by rules; None: the rank wrote none)."""
 
 
 def commit_written(
@@ -272,6 +272,8 @@ def write_checkpoint(
                     refs, files = steps._write_chunked(to_write, local_tensors, group.rank, max_shard_bytes,
                                                        file_meta, threads, write_whole)
                     rows = regular.table_rows(local_state.desc, rules_held, refs)
+                    if not rows:  # nothing written here (most ranks of a DDP state): no table
+                        return None, (files, None)
                     table = render_table(job.save_id, group.rank, files, rows)
                     write_whole([FileWrite(table_name(group.rank), table, len(table), ())])
                     return None, (files, (len(table), crc32c(table)))

@@ -434,7 +434,7 @@ def write_manifest(
     world_size: int,
     metadata: dict[str, Any],
     durable: bool,
-    tables: tuple[tuple[int, int], ...] = (),
+    tables: tuple[tuple[int, int] | None, ...] = (),
 ) -> None:
     """Write the indexes, then the manifest (the commit marker) into the transaction."""
     manifest = Manifest(

@@ -93,13 +93,14 @@ class Manifest:
     metadata: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     """The version the manifest was read as (``to_json`` always writes ``FORMAT_VERSION``)."""
-    tables: tuple[tuple[int, int], ...] = ()
-    """Format 3: (size, crc32c) of each rank's table (``_format/tables.py``), by rank; empty
+    tables: tuple[tuple[int, int] | None, ...] = ()
+    """Format 3: (size, crc32c) of each rank's table (``_format/tables.py``), by rank (None: the
+    rank wrote no chunk, and no table: a DDP state leaves most ranks so); empty
     when every tensor lists its chunks."""
 
     def table_files(self) -> list[str]:
         """The names of the tables (format 3)."""
-        return [table_name(rank) for rank in range(len(self.tables))]
+        return [table_name(rank) for rank, t in enumerate(self.tables) if t is not None]
 
     def rule_slots(self) -> list[tuple[str, str, TensorRecord]]:
         """(component, name, record) of each rule-described tensor, by slot."""
@@ -129,7 +130,7 @@ class Manifest:
             "files": {name: {"size": size} for name, size in self.files.items()},
         }
         if self.tables:
-            doc["tables"] = [list(t) for t in self.tables]
+            doc["tables"] = [list(t) if t is not None else None for t in self.tables]
         # Compact: the C encoder (``indent`` forces the pure-Python one, ~100x slower on the
         # manifest of a large sharded model). ``shardpoint inspect`` is the readable view.
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
@@ -270,14 +271,17 @@ def _whole_tensor(
     return TensorRecord(dtype, shape, (ChunkRef(file, name, _ZEROS[len(shape)], shape, crc),))
 
 
-def _tables(value: Any, version: int, world_size: int, where: str) -> tuple[tuple[int, int], ...]:
-    """The (size, crc32c) of each rank's table, checked."""
+def _tables(value: Any, version: int, world_size: int, where: str) -> tuple[tuple[int, int] | None, ...]:
+    """The (size, crc32c) of each rank's table (None: no table), checked."""
     if value == []:
         return ()
     _need(version >= 3 and type(value) is list and len(value) == world_size, where,
           "'tables' must list one [size, crc32c] per rank of the save")
-    out = []
+    out: list[tuple[int, int] | None] = []
     for item in value:
+        if item is None:
+            out.append(None)
+            continue
         _need(
             type(item) is list and len(item) == 2 and all(type(v) is int for v in item)
             and 2 <= item[0] < 2**40 and 0 <= item[1] < 2**32,
