@@ -186,20 +186,23 @@ def write_checkpoint(
     by_rules = chunked and group.distributed  # a regular state is then planned by rules
     resend = False
 
-    def plan() -> tuple[_Local, Offer]:
+    # Messages travel as plain tuples (``Offer``, ``_Assignment`` rebuilt on arrival): a
+    # coordinator of 16 384 ranks pickles and unpickles one per rank, every save.
+    def plan() -> tuple[_Local, tuple[Any, ...]]:
         host = socket.gethostname()
         if by_rules:
             desc = regular.describe(prepared, group.ranks)
             if desc is not None:
                 fp = "rules:" + regular.digest(desc.entries, group.world_size)
-                return _Local(desc, [], {}, fp), PLANS.offer(fp, None, host, rules=True)
+                return _Local(desc, [], {}, fp), tuple(PLANS.offer(fp, None, host, rules=True))
         mine, local_tensors = steps._plan_local(prepared)
         fp = fingerprint(layout, group.world_size, group.rank, mine)
-        return _Local(None, mine, local_tensors, fp), PLANS.offer(fp, mine, host, rules=False, full=resend)
+        return _Local(None, mine, local_tensors, fp), tuple(PLANS.offer(fp, mine, host, rules=False, full=resend))
 
-    def assign(offers: list[Offer]) -> list[_Assignment | str]:
+    def assign(sent: list[tuple[Any, ...]]) -> list[tuple[Any, ...] | str]:
         """The coordinator: who writes what (or the plan agreed before), then the transaction."""
         nonlocal txn, all_plans, hf_files
+        offers = [Offer._make(o) for o in sent]
         agreed = PLANS.agreed(offers)
         rules = all(o.fingerprint == offers[0].fingerprint for o in offers) and offers[0].fingerprint.startswith("rules:")
         total = 0
@@ -224,19 +227,19 @@ def write_checkpoint(
         txn = store.open_transaction(overwrite=overwrite)
         per_host = Counter(o.host for o in offers)  # not hosts.count per rank: quadratic over thousands
         reused = agreed is not None
-        return [_Assignment(save_id, txn.directory, None if reused or rules else w, part, total, per_host[o.host],
-                            plan_id, reused, rules)
+        return [(save_id, txn.directory, None if reused or rules else w, part, total, per_host[o.host],
+                 plan_id, reused, rules)
                 for w, part, o in zip(writes, parts, offers, strict=True)]
 
     try:
         for _attempt in range(2):
-            local_state, job = group.exchange(
+            local_state, answer = group.exchange(
                 "planning the save", plan, assign, deciding="creating the checkpoint directory"
             )
-            if job != RESEND:
+            if answer != RESEND:
                 break
             by_rules, resend = False, True  # someone's chunk list is needed: every rank sends its own
-        assert isinstance(job, _Assignment)
+        job = _Assignment._make(answer)
         file_meta = file_metadata(job.save_id)
         threads, segment = steps.io_share(job.ranks_here)
         local = produce or steps.local_writer(threads, segment)
@@ -256,7 +259,7 @@ def write_checkpoint(
             PLANS.keep_mine(local_state.fp, job.plan_id, to_write)
             total = job.total
 
-        def write() -> tuple[None, _RankReport]:
+        def write() -> tuple[dict[str, int] | None, _RankReport]:
             target = store.writing_into(job.directory)  # where the coordinator's transaction writes
             nbytes = sum(p.nbytes for p in to_write)
             what = f"saving rank {group.rank}" if group.distributed else f"saving {os.path.basename(os.fspath(path))}"
@@ -273,10 +276,10 @@ def write_checkpoint(
                                                        file_meta, threads, write_whole)
                     rows = regular.table_rows(local_state.desc, rules_held, refs)
                     if not rows:  # nothing written here (most ranks of a DDP state): no table
-                        return None, (files, None)
+                        return files, (files, None)
                     table = render_table(job.save_id, group.rank, files, rows)
                     write_whole([FileWrite(table_name(group.rank), table, len(table), ())])
-                    return None, (files, (len(table), crc32c(table)))
+                    return files, (files, (len(table), crc32c(table)))
                 if job.hf_part is None:
                     pieces = steps.pieces(to_write, local_state.mine, local_tensors)
                     refs, files = steps._write_chunked(to_write, pieces, group.rank, max_shard_bytes,
@@ -286,7 +289,7 @@ def write_checkpoint(
                                            durable=durable, advance=advance, threads=threads, segment=segment,
                                            write=write_whole)
 
-        def commit(reports: list[_RankReport]) -> list[dict[str, int]]:
+        def commit(reports: list[_RankReport]) -> list[dict[str, int] | None]:
             """The coordinator, once every rank has written: extras, indexes, the manifest, commit."""
             assert txn is not None
             if job.by_rules:
@@ -296,7 +299,7 @@ def write_checkpoint(
                 written = Written(job.save_id, layout, group.world_size, comps, {}, {},
                                   tuple(table for _, table in reports))
                 commit_written(txn, prepared, written, metadata=metadata, durable=durable, extras=extras)
-                return [everything] + [files for files, _ in reports[1:]]
+                return [everything] + [None] * (group.world_size - 1)  # the others know their own
             if hf_files is None:
                 records = steps.chunked_records(prepared, all_plans, reports)
             else:
@@ -305,9 +308,11 @@ def write_checkpoint(
             commit_written(txn, prepared, written, metadata=metadata, durable=durable, extras=extras)
             return [written.files] * group.world_size
 
-        _, data_files = group.exchange(
+        own_files, data_files = group.exchange(
             "writing the checkpoint files", write, commit, deciding="committing the checkpoint"
         )
+        if data_files is None:  # a save by rules: each rank's SaveInfo names the files it wrote
+            data_files = own_files
     except BaseException:
         if txn is not None:
             txn.abort()
