@@ -176,19 +176,18 @@ def plan_rules(entries: Sequence[Entry], world_size: int) -> list[Rule]:
     rules: list[Rule | None] = [None] * len(entries)
     everyone = [i for i, e in enumerate(entries) if _held_by_all(e, world_size)]
     held_by_all = set(everyone)
-    total_all = sum(_nbytes(entries[i]) for i in everyone)
-    threshold = total_all / (SPLIT_PIECES_PER_RANK * max(1, world_size))
+    threshold = sum(_nbytes(entries[i]) for i in everyone) / (SPLIT_PIECES_PER_RANK * max(1, world_size))
+    for i in everyone:  # large ones: a row piece per rank
+        e = entries[i]
+        count = min(world_size, e.shape[0] if e.shape else 0, _nbytes(e) // SPLIT_MIN_PIECE_BYTES)
+        if _nbytes(e) > threshold and count >= 2:
+            rules[i] = Rule((count,) + (1,) * (len(e.shape) - 1), 0, (1,) + (0,) * (len(e.shape) - 1))
+    rest = sorted((i for i in everyone if rules[i] is None), key=lambda i: -_nbytes(entries[i]))
     turn = 0
     for i, e in enumerate(entries):
-        nbytes = _nbytes(e)
         if i in held_by_all:
-            rows = e.shape[0] if e.shape else 0
-            count = min(world_size, rows, nbytes // SPLIT_MIN_PIECE_BYTES)
-            if nbytes <= threshold or count < 2:
-                continue  # placed below, by bytes
-            grid = (count,) + (1,) * (len(e.shape) - 1)
-            rules[i] = Rule(grid, 0, (1,) + (0,) * (len(e.shape) - 1))
-        elif e.replicas:
+            continue
+        if e.replicas:
             replica = turn % math.prod(size for size, _ in e.replicas)
             turn += 1
             base = 0
@@ -198,16 +197,19 @@ def plan_rules(entries: Sequence[Entry], world_size: int) -> list[Rule]:
             rules[i] = Rule(e.grid, base, e.strides)
         else:
             rules[i] = Rule(e.grid, 0, e.strides)
-        _add_load(load, e, rules[i])  # type: ignore[arg-type]
-    rest = sorted((i for i in everyone if rules[i] is None), key=lambda i: -_nbytes(entries[i]))
-    if rest:
-        heap = [(int(b), r) for r, b in enumerate(load)]
-        heapq.heapify(heap)
-        for i in rest:
-            e = entries[i]
-            nbytes, rank = heapq.heappop(heap)
-            rules[i] = Rule((1,) * len(e.shape), rank, (0,) * len(e.shape))
-            heapq.heappush(heap, (nbytes + _nbytes(e), rank))
+    if not rest:  # nothing to place by bytes (an FSDP2 or TP state): no loads to add up
+        return [r for r in rules if r is not None]
+    for i, e in enumerate(entries):
+        rule = rules[i]
+        if rule is not None:
+            _add_load(load, e, rule)
+    heap = [(int(b), r) for r, b in enumerate(load)]
+    heapq.heapify(heap)
+    for i in rest:  # largest first, to the least loaded rank (ties: the lowest)
+        e = entries[i]
+        nbytes, rank = heapq.heappop(heap)
+        rules[i] = Rule((1,) * len(e.shape), rank, (0,) * len(e.shape))
+        heapq.heappush(heap, (nbytes + _nbytes(e), rank))
     return [r for r in rules if r is not None]
 
 
@@ -231,4 +233,4 @@ def _add_load(load: np.ndarray, e: Entry, rule: Rule) -> None:
         lengths = np.minimum(starts + size, n) - starts
         writers = writers[..., None] + np.arange(k, dtype=np.int64) * s
         sizes = sizes[..., None] * lengths
-    np.add.at(load, writers.ravel(), sizes.ravel())
+    load += np.bincount(writers.ravel(), weights=sizes.ravel(), minlength=len(load)).astype(np.int64)
