@@ -86,7 +86,7 @@ from shardpoint._gc import collector_paused
 from shardpoint._planning.chunks import ChunkPlan
 from shardpoint._planning.rules import Entry, Rule, cell_box, cells_overlapping, plan_rules
 from shardpoint._rule_chunks import RuleChunks
-from shardpoint._write import Written, _Assignment, commit_written, file_metadata
+from shardpoint._write import Written, commit_written, file_metadata
 
 KINDS = ("fsdp2", "fsdp_tp", "ddp")
 TP = 8
@@ -216,6 +216,24 @@ class _NoTensors(dict):  # type: ignore[type-arg]
 # ------------------------------------------------------------------------------ a rank
 
 
+def writer_mask(entries: list[Entry], rules: list[Rule], world: int) -> np.ndarray:
+    """Which ranks write at least one non-empty cell (numpy over each tensor's cells)."""
+    mask = np.zeros(world, dtype=bool)
+    for e, rule in zip(entries, rules, strict=True):
+        if math.prod(e.shape) == 0:
+            mask[rule.base] = True
+            continue
+        writers = np.full((), rule.base, dtype=np.int64)
+        nonempty = np.ones((), dtype=bool)
+        for n, k, stride in zip(e.shape, rule.grid, rule.strides, strict=True):
+            size = -(-n // k)
+            starts = np.arange(k, dtype=np.int64) * size
+            writers = writers[..., None] + np.arange(k, dtype=np.int64) * stride
+            nonempty = nonempty[..., None] & (starts < n)
+        mask[writers[nonempty]] = True
+    return mask
+
+
 def rank_table(
     kind: str, entries: list[Entry], rules: list[Rule], rank: int, world: int, save_id: str,
     slots: Sequence[int] | None = None,
@@ -239,7 +257,7 @@ def rank_table(
     refs, files = steps._write_chunked(to_write, tensors, rank, MAX_SHARD_BYTES, file_metadata(save_id), 1, fake_write)
     full = desc if slots is None else regular.Description(entries, [], [])
     rows = regular.table_rows(full, rules, refs)
-    table = render_table(save_id, rank, files, rows)
+    table = render_table(save_id, rank, files, rows) if rows else b""  # no chunk: no table (write_checkpoint)
     times["table"] = time.perf_counter() - started
     return table, files, times
 
@@ -278,9 +296,10 @@ class Tables:
 # ------------------------------------------------------------------------- the coordinator
 
 
-def _assign(cache: PlanCache, offers: list[Offer], save_id: str) -> tuple[list[_Assignment], str, bool]:
+def _assign(cache: PlanCache, sent: list[tuple[Any, ...]], save_id: str) -> tuple[list[tuple[Any, ...]], str, bool]:
     """The coordinator's step of the planning exchange of a save by rules (``write_checkpoint``'s
     ``assign``, without opening the transaction)."""
+    offers = [Offer._make(o) for o in sent]
     agreed = cache.agreed(offers)
     rules = all(o.fingerprint == offers[0].fingerprint for o in offers) and offers[0].fingerprint.startswith("rules:")
     if not rules:
@@ -288,7 +307,7 @@ def _assign(cache: PlanCache, offers: list[Offer], save_id: str) -> tuple[list[_
     plan_id = agreed[0] if agreed is not None else cache.agree(offers, None)
     per_host = Counter(o.host for o in offers)
     reused = agreed is not None
-    answers = [_Assignment(save_id, "sim", None, None, 0, per_host[o.host], plan_id, reused, True) for o in offers]
+    answers = [(save_id, "sim", None, None, 0, per_host[o.host], plan_id, reused, True) for o in offers]
     return answers, plan_id, reused
 
 
@@ -340,7 +359,7 @@ def _coordinator(save: Save, cache: PlanCache, messages: list[bytes], *, first: 
     written = Written(save_id, "chunked", save.world, comps, {}, {}, tuple(table for _, table in reports))
     txn = _KeepBytes()
     commit_written(txn, save.prepared, written, metadata={}, durable=False)
-    answers2 = [everything] + [files for files, _ in reports[1:]]
+    answers2 = [everything] + [None] * (save.world - 1)
     t = clock()
     sent2 = [pickle.dumps(({}, a, False)) for a in answers2]
     t3 = clock()
@@ -361,17 +380,18 @@ def build_save(kind: str, world: int, count: int) -> tuple[Save, list[Rule], dic
     rules = plan_rules(entries, world)
     save = Save(kind, world, entries, prepared_for(entries), fp, rules, uuid.uuid4().hex)
     plans = PlanCache()
-    save.first_messages = [pickle.dumps((None, plans.offer(fp, None, host_of(r), rules=True))) for r in range(world)]
+    save.first_messages = [pickle.dumps((None, tuple(plans.offer(fp, None, host_of(r), rules=True))))
+                           for r in range(world)]
     return save, rules, {"digest_s": digest_s}
 
 
-def set_reports(save: Save, table_sizes: Callable[[int], tuple[int, int]], files_of: Callable[[int], dict[str, int]]) -> None:
+def set_reports(save: Save, table_sizes: Callable[[int], tuple[int, int] | None], files_of: Callable[[int], dict[str, int]]) -> None:
     save.report_messages = [pickle.dumps((None, (files_of(r), table_sizes(r)))) for r in range(save.world)]
 
 
 def steady_messages(save: Save, plan_id: str) -> list[bytes]:
     """The planning reports of the next save: every rank offers the plan it holds."""
-    return [pickle.dumps((None, Offer(save.fp, None, host_of(r), plan_id))) for r in range(save.world)]
+    return [pickle.dumps((None, tuple(Offer(save.fp, None, host_of(r), plan_id)))) for r in range(save.world)]
 
 
 # ------------------------------------------------------------------- today's format (v2)
@@ -582,18 +602,20 @@ def _measure(
     needed = set().union(*(needed_ranks(entries, rules, b) for b in (own, reshard))) if load else set()
     sizes = {r: len(tables.get(r)[0]) for r in sampled}
     exact = len(sampled) == world
-    out["tables_total_bytes"] = sum(sizes.values()) if exact else round(sum(sizes.values()) / len(sizes) * world)
+    writing = writer_mask(entries, rules, world)  # the ranks that write a table
+    written = [size for size in sizes.values() if size] or [0]
+    typical = round(sum(written) / len(written))
+    out["tables_total_bytes"] = sum(sizes.values()) if exact else typical * int(writing.sum())
     out["tables_total_exact"] = exact
     out["table_bytes_max_sampled"] = max(sizes.values())
-    typical = round(sum(sizes.values()) / len(sizes))
     files_seen = {r: tables.get(r)[1] for r in set(sampled) | needed}
     size_each = max((size for f in files_seen.values() for size in f.values()), default=1 << 30)
 
-    def table_facts(rank: int) -> tuple[int, int]:
+    def table_facts(rank: int) -> tuple[int, int] | None:
         if rank in tables.cache:
             raw = tables.cache[rank][0]
-            return len(raw), crc32c(raw)
-        return typical, zlib.crc32(str(rank).encode())
+            return (len(raw), crc32c(raw)) if raw else None
+        return (typical, zlib.crc32(str(rank).encode())) if writing[rank] else None
 
     def files_of(rank: int) -> dict[str, int]:
         found = files_seen.get(rank)
