@@ -398,10 +398,10 @@ def steady_messages(save: Save, plan_id: str) -> list[bytes]:
 
 
 V2_REPLICATED_WORLDS = 4096
-"""Today's path is not built for a replicated state past this many ranks: ``split_replicated``
-looks each holder up in a list of every holder (``ranks.index``), quadratic in ranks per
-split tensor (2.6 s at 2048 ranks x 100 tensors, 9x the time at 512; ~3 min at 16 384).
-Its manifest lists the same chunks at any W, so the extrapolation is exact there."""
+"""Today's path is not built for a replicated state past this many ranks: every rank's list
+holds every tensor (W x T chunk plans to build and assign), while its manifest lists the
+same chunks at any W, so the extrapolation is exact there. (``split_replicated`` used to
+look each holder up with ``list.index``, quadratic in ranks; it counts positions now.)"""
 
 
 def v2_plans(kind: str, entries: list[Entry], world: int) -> list[list[ChunkPlan]]:
