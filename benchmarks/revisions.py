@@ -83,7 +83,9 @@ def run_once(script: list[str], src: str, out: str) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=src, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     command = [sys.executable, os.path.join(HERE, script[0]), *script[1:], "--json", out]
     print("$ PYTHONPATH=" + src + " " + " ".join(command[1:]), flush=True)
-    subprocess.run(command, env=env, check=True, stdout=sys.stderr)
+    done = subprocess.run(command, env=env, check=False, stdout=sys.stderr)
+    if not os.path.exists(out):  # a crash; a run whose own targets failed still wrote its figures
+        raise SystemExit(f"{' '.join(command[1:])} exited {done.returncode} without writing {out}")
     with open(out) as f:
         return dict(medians(json.load(f)))
 
