@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -271,3 +272,22 @@ def test_large_tensor_split_across_threads_verifies(tmp_path, monkeypatch, use_o
     target = {"t": torch.zeros(10_000, dtype=torch.float64)}  # staged cast path
     sp.load_into(target, tmp_path / "ck")
     assert torch.equal(target["t"], t.double())
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("mmap", [False, True])
+def test_components_holding_tensors_of_the_same_name_load_each_their_own(tmp_path: Path, verify: bool, mmap: bool) -> None:
+    """A model and its EMA (or any two components) name their tensors alike: each loads
+    from its own file and place. (A lookup by name alone once read model/w at ema/w's offset:
+    wrong values with verify=False, a false checksum error with it on.)"""
+    state = {
+        "model": {"a": torch.zeros(2), "w": torch.arange(4.0)},
+        "ema": {"w": torch.arange(4.0) + 100, "b": torch.zeros(2)},
+        "other": {"w": torch.arange(8.0) - 50},
+    }
+    sp.save(state, tmp_path / "ck")
+    out = sp.load(tmp_path / "ck", verify=verify, mmap=mmap)
+    assert out["model"]["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert out["ema"]["w"].tolist() == [100.0, 101.0, 102.0, 103.0]
+    assert out["other"]["w"].tolist() == [-50.0, -49.0, -48.0, -47.0, -46.0, -45.0, -44.0, -43.0]
+    assert sp.load(tmp_path / "ck", keys=["ema"], verify=verify)["ema"]["w"].tolist() == [100.0, 101.0, 102.0, 103.0]

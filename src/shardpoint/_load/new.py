@@ -164,17 +164,20 @@ def _load(
     # Every chunk to read is checked against its file before the first allocation.
     total = 0
     files: set[str] = set()
-    entries: dict[str, HeaderEntry] = {}
-    """Stored name -> the header entry of a tensor stored in one chunk (checked once)."""
+    entries: dict[tuple[str, str], HeaderEntry] = {}
+    """(component, stored name) -> the header entry of a tensor stored in one chunk (checked
+    once; two components may hold tensors of the same name)."""
+    records: dict[tuple[str, str], TensorRecord] = {}
+    """(component, stored name) -> its record, its chunks listed (format 3's from the tables)."""
     entry_of = ckpt.entry
     for cname, names in selection.items():
         comp = ckpt.components[cname]
         stored_names = dict.fromkeys(comp.aliases.get(n, n) for n in (list(comp.tensors) if names is None else names))
         for stored in stored_names:
-            record = ckpt.resolved(comp.tensors[stored])
+            record = records[(cname, stored)] = ckpt.resolved(comp.tensors[stored])
             if len(record.chunks) == 1:
                 chunk = record.chunks[0]
-                entry = entries[stored] = entry_of(chunk, record.dtype, stored)
+                entry = entries[(cname, stored)] = entry_of(chunk, record.dtype, stored)
                 total += entry.nbytes
                 files.add(chunk.file)
             else:
@@ -190,14 +193,14 @@ def _load(
             stored = comp.aliases.get(name, name)
             if stored in out:
                 continue
-            record = comp.tensors[stored]
+            record = records[(cname, stored)]
             if mmap:
                 t = _mmap_tensor(ckpt, record, stored, maps)
                 if device.type != "cpu" or (dtype is not None and t.is_floating_point()):
                     t = t.to(device=device, dtype=dtype if t.is_floating_point() else None)
                 out[stored] = t
             else:
-                out[stored] = batch.new(record, stored, device=device, dtype=dtype, entry=entries.get(stored))
+                out[stored] = batch.new(record, stored, device=device, dtype=dtype, entry=entries.get((cname, stored)))
         for alias, stored in comp.aliases.items():
             if stored in out:
                 out[alias] = out[stored]
