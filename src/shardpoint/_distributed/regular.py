@@ -13,7 +13,6 @@ dimension that does not divide evenly, explicit placements) makes the descriptio
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import math
 from typing import Any, NamedTuple
@@ -26,6 +25,7 @@ from .._planning.chunks import ChunkPlan
 from .._planning.rules import Entry, Rule, cell_box, cell_of, linear
 from .._prepare import PreparedState
 from .group import local_chunk
+from .plan_cache import fingerprint
 
 
 class Description(NamedTuple):
@@ -147,11 +147,7 @@ def describe(prepared: PreparedState, group_ranks: list[int]) -> Description | N
 
 def digest(entries: list[Entry], world_size: int) -> str:
     """One string that is equal on two ranks only when their descriptions are."""
-    h = hashlib.blake2b(digest_size=20)
-    h.update(repr(world_size).encode())
-    for e in entries:
-        h.update(repr(tuple(e)).encode())
-    return h.hexdigest()
+    return fingerprint(world_size, *entries)
 
 
 def my_writes(

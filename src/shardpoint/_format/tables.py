@@ -131,9 +131,10 @@ def parse_table(
         label, shape, itemsize, rule = rules[slot]
         if not 0 <= cell < rule.cells:
             raise _bad(where, f"tensor {label!r}: cell {cell} is out of range (its grid has {rule.cells})")
-        box = cell_box(shape, rule.grid, unravel(rule.grid, cell))[1]
+        index = unravel(rule.grid, cell)
+        box = cell_box(shape, rule.grid, index)[1]
         whole = math.prod(shape) == 0 and cell == 0
-        if rule.writer(unravel(rule.grid, cell)) != rank or not (whole or math.prod(box)):
+        if rule.writer(index) != rank or not (whole or math.prod(box)):
             raise _bad(where, f"tensor {label!r}: cell {cell} is not one rank {rank} writes")
         if (slot, cell) in chunks or (slot, fidx) in used:
             raise _bad(where, f"tensor {label!r}: cell {cell} is listed twice, or a second chunk of it in one file")
