@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import enum
 import hashlib
 import http  # the enum class of the nested fixture: looked up only in modules already imported
+import importlib.util
 import json
 import math
 import pathlib
@@ -39,6 +39,12 @@ from shardpoint._cli.main import main as cli_main
 from shardpoint._verify import verify_checkpoint
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "format_v2"
+_spec = importlib.util.spec_from_file_location(
+    "make_format_fixtures", Path(__file__).resolve().parent.parent / "tools" / "make_format_fixtures.py"
+)
+assert _spec is not None and _spec.loader is not None
+_script = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_script)
 NAMES = ["hf_single", "hf_sharded", "nested", "chunked_2ranks", "chunked_2ranks_hf"]
 FLAT = [n for n in NAMES if n != "nested"]
 CHUNKED = ["chunked_2ranks", "chunked_2ranks_hf"]
@@ -73,62 +79,10 @@ def fixtures_untouched() -> Iterator[None]:
 # ----------------------------------------------------------------------------- the comparison
 
 
-def sha256(t: torch.Tensor) -> str:
-    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
-
-
-def describe(value: torch.Tensor) -> dict[str, Any]:
-    return {"dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape), "sha256": sha256(value)}
-
-
-def leaf(value: Any) -> Any:
-    """The expected.json form of a leaf (as the script writes it)."""
-    if value is None or (isinstance(value, (bool, int, str)) and not isinstance(value, enum.Enum)):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else {"float": str(value)}
-    if isinstance(value, pathlib.PurePath):
-        return {"path": [type(value).__name__, str(value)]}
-    if isinstance(value, datetime.timedelta):
-        return {"timedelta": [value.days, value.seconds, value.microseconds]}
-    if isinstance(value, datetime.datetime):
-        return {"datetime": value.isoformat()}
-    if isinstance(value, datetime.date):
-        return {"date": value.isoformat()}
-    if isinstance(value, enum.Enum):
-        cls = type(value)
-        return {"enum": [f"{cls.__module__}:{cls.__qualname__}", value.name]}
-    if isinstance(value, argparse.Namespace):
-        return {"namespace": {k: leaf(v) for k, v in vars(value).items()}}
-    raise AssertionError(f"a leaf of type {type(value).__name__} ({value!r}) is in no fixture")
-
-
 def flatten(state: Any) -> tuple[dict[str, str], dict[str, Any], dict[str, Any]]:
-    """(containers, tensors, leaves) by path: a str key as is, ``{i}`` an int key, ``[i]`` an index."""
-    containers: dict[str, str] = {}
-    tensors: dict[str, Any] = {}
-    leaves: dict[str, Any] = {}
-
-    def join(prefix: str, part: str) -> str:
-        return part if not prefix else f"{prefix}/{part}"
-
-    def walk(path: str, value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            tensors[path] = describe(value)
-        elif isinstance(value, Mapping):
-            containers[path] = "dict"
-            for k, v in value.items():
-                walk(join(path, k if isinstance(k, str) else f"{{{k}}}"), v)
-        elif isinstance(value, (list, tuple)):
-            containers[path] = "tuple" if isinstance(value, tuple) else "list"
-            for i, v in enumerate(value):
-                walk(join(path, f"[{i}]"), v)
-        else:
-            leaves[path] = (type(value), leaf(value))
-
-    walk("", state)
-    return containers, tensors, leaves
+    """(containers, tensors, leaves) of a loaded state, by path: the script's own
+    ``flatten`` (the form ``expected.json`` was written in), each leaf with its type."""
+    return _script.flatten(state, typed=True)
 
 
 def same_literal(got: Any, want: Any) -> bool:

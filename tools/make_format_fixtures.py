@@ -258,8 +258,10 @@ def leaf(value: Any) -> Any:
     raise TypeError(f"no expected.json form for {type(value).__name__}")
 
 
-def flatten(state: Any) -> tuple[dict[str, str], dict[str, Any], dict[str, Any]]:
-    """(containers, tensors, leaves) of a state, by path (see the module docstring)."""
+def flatten(state: Any, *, typed: bool = False) -> tuple[dict[str, str], dict[str, Any], dict[str, Any]]:
+    """(containers, tensors, leaves) of a state, by path (see the module docstring); each
+    leaf as ``expected.json`` holds it, or with ``typed`` (the test's view of a loaded
+    state) a pair (its Python type, that form)."""
     containers: dict[str, str] = {}
     tensors: dict[str, Any] = {}
     leaves: dict[str, Any] = {}
@@ -284,7 +286,7 @@ def flatten(state: Any) -> tuple[dict[str, str], dict[str, Any], dict[str, Any]]
             for i, v in enumerate(value):
                 walk(join(path, f"[{i}]"), v)
         else:
-            leaves[path] = leaf(value)
+            leaves[path] = (type(value), leaf(value)) if typed else leaf(value)
 
     walk("", state)
     return containers, tensors, leaves
