@@ -302,3 +302,13 @@ def test_an_async_save_is_planned_by_the_same_rules(saved: Path) -> None:
     assert doc["components"] == sync["components"] and len(doc["tables"]) == 4
     loaded = sp.load(staged)
     assert all(torch.equal(loaded[n], t) for n, t in expected().items())
+
+
+def test_inspect_counts_the_tables_as_the_checkpoints_own(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from shardpoint._cli.main import main
+
+    assert main(["inspect", "--json", str(saved)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["format_version"] == 3 and doc["layout"] == "chunked" and doc["world_size"] == 4
+    assert doc["unchecked"] == []  # the four tables are the checkpoint's, not "other files"
+    assert sorted(f["name"] for f in doc["files"]) == [f"model-r{r:05d}-00001.safetensors" for r in range(4)]

@@ -144,18 +144,17 @@ def describe_path(
     else:
         doc = describe(open_checkpoint(path, storage_options), pattern=pattern, limit=limit)
     index = doc.pop("_index", None)
-    doc["_tables"] = doc.pop("_tables", [])
-    doc["unchecked"] = _unchecked(location, doc, index) if os.path.isdir(location) else []
-    doc.pop("_tables")
+    tables = doc.pop("_tables", [])
+    doc["unchecked"] = _unchecked(location, doc, index, tables) if os.path.isdir(location) else []
     doc["notes"] = notes
     return doc
 
 
-def _unchecked(location: str, doc: dict[str, Any], index: str | None) -> list[str]:
+def _unchecked(location: str, doc: dict[str, Any], index: str | None, tables: list[str]) -> list[str]:
     """The directory's files that are not the checkpoint's data, manifest or index."""
     names = os.listdir(location)
     used = {f["name"] for f in doc["files"]} | {MANIFEST_NAME, index or ""}
-    used |= {index_name(c) for c in doc["components"]} | set(doc.get("_tables", ()))
+    used |= {index_name(c) for c in doc["components"]} | set(tables)
     if doc["format"] == "hf-index":
         used.add(detect(names).index or "")
     return sorted(n for n in names if n not in used and not is_tmp_name(n))
