@@ -50,14 +50,14 @@ from _sixteen_worker import SAVE_WORLD, expected_state
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.timeout(300),
+    pytest.mark.timeout(600),
     pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed"),
 ]
 
 WORKER = Path(__file__).with_name("_sixteen_worker.py")
 LOAD_WORLD = 5
 RANKS_PER_HOST = 4
-LAUNCH_TIMEOUT = 120.0
+LAUNCH_TIMEOUT = 300.0
 """Seconds one launch may take before every rank still running is killed."""
 GRACE_SECONDS = 10.0
 """How long the other ranks may go on after one rank failed, before they are killed."""
