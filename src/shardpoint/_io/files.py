@@ -224,6 +224,11 @@ class LocalFiles:
         self._read_direct = (
             native.pread_direct if cfg.io.direct_reads and native is not None and hasattr(os, "O_DIRECT") else None
         )
+        # Unchecked, the mapped copy wins only with 512-bit registers: on an AVX2 CPU,
+        # ``pread`` copied the small folios a collective save leaves in the page cache 15 %
+        # faster (8.2 against 7.2 GB/s, 2 threads), where with crc32c the mapped copy was
+        # 19 % (small folios) to 46 % (2 MiB folios) faster than ``pread`` + crc32c.
+        self._copy_unchecked = native is not None and native.IMPLEMENTATION == "vpclmulqdq"
         # Copies from the page cache keep a core busy each; more at once than there are cores
         # only thrash (the read threads outnumber the cores for the disk's sake: cold reads wait).
         self._copy_slots = threading.Semaphore(cpu_count())
@@ -286,7 +291,11 @@ class LocalFiles:
         parts: list[tuple[int, int, int]] = []  # (start, crc, length) of what each call filled
         got = 0
         with naming(task.path):
-            mapped = self._copy_cached is not None and len(view) >= CACHED_COPY_MIN_BYTES
+            mapped = (
+                self._copy_cached is not None
+                and len(view) >= CACHED_COPY_MIN_BYTES
+                and (check or self._copy_unchecked)
+            )
             if mapped:
                 # What is in the page cache goes by a mapped copy with non-temporal stores,
                 # which moves a third less memory than pread, crc32c included.
