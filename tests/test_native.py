@@ -458,3 +458,38 @@ def test_a_file_system_refusing_direct_reads_is_read_through_the_page_cache(tmp_
     with pytest.raises(OSError, match=f.name) as err:
         sp.load(out)
     assert err.value.errno == errno.EIO
+
+
+@needs_native
+def test_reads_run_fewer_threads_over_cached_bytes_and_more_over_the_disk(tmp_path, use_options, monkeypatch):
+    from shardpoint._io import threads as io_threads
+    from shardpoint._io.plan import ReadTask
+
+    use_options(io=sp.IOOptions(read_threads=0))  # follow the CPUs, whatever the environment seeds
+    monkeypatch.setattr(io_threads.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(io_threads, "cpu_count", lambda: 2)  # a 2-core machine
+    data = random.Random(9).randbytes(8 << 20)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    tasks = [
+        ReadTask("f.bin", str(path), start, 1 << 20, None, torch.uint8, None, f"t{start}")
+        for start in range(0, len(data), 1 << 20)
+    ]
+    cold, cached = 8, 2  # four times the cores waiting on the disk; the cores copying from the cache
+    source = files.LocalFiles()
+    try:
+        os.pread(source.fd(tasks[0]), len(data), 0)
+        assert source.threads(tasks) == cached
+        fd = source.fd(tasks[0])
+        os.fsync(fd)  # clean pages can be evicted
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert source.threads(tasks) == cold
+        os.pread(fd, 3 << 20, 0)  # 3 of the 8 sampled tasks cached: still mostly on the disk
+        assert source.threads(tasks) == cold
+        os.pread(fd, 1 << 20, 5 << 20)  # now 4 of 8: half, read as cached
+        assert source.threads(tasks) == cached
+    finally:
+        source.close()
+    assert files.LocalFiles(threads=3).threads(tasks) == 3  # a count given wins
+    use_options(io=sp.IOOptions(read_threads=5))
+    assert files.LocalFiles().threads(tasks) == 5  # as does the option

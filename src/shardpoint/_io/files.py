@@ -44,6 +44,9 @@ requests 2.1-3.0 GB/s, 4 MiB 1.5 GB/s, 8 MiB 1.6-2.1 GB/s."""
 CRC_AFTER_WRITE_MAX = 1 << 20
 """Largest write segment checksummed after its write rather than before (``pwrite_from``)."""
 
+CACHE_SAMPLE_TASKS = 32
+"""Tasks whose residency in the page cache picks a read's thread count (see ``LocalFiles.threads``)."""
+
 _native = NATIVE
 """The C loops (``pread_into``, ``pwrite_from``) when built, else None: the Python loops run.
 Fault-injection tests set it to None so that every ``pwrite`` goes through ``os``."""
@@ -210,11 +213,13 @@ class LocalFiles:
     system refuses it.
     """
 
-    def __init__(self, threads: int | None = None) -> None:
+    def __init__(self, threads: int | None = None, processes_here: int = 1) -> None:
         cfg = current_options()
         native = native_loops()
         self._threads = threads
-        """Reads at once (default :func:`.threads.reader_threads`)."""
+        """Reads at once (default :func:`.threads.reader_threads`, for cached bytes or not)."""
+        self._processes_here = processes_here
+        """Processes sharing this machine's CPUs (the ranks of a collective load on it)."""
         self.segment = cfg.io.segment_bytes
         self._read = native.pread_into if native is not None else _read_segments
         self._cached_prefix = native.cached_prefix if native is not None else None
@@ -241,8 +246,25 @@ class LocalFiles:
         another thread may be reading with one)."""
         self._bounce = threading.local()
 
-    def threads(self) -> int:
-        return self._threads or reader_threads()
+    def threads(self, tasks: Sequence[ReadTask]) -> int:
+        """The given count, else :func:`.threads.reader_threads` for these tasks: fewer
+        threads when their bytes are mostly in the page cache (copies are CPU work), more
+        when they must come from the disk (more requests in flight)."""
+        if self._threads:
+            return self._threads
+        return reader_threads(self._processes_here, cached=self._mostly_cached(tasks))
+
+    def _mostly_cached(self, tasks: Sequence[ReadTask]) -> bool:
+        """Whether at least half of up to 32 tasks, spread over the list, have their first
+        MiB in the page cache (``mincore``; nothing is read). False without the C loops."""
+        if self._cached_prefix is None or not tasks:
+            return False
+        sample = tasks[:: max(1, len(tasks) // CACHE_SAMPLE_TASKS)][:CACHE_SAMPLE_TASKS]
+        cached = 0
+        for task in sample:
+            probe = min(task.nbytes, 1 << 20)
+            cached += probe == 0 or self._cached_prefix(self.fd(task), task.start, probe) == probe
+        return 2 * cached >= len(sample)
 
     def piece_bytes(self) -> int:
         return current_options().io.piece_bytes
