@@ -161,7 +161,7 @@ def test_loops_round_trip_and_detect_damage(tmp_path, monkeypatch, use_options, 
     if loops != "python" and native is None:
         pytest.skip("shardpoint._native is not built here")
     if loops == "cached" and not native.STREAM_COPY:
-        pytest.skip("this CPU has no AVX-512 + VPCLMULQDQ for the mapped copy")
+        pytest.skip("this CPU has no VPCLMULQDQ for the mapped copy")
     counting = _CountingNative(native) if native is not None else None
     if counting is not None:
         monkeypatch.setattr(files, "_native", counting)  # counts the extension's calls
@@ -206,7 +206,7 @@ def test_loops_round_trip_and_detect_damage(tmp_path, monkeypatch, use_options, 
 @needs_native
 def test_copy_cached_copies_any_alignment_with_its_crc(tmp_path):
     if not native.STREAM_COPY:
-        pytest.skip("this CPU has no AVX-512 + VPCLMULQDQ for the mapped copy")
+        pytest.skip("this CPU has no VPCLMULQDQ for the mapped copy")
     rng = random.Random(5)
     data = rng.randbytes(3 << 20)
     path = tmp_path / "f.bin"
@@ -235,7 +235,7 @@ def test_copy_cached_copies_any_alignment_with_its_crc(tmp_path):
 @needs_native
 def test_copy_cached_copies_only_what_is_cached_and_the_caller_reads_the_rest(tmp_path, monkeypatch):
     if not native.STREAM_COPY:
-        pytest.skip("this CPU has no AVX-512 + VPCLMULQDQ for the mapped copy")
+        pytest.skip("this CPU has no VPCLMULQDQ for the mapped copy")
     window = 1 << 20
     data = random.Random(6).randbytes(3 * window + 12_345)
     path = tmp_path / "f.bin"
@@ -458,3 +458,38 @@ def test_a_file_system_refusing_direct_reads_is_read_through_the_page_cache(tmp_
     with pytest.raises(OSError, match=f.name) as err:
         sp.load(out)
     assert err.value.errno == errno.EIO
+
+
+@needs_native
+def test_reads_run_fewer_threads_over_cached_bytes_and_more_over_the_disk(tmp_path, use_options, monkeypatch):
+    from shardpoint._io import threads as io_threads
+    from shardpoint._io.plan import ReadTask
+
+    use_options(io=sp.IOOptions(read_threads=0))  # follow the CPUs, whatever the environment seeds
+    monkeypatch.setattr(io_threads.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(io_threads, "cpu_count", lambda: 2)  # a 2-core machine
+    data = random.Random(9).randbytes(8 << 20)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    tasks = [
+        ReadTask("f.bin", str(path), start, 1 << 20, None, torch.uint8, None, f"t{start}")
+        for start in range(0, len(data), 1 << 20)
+    ]
+    cold, cached = 8, 2  # four times the cores waiting on the disk; the cores copying from the cache
+    source = files.LocalFiles()
+    try:
+        os.pread(source.fd(tasks[0]), len(data), 0)
+        assert source.threads(tasks) == cached
+        fd = source.fd(tasks[0])
+        os.fsync(fd)  # clean pages can be evicted
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert source.threads(tasks) == cold
+        os.pread(fd, 3 << 20, 0)  # 3 of the 8 sampled tasks cached: still mostly on the disk
+        assert source.threads(tasks) == cold
+        os.pread(fd, 1 << 20, 5 << 20)  # now 4 of 8: half, read as cached
+        assert source.threads(tasks) == cached
+    finally:
+        source.close()
+    assert files.LocalFiles(threads=3).threads(tasks) == 3  # a count given wins
+    use_options(io=sp.IOOptions(read_threads=5))
+    assert files.LocalFiles().threads(tasks) == 5  # as does the option

@@ -68,22 +68,22 @@ def test_more_holders_than_rows():
 
 
 @pytest.mark.parametrize(
-    ("pool", "machine", "pinned_to", "ranks_here", "expected"),
+    ("pool", "machine", "pinned_to", "ranks_here", "expected", "expected_cached"),
     [
-        ("writer", 8, 8, 1, 4),  # one process: up to 4
-        ("writer", 2, 2, 1, 2),  # no more writers than cores
-        ("writer", 8, 8, 4, 2),  # 4 ranks share 8 cores
-        ("writer", 8, 8, 16, 1),  # never fewer than 1
-        ("writer", 64, 3, 8, 3),  # a rank pinned to 3 cores: those are its share
-        ("reader", 8, 8, 1, 4),  # one process: up to 4
-        ("reader", 2, 2, 1, 4),  # twice the cores: cold reads wait on the disk
-        ("reader", 2, 2, 2, 2),  # 2 ranks on 2 cores: 2 each
-        ("reader", 2, 2, 4, 2),  # 4 ranks on 2 cores: never fewer than 2
-        ("reader", 64, 1, 8, 2),  # a rank pinned to 1 core: twice that
+        ("writer", 8, 8, 1, 4, None),  # one process: up to 4
+        ("writer", 2, 2, 1, 2, None),  # no more writers than cores
+        ("writer", 8, 8, 4, 2, None),  # 4 ranks share 8 cores
+        ("writer", 8, 8, 16, 1, None),  # never fewer than 1
+        ("writer", 64, 3, 8, 3, None),  # a rank pinned to 3 cores: those are its share
+        ("reader", 8, 8, 1, 8, 8),  # one process: up to 8 from the disk, the cores from the cache
+        ("reader", 2, 2, 1, 8, 2),  # four times the cores: cold reads wait on the disk
+        ("reader", 2, 2, 2, 4, 1),  # 2 ranks on 2 cores: 4 each, 1 each from the cache
+        ("reader", 2, 2, 4, 2, 1),  # 4 ranks on 2 cores: never fewer than 2 (1 from the cache)
+        ("reader", 64, 1, 8, 4, 1),  # a rank pinned to 1 core: four times that
     ],
 )
 def test_io_threads_follow_this_process_share_of_the_cpus(
-    monkeypatch, use_options, pool, machine, pinned_to, ranks_here, expected
+    monkeypatch, use_options, pool, machine, pinned_to, ranks_here, expected, expected_cached
 ):
     import shardpoint as sp
     from shardpoint._io import threads as io_threads
@@ -94,8 +94,12 @@ def test_io_threads_follow_this_process_share_of_the_cpus(
     monkeypatch.setattr(io_threads.os, "cpu_count", lambda: machine)
     monkeypatch.setattr(io_threads, "cpu_count", lambda: pinned_to)
     assert threads(ranks_here) == expected
+    if expected_cached is not None:
+        assert io_threads.reader_threads(ranks_here, cached=True) == expected_cached
     use_options(io=sp.IOOptions(**{option: 7}))  # the option, when set, wins
     assert threads(ranks_here) == 7
+    if expected_cached is not None:
+        assert io_threads.reader_threads(ranks_here, cached=True) == 7
 
 
 @pytest.mark.parametrize(

@@ -117,13 +117,14 @@ class Checkpoint:
         whose bytes are read with ranged requests."""
         return self.fd(name) if self.store is None else -1
 
-    def byte_source(self, local_threads: int | None = None) -> ByteSource:
+    def byte_source(self, local_threads: int | None = None, processes_here: int = 1) -> ByteSource:
         """Where the read engine gets this checkpoint's bytes: its held local files (read by
-        ``local_threads`` threads, default :func:`~shardpoint._io.threads.reader_threads`) or
-        ranged requests to its store (``RemoteOptions.threads`` at once)."""
+        ``local_threads`` threads, default :func:`~shardpoint._io.threads.reader_threads` for
+        ``processes_here`` processes on this machine) or ranged requests to its store
+        (``RemoteOptions.threads`` at once)."""
         if self.store is not None:
             return ObjectRanges(self.store)
-        return LocalFiles(threads=local_threads)
+        return LocalFiles(threads=local_threads, processes_here=processes_here)
 
     def pin_directory(self) -> None:
         """Open the directory once; every file is then opened through it (idempotent)."""

@@ -7,8 +7,10 @@
  * GIL, so the threads never wait on each other.
  *
  * crc32c (Castagnoli) is computed by folding with carry-less multiplies: four 512-bit
- * accumulators (VPCLMULQDQ, AVX-512) or four 128-bit ones (PCLMULQDQ), chosen at run time
- * from what the CPU has, and finished with the SSE4.2 crc32 instruction. The fold
+ * accumulators (VPCLMULQDQ, AVX-512), four 256-bit ones (VPCLMULQDQ, AVX2) or four 128-bit
+ * ones (PCLMULQDQ), chosen at run time from what the CPU has, and finished with the SSE4.2
+ * crc32 instruction. With VPCLMULQDQ the same fold also copies (copy_cached): the bytes
+ * are loaded once, stored non-temporally and checksummed from the registers. The fold
  * constants are derived at import from the polynomial, not tabulated.
  *
  * Without x86-64 or a compiler this module is simply absent: shardpoint then uses the
@@ -277,7 +279,7 @@ copy_crc_stream(uint32_t reg, uint8_t *d, const uint8_t *p, size_t n)
     return fold_vpclmul(reg, d, p, n);
 }
 
-__attribute__((target(SP_AVX512))) static void
+static void
 store_fence(void)
 {
     _mm_sfence();
@@ -297,16 +299,31 @@ broadcast256(fold_k k)
     return _mm256_broadcastsi128_si256(_mm_set_epi64x((long long)k.hi, (long long)k.lo));
 }
 
-/* crc_vpclmul with 256-bit registers, for AVX2 machines without AVX-512: four of them
+/* Store 128 bytes to the 32-byte-aligned d with non-temporal stores. */
+__attribute__((target(SP_AVX2), always_inline)) static inline void
+stream128(uint8_t *d, __m256i a, __m256i b, __m256i c, __m256i e)
+{
+    _mm256_stream_si256((__m256i *)d, a);
+    _mm256_stream_si256((__m256i *)(d + 32), b);
+    _mm256_stream_si256((__m256i *)(d + 64), c);
+    _mm256_stream_si256((__m256i *)(d + 96), e);
+}
+
+/* fold_vpclmul with 256-bit registers, for AVX2 machines without AVX-512: four of them
  * (128 bytes) folded 128 bytes ahead, then to one register, then 32 bytes at a time; about
  * twice the 128-bit path (in-cache, AMD EPYC with AVX2: 17-19 GiB/s against 8.5-9.4 of CPU
- * time). Only the check: the fused copy (copy_cached) stays AVX-512 only, since on that
- * machine a mapped copy cost more CPU than pread, unverified. n >= 128. */
-__attribute__((target(SP_AVX2))) static uint32_t
-crc_vpclmul256(uint32_t reg, const uint8_t *p, size_t n)
+ * time). When d is not NULL the loaded registers are also stored to the 32-byte-aligned d
+ * non-temporally (n then a multiple of 128; the caller fences), as fold_vpclmul does.
+ * n >= 128. */
+__attribute__((target(SP_AVX2), always_inline)) static inline uint32_t
+fold_vpclmul256(uint32_t reg, uint8_t *d, const uint8_t *p, size_t n)
 {
     __m256i x0 = _mm256_loadu_si256((const __m256i *)p), x1 = _mm256_loadu_si256((const __m256i *)(p + 32));
     __m256i x2 = _mm256_loadu_si256((const __m256i *)(p + 64)), x3 = _mm256_loadu_si256((const __m256i *)(p + 96));
+    if (d) {
+        stream128(d, x0, x1, x2, x3);
+        d += 128;
+    }
     x0 = _mm256_xor_si256(x0, _mm256_zextsi128_si256(_mm_cvtsi32_si128((int)reg)));
     p += 128;
     n -= 128;
@@ -314,6 +331,10 @@ crc_vpclmul256(uint32_t reg, const uint8_t *p, size_t n)
     while (n >= 128) {
         __m256i y0 = _mm256_loadu_si256((const __m256i *)p), y1 = _mm256_loadu_si256((const __m256i *)(p + 32));
         __m256i y2 = _mm256_loadu_si256((const __m256i *)(p + 64)), y3 = _mm256_loadu_si256((const __m256i *)(p + 96));
+        if (d) {
+            stream128(d, y0, y1, y2, y3);
+            d += 128;
+        }
         x0 = _mm256_xor_si256(fold256(x0, k128), y0);
         x1 = _mm256_xor_si256(fold256(x1, k128), y1);
         x2 = _mm256_xor_si256(fold256(x2, k128), y2);
@@ -333,9 +354,35 @@ crc_vpclmul256(uint32_t reg, const uint8_t *p, size_t n)
     return finish(zero, zero, _mm256_castsi256_si128(x0), _mm256_extracti128_si256(x0, 1), p, n);
 }
 
+/* n >= 128 */
+__attribute__((target(SP_AVX2))) static uint32_t
+crc_vpclmul256(uint32_t reg, const uint8_t *p, size_t n)
+{
+    return fold_vpclmul256(reg, NULL, p, n);
+}
+
+/* n a multiple of 128, at least 128; d 32-byte aligned; the caller fences */
+__attribute__((target(SP_AVX2))) static uint32_t
+copy_crc_stream256(uint32_t reg, uint8_t *d, const uint8_t *p, size_t n)
+{
+    return fold_vpclmul256(reg, d, p, n);
+}
+
 #endif /* SP_X86 */
 
 static const char *implementation = "table";
+
+/* Whether copies fold crc32c on the way and store non-temporally (copy_crc): with
+ * VPCLMULQDQ, on 512- or 256-bit registers. */
+static int
+stream_copy(void)
+{
+#ifdef SP_X86
+    return have_vpclmul || have_vpclmul256;
+#else
+    return 0;
+#endif
+}
 
 /* crc32c of n bytes continuing `crc` (a finished crc, as the Python API passes it) */
 static uint32_t
@@ -585,7 +632,8 @@ map_window(int fd, long long at, size_t len, long page, struct window *w)
 
 #ifdef SP_X86
 
-/* crc32c (finished, continuing `crc`) of n bytes copied from p to d; see copy_crc_stream */
+/* crc32c (finished, continuing `crc`) of n bytes copied from p to d; see copy_crc_stream.
+ * Needs stream_copy (the 512- or the 256-bit folding). */
 static uint32_t
 copy_crc(uint32_t crc, uint8_t *d, const uint8_t *p, size_t n)
 {
@@ -596,7 +644,8 @@ copy_crc(uint32_t crc, uint8_t *d, const uint8_t *p, size_t n)
     crc = crc32c_update(crc, p, head);
     size_t body = (n - head) / 256 * 256;
     if (body)
-        crc = ~copy_crc_stream(~crc, d + head, p + head, body);
+        crc = have_vpclmul ? ~copy_crc_stream(~crc, d + head, p + head, body)
+                           : ~copy_crc_stream256(~crc, d + head, p + head, body);
     size_t done = head + body;
     memcpy(d + done, p + done, n - done);
     crc = crc32c_update(crc, p + done, n - done);
@@ -669,7 +718,7 @@ py_copy_cached(PyObject *self, PyObject *args)
     size_t copied = 0;
     uint32_t crc = 0;
 #ifdef SP_X86
-    if (have_vpclmul) {
+    if (stream_copy()) {
         Py_BEGIN_ALLOW_THREADS
         copied = copy_cached_prefix(fd, view.buf, (size_t)view.len, offset, (size_t)window, &crc);
         Py_END_ALLOW_THREADS
@@ -690,7 +739,7 @@ static uint32_t
 copy_and_check(uint32_t crc, uint8_t *d, const uint8_t *p, size_t n, int check)
 {
 #ifdef SP_X86
-    if (check && have_vpclmul)
+    if (check && stream_copy())
         return copy_crc(crc, d, p, n);
 #endif
     memcpy(d, p, n);
@@ -877,12 +926,8 @@ PyInit__native(void)
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    int stream_copy = 0;
-#ifdef SP_X86
-    stream_copy = have_vpclmul;
-#endif
     if (PyModule_AddStringConstant(m, "IMPLEMENTATION", implementation) < 0 ||
-        PyModule_AddIntConstant(m, "STREAM_COPY", stream_copy) < 0) {
+        PyModule_AddIntConstant(m, "STREAM_COPY", stream_copy()) < 0) {
         Py_DECREF(m);
         return NULL;
     }

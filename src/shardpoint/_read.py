@@ -28,13 +28,13 @@ class ReadBatch:
     """Collects reads from one checkpoint and runs them together on the I/O pool."""
 
     def __init__(
-        self, ckpt: Checkpoint, *, verify: bool, staging_bytes: int | None = None, threads: int | None = None
+        self, ckpt: Checkpoint, *, verify: bool, staging_bytes: int | None = None, ranks_here: int = 1
     ) -> None:
         self.ckpt = ckpt
         self.verify = verify
         self.staging_bytes = staging_bytes
-        self.threads = threads
-        """Reader threads (default: ``reader_threads()``)."""
+        self.ranks_here = ranks_here
+        """Processes sharing this machine's CPUs, whose share sets the reader threads."""
         self.tasks: list[ReadTask] = []
         self._names: dict[str, str] = {}
         """Data file -> how errors name it."""
@@ -199,7 +199,7 @@ class ReadBatch:
         total = sum(t.nbytes for t in self.tasks)
         desc = f"loading {os.path.basename(os.path.normpath(self.ckpt.location))}"
         with torch.no_grad(), byte_progress(total, desc, progress) as advance:
-            run_reads(self.tasks, self.ckpt.byte_source(self.threads), advance=advance,
+            run_reads(self.tasks, self.ckpt.byte_source(processes_here=self.ranks_here), advance=advance,
                       staging_bytes=self.staging_bytes)
             for dest, temp in self._copies:
                 dest.copy_(temp)

@@ -44,6 +44,9 @@ requests 2.1-3.0 GB/s, 4 MiB 1.5 GB/s, 8 MiB 1.6-2.1 GB/s."""
 CRC_AFTER_WRITE_MAX = 1 << 20
 """Largest write segment checksummed after its write rather than before (``pwrite_from``)."""
 
+CACHE_SAMPLE_TASKS = 32
+"""Tasks whose residency in the page cache picks a read's thread count (see ``LocalFiles.threads``)."""
+
 _native = NATIVE
 """The C loops (``pread_into``, ``pwrite_from``) when built, else None: the Python loops run.
 Fault-injection tests set it to None so that every ``pwrite`` goes through ``os``."""
@@ -210,11 +213,13 @@ class LocalFiles:
     system refuses it.
     """
 
-    def __init__(self, threads: int | None = None) -> None:
+    def __init__(self, threads: int | None = None, processes_here: int = 1) -> None:
         cfg = current_options()
         native = native_loops()
         self._threads = threads
-        """Reads at once (default :func:`.threads.reader_threads`)."""
+        """Reads at once (default :func:`.threads.reader_threads`, for cached bytes or not)."""
+        self._processes_here = processes_here
+        """Processes sharing this machine's CPUs (the ranks of a collective load on it)."""
         self.segment = cfg.io.segment_bytes
         self._read = native.pread_into if native is not None else _read_segments
         self._cached_prefix = native.cached_prefix if native is not None else None
@@ -224,6 +229,11 @@ class LocalFiles:
         self._read_direct = (
             native.pread_direct if cfg.io.direct_reads and native is not None and hasattr(os, "O_DIRECT") else None
         )
+        # Unchecked, the mapped copy wins only with 512-bit registers: on an AVX2 CPU,
+        # ``pread`` copied the small folios a collective save leaves in the page cache 15 %
+        # faster (8.2 against 7.2 GB/s, 2 threads), where with crc32c the mapped copy was
+        # 19 % (small folios) to 46 % (2 MiB folios) faster than ``pread`` + crc32c.
+        self._copy_unchecked = native is not None and native.IMPLEMENTATION == "vpclmulqdq"
         # Copies from the page cache keep a core busy each; more at once than there are cores
         # only thrash (the read threads outnumber the cores for the disk's sake: cold reads wait).
         self._copy_slots = threading.Semaphore(cpu_count())
@@ -236,8 +246,25 @@ class LocalFiles:
         another thread may be reading with one)."""
         self._bounce = threading.local()
 
-    def threads(self) -> int:
-        return self._threads or reader_threads()
+    def threads(self, tasks: Sequence[ReadTask]) -> int:
+        """The given count, else :func:`.threads.reader_threads` for these tasks: fewer
+        threads when their bytes are mostly in the page cache (copies are CPU work), more
+        when they must come from the disk (more requests in flight)."""
+        if self._threads:
+            return self._threads
+        return reader_threads(self._processes_here, cached=self._mostly_cached(tasks))
+
+    def _mostly_cached(self, tasks: Sequence[ReadTask]) -> bool:
+        """Whether at least half of up to 32 tasks, spread over the list, have their first
+        MiB in the page cache (``mincore``; nothing is read). False without the C loops."""
+        if self._cached_prefix is None or not tasks:
+            return False
+        sample = tasks[:: max(1, len(tasks) // CACHE_SAMPLE_TASKS)][:CACHE_SAMPLE_TASKS]
+        cached = 0
+        for task in sample:
+            probe = min(task.nbytes, 1 << 20)
+            cached += probe == 0 or self._cached_prefix(self.fd(task), task.start, probe) == probe
+        return 2 * cached >= len(sample)
 
     def piece_bytes(self) -> int:
         return current_options().io.piece_bytes
@@ -286,7 +313,11 @@ class LocalFiles:
         parts: list[tuple[int, int, int]] = []  # (start, crc, length) of what each call filled
         got = 0
         with naming(task.path):
-            mapped = self._copy_cached is not None and len(view) >= CACHED_COPY_MIN_BYTES
+            mapped = (
+                self._copy_cached is not None
+                and len(view) >= CACHED_COPY_MIN_BYTES
+                and (check or self._copy_unchecked)
+            )
             if mapped:
                 # What is in the page cache goes by a mapped copy with non-temporal stores,
                 # which moves a third less memory than pread, crc32c included.

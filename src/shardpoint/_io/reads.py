@@ -42,8 +42,8 @@ Advance = Callable[[int], None]
 class ByteSource(Protocol):
     """Where the read engine's bytes come from (:class:`~.files.LocalFiles`, :class:`ObjectRanges`)."""
 
-    def threads(self) -> int:
-        """How many reads to run at once by default."""
+    def threads(self, tasks: Sequence[ReadTask]) -> int:
+        """How many of these reads to run at once by default."""
 
     def piece_bytes(self) -> int:
         """The largest piece read in one go into a destination's own memory."""
@@ -73,7 +73,7 @@ class ObjectRanges:
     def __init__(self, store: RangedStore) -> None:
         self.store = store
 
-    def threads(self) -> int:
+    def threads(self, tasks: Sequence[ReadTask]) -> int:
         return current_options().remote.threads
 
     def piece_bytes(self) -> int:
@@ -209,7 +209,7 @@ def run_reads(
     staging_bytes = staging_bytes or current_options().io.staging_buffer_bytes
     straight_piece = src.piece_bytes()
     staged_piece = min(max(staging_bytes // 64 * 64, 64), straight_piece)
-    threads = threads or src.threads()
+    threads = threads or src.threads(tasks)
     staging = Staging()
     used_cuda: set[torch.device] = set()
     lock = threading.Lock()

@@ -20,7 +20,6 @@ from .._checkpoint import Checkpoint
 from .._distributed.group import Group, resolve_group
 from .._gc import collector_paused
 from .._hub import resolve_hub
-from .._io.threads import reader_threads
 from .._options import OptionsArg, applied
 from .._read import ReadBatch
 from .._source import OPEN_TRIES, open_checkpoint
@@ -140,17 +139,17 @@ def load_into(
     """
     with applied(options):
         group = resolve_group(process_group, target)
-        threads = None
+        ranks_here = 1
 
         def load_here() -> LoadResult:  # in the phase: a refused argument fails alike on every rank
             settings = IntoSettings(strict, progress, resolve_verify(verify), allow_pickle, torch.device(device),
-                                    dtype, dict(device_map or {}), staging_size(max_buffer_bytes), threads)
+                                    dtype, dict(device_map or {}), staging_size(max_buffer_bytes), ranks_here)
             return _load_into(target, path, settings, storage_options, opened)
 
         with collector_paused():
-            opened, ranks_here = _open_on_every_rank(group, path, storage_options)
+            opened, on_machine = _open_on_every_rank(group, path, storage_options)
             if group.distributed:  # the ranks on this machine share its CPUs
-                threads = reader_threads(ranks_here)
+                ranks_here = on_machine
             try:
                 return group.phase(f"loading {os.fspath(path)}", load_here)
             finally:
@@ -208,7 +207,8 @@ def _load_into(target: Any, path: str | os.PathLike[str], settings: IntoSettings
 
 
 def _load_into_checkpoint(target: Any, ckpt: Checkpoint, settings: IntoSettings) -> LoadResult:
-    batch = ReadBatch(ckpt, verify=settings.verify, staging_bytes=settings.staging_bytes, threads=settings.threads)
+    batch = ReadBatch(ckpt, verify=settings.verify, staging_bytes=settings.staging_bytes,
+                      ranks_here=settings.ranks_here)
     planner = Planner(ckpt.location, batch, allow_pickle=settings.allow_pickle, device=settings.device,
                       dtype=settings.dtype, device_map=settings.device_map)
     targets = _component_targets(target, ckpt)

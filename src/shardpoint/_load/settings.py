@@ -49,5 +49,6 @@ class IntoSettings:
     """Module-name prefix -> device for ``meta`` tensors."""
     staging_bytes: int | None = None
     """Each reader thread's staging buffer (None: ``IOOptions.staging_buffer_bytes``)."""
-    threads: int | None = None
-    """Reader threads (None: ``reader_threads()``)."""
+    ranks_here: int = 1
+    """Processes sharing this machine's CPUs (a collective load's ranks on it), whose share
+    sets the reader threads (``reader_threads``)."""
