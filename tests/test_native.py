@@ -484,6 +484,7 @@ def test_reads_run_fewer_threads_over_cached_bytes_and_more_over_the_disk(tmp_pa
         os.fsync(fd)  # clean pages can be evicted
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         assert source.threads(tasks) == cold
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: only what is read gets cached
         os.pread(fd, 3 << 20, 0)  # 3 of the 8 sampled tasks cached: still mostly on the disk
         assert source.threads(tasks) == cold
         os.pread(fd, 1 << 20, 5 << 20)  # now 4 of 8: half, read as cached

@@ -77,9 +77,11 @@ def test_more_holders_than_rows():
         ("writer", 64, 3, 8, 3, None),  # a rank pinned to 3 cores: those are its share
         ("reader", 8, 8, 1, 8, 8),  # one process: up to 8 from the disk, the cores from the cache
         ("reader", 2, 2, 1, 8, 2),  # four times the cores: cold reads wait on the disk
-        ("reader", 2, 2, 2, 4, 1),  # 2 ranks on 2 cores: 4 each, 1 each from the cache
-        ("reader", 2, 2, 4, 2, 1),  # 4 ranks on 2 cores: never fewer than 2 (1 from the cache)
-        ("reader", 64, 1, 8, 4, 1),  # a rank pinned to 1 core: four times that
+        ("reader", 2, 2, 2, 4, 2),  # 2 ranks on 2 cores: 4 each, 2 each from the cache
+        ("reader", 2, 2, 4, 2, 2),  # 4 ranks on 2 cores: never fewer than 2
+        ("reader", 64, 1, 8, 4, 2),  # a rank pinned to 1 core: four times that (at least 2 cached)
+        ("reader", 16, 16, 1, 16, 16),  # 16 cores: never fewer than the cores
+        ("reader", 4, 4, 1, 8, 4),  # 4 cores: at most 8 waiting on a disk, 4 copying
     ],
 )
 def test_io_threads_follow_this_process_share_of_the_cpus(

@@ -171,8 +171,9 @@ class IOOptions(_Checked, group="io", minimum={"write_threads": 0, "read_threads
     default: up to 4, but no more than this process's share of the CPUs."""
     read_threads: int = _seeded("io", "read_threads", 0)
     """Threads reading tensors concurrently on load (``SHARDPOINT_READ_THREADS``). 0, the
-    default: this process's share of the CPUs when the bytes are mostly in the page cache,
-    four times that (at least 2, at most 8) when they must come from the disk."""
+    default: this process's share of the CPUs (at least 2) when the bytes are mostly in the
+    page cache, four times that (at most 8, but never fewer than the share, nor than 2)
+    when they must come from the disk."""
     segment_bytes: int = _seeded("io", "segment_bytes", 2 << 20)
     """Bytes moved per write/read syscall, crc32c computed on each segment while it is in
     the CPU cache (``SHARDPOINT_IO_SEGMENT_BYTES``, 2 MiB). Writes end their segments on

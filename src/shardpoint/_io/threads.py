@@ -58,22 +58,25 @@ MAX_READER_THREADS = 8
 
 def reader_threads(processes_here: int = 1, *, cached: bool = False) -> int:
     """Reader threads for one process: ``SHARDPOINT_READ_THREADS`` when set; otherwise, for
-    bytes that must come from the disk, four times this process's share of the CPUs, at
-    least 2 and at most 8, and for bytes already in the page cache (``cached``) the share
-    itself, at least 1.
+    bytes that must come from the disk, four times this process's share of the CPUs, at most
+    8 (but never fewer than the share, nor than 2), and for bytes already in the page cache
+    (``cached``) the share itself, at least 2.
 
     A cold read waits on the disk: more requests in flight keep it busier, so a process
     runs more readers than it has cores (a 2.14 GB cold load on this 2-core VM: 0.85-0.93 s
     with 8 threads against 0.92-1.05 s with 4, three runs). Copying from the page cache is
     CPU work: there readers beyond the cores only contend (the same load warm, read by the
-    engine alone: 0.307 s on 2 threads, 0.350 s on 4; median of 7). Ranks sharing a machine
-    share its cores: with 4 ranks on 2 cores, a cold collective load of 1.94 GB took
-    1.08-1.10 s with 4 threads per rank and 0.99-1.00 s with 2 (median of 5, two runs).
+    engine alone: 0.307 s on 2 threads, 0.350 s on 4; median of 7), but a rank reading on
+    one thread cannot overlap its reads with its own Python work (warm collective loads of
+    1 GB on 2 cores, 2 threads per rank against 1: 1.55x against 1.69x the plain read with
+    2 ranks, 1.56x against 2.15x with 4). Ranks sharing a machine share its cores: with 4
+    ranks on 2 cores, a cold collective load of 1.94 GB took 1.08-1.10 s with 4 threads per
+    rank and 0.99-1.00 s with 2 (median of 5, two runs).
     ``processes_here`` and the share: as for :func:`writer_threads`.
 
         >>> 2 <= reader_threads() <= 8
         True
-        >>> 1 <= reader_threads(cached=True) <= reader_threads()
+        >>> 2 <= reader_threads(cached=True) <= reader_threads()
         True
     """
     configured = current_options().io.read_threads
@@ -81,8 +84,8 @@ def reader_threads(processes_here: int = 1, *, cached: bool = False) -> int:
         return configured
     share = _cpu_share(processes_here)
     if cached:
-        return max(1, share)
-    return max(2, min(MAX_READER_THREADS, 4 * share))
+        return max(2, share)
+    return max(2, share, min(MAX_READER_THREADS, 4 * share))
 
 
 def run_all(
