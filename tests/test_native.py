@@ -19,7 +19,7 @@ import torch
 
 import shardpoint as sp
 from shardpoint import _checksum
-from shardpoint._io import files
+from shardpoint._io import files, reads
 from shardpoint.errors import ChecksumMismatchError, CorruptCheckpointError
 
 native = _checksum.NATIVE
@@ -491,6 +491,15 @@ def test_reads_run_fewer_threads_over_cached_bytes_and_more_over_the_disk(tmp_pa
         assert source.threads(tasks) == cached
     finally:
         source.close()
+    # A file that cannot be opened: counted as on the disk; the reads report it, by name.
+    missing = [task._replace(path=str(tmp_path / "gone.bin"), name="gone.bin") for task in tasks]
+    gone = files.LocalFiles()
+    try:
+        assert gone.threads(missing) == cold
+    finally:
+        gone.close()
+    with pytest.raises(sp.StorageError, match=r"gone\.bin: reading the file failed"):
+        reads.run_reads(missing)
     assert files.LocalFiles(threads=3).threads(tasks) == 3  # a count given wins
     use_options(io=sp.IOOptions(read_threads=5))
     assert files.LocalFiles().threads(tasks) == 5  # as does the option

@@ -256,14 +256,18 @@ class LocalFiles:
 
     def _mostly_cached(self, tasks: Sequence[ReadTask]) -> bool:
         """Whether at least half of up to 32 tasks, spread over the list, have their first
-        MiB in the page cache (``mincore``; nothing is read). False without the C loops."""
+        MiB in the page cache (``mincore``; nothing is read). False without the C loops, and
+        where a file cannot be opened: the reads then report that, naming the file."""
         if self._cached_prefix is None or not tasks:
             return False
         sample = tasks[:: max(1, len(tasks) // CACHE_SAMPLE_TASKS)][:CACHE_SAMPLE_TASKS]
         cached = 0
-        for task in sample:
-            probe = min(task.nbytes, 1 << 20)
-            cached += probe == 0 or self._cached_prefix(self.fd(task), task.start, probe) == probe
+        try:
+            for task in sample:
+                probe = min(task.nbytes, 1 << 20)
+                cached += probe == 0 or self._cached_prefix(self.fd(task), task.start, probe) == probe
+        except OSError:
+            return False
         return 2 * cached >= len(sample)
 
     def piece_bytes(self) -> int:
