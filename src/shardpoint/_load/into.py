@@ -139,7 +139,6 @@ def load_into(
     """
     with applied(options):
         group = resolve_group(process_group, target)
-        ranks_here = 1
 
         def load_here() -> LoadResult:  # in the phase: a refused argument fails alike on every rank
             settings = IntoSettings(strict, progress, resolve_verify(verify), allow_pickle, torch.device(device),
@@ -147,9 +146,8 @@ def load_into(
             return _load_into(target, path, settings, storage_options, opened)
 
         with collector_paused():
-            opened, on_machine = _open_on_every_rank(group, path, storage_options)
-            if group.distributed:  # the ranks on this machine share its CPUs
-                ranks_here = on_machine
+            # the ranks on this machine share its CPUs (1 without a group)
+            opened, ranks_here = _open_on_every_rank(group, path, storage_options)
             try:
                 return group.phase(f"loading {os.fspath(path)}", load_here)
             finally:
