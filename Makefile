@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 
 .PHONY: setup demo test bench lint
 
-$(BIN)/shardpoint: pyproject.toml setup.py src/shardpoint/_native.c requirements-dev.txt
+$(BIN)/shardpoint: pyproject.toml setup.py src/shardpoint/_native.c src/shardpoint/_native_fold.h requirements-dev.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -r requirements-dev.txt

@@ -12,6 +12,7 @@ setup(
         Extension(
             "shardpoint._native",
             sources=["src/shardpoint/_native.c"],
+            depends=["src/shardpoint/_native_fold.h"],
             extra_compile_args=["-O3", "-Wall", "-Wno-unused-function"],
             optional=True,
         )

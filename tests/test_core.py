@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import struct
@@ -291,3 +292,22 @@ def test_components_holding_tensors_of_the_same_name_load_each_their_own(tmp_pat
     assert out["ema"]["w"].tolist() == [100.0, 101.0, 102.0, 103.0]
     assert out["other"]["w"].tolist() == [-50.0, -49.0, -48.0, -47.0, -46.0, -45.0, -44.0, -43.0]
     assert sp.load(tmp_path / "ck", keys=["ema"], verify=verify)["ema"]["w"].tolist() == [100.0, 101.0, 102.0, 103.0]
+
+
+def test_async_save_takes_every_keyword_of_save_with_the_same_defaults() -> None:
+    """The two public signatures are written out twice (for help() and IDEs); this keeps them
+    in step: a keyword added to save and forgotten in async_save fails here."""
+    save_params = inspect.signature(sp.save).parameters
+    async_params = inspect.signature(sp.async_save).parameters
+    assert list(save_params) == [
+        "state", "path", "max_shard_size", "layout", "process_group", "overwrite", "metadata",
+        "storage_options", "progress", "durable", "allow_pickle", "options",
+    ]
+    assert [name for name in async_params if name != "on_commit"] == list(save_params)
+    differing = {
+        name: (save_params[name].default, async_params[name].default)
+        for name in save_params
+        if save_params[name].default != async_params[name].default
+    }
+    assert differing == {"progress": (None, False)}  # no bar from a background thread by default
+    assert all(async_params[name].kind is inspect.Parameter.KEYWORD_ONLY for name in list(save_params)[2:])

@@ -197,87 +197,32 @@ crc_pclmul(uint32_t reg, const uint8_t *p, size_t n)
     return finish(a0, a1, a2, a3, p, n);
 }
 
+/* The two VPCLMULQDQ widths share one fold, written once in _native_fold.h and included
+ * here per width with FOLD_BITS (the register width), FOLD_TARGET (the target attribute)
+ * and FOLD_K_BLOCK / FOLD_K_LANE (the constants that move a register four registers and one
+ * register ahead); before each inclusion stand broadcast<BITS> (a fold constant in every
+ * 128-bit lane) and finish<BITS> (one register's lanes to the crc). */
+
 #define SP_AVX512 "sse4.2,pclmul,avx2,avx512f,avx512bw,avx512vl,vpclmulqdq"
 
 __attribute__((target(SP_AVX512))) static inline __m512i
-fold512(__m512i v, __m512i k)
-{
-    return _mm512_xor_si512(_mm512_clmulepi64_epi128(v, k, 0x00), _mm512_clmulepi64_epi128(v, k, 0x11));
-}
-
-__attribute__((target(SP_AVX512))) static inline __m512i
-broadcast(fold_k k)
+broadcast512(fold_k k)
 {
     return _mm512_broadcast_i32x4(_mm_set_epi64x((long long)k.hi, (long long)k.lo));
 }
 
-/* Store 256 bytes to the 64-byte-aligned d with non-temporal stores (no read for ownership). */
-__attribute__((target(SP_AVX512), always_inline)) static inline void
-stream256(uint8_t *d, __m512i a, __m512i b, __m512i c, __m512i e)
+__attribute__((target(SP_AVX512))) static inline uint32_t
+finish512(__m512i x, const uint8_t *tail, size_t n)
 {
-    _mm512_stream_si512((void *)d, a);
-    _mm512_stream_si512((void *)(d + 64), b);
-    _mm512_stream_si512((void *)(d + 128), c);
-    _mm512_stream_si512((void *)(d + 192), e);
+    return finish(_mm512_extracti32x4_epi32(x, 0), _mm512_extracti32x4_epi32(x, 1),
+                  _mm512_extracti32x4_epi32(x, 2), _mm512_extracti32x4_epi32(x, 3), tail, n);
 }
 
-/* Fold n >= 256 bytes at p into the crc register. When d is not NULL the same registers are
- * also stored to the 64-byte-aligned d with non-temporal stores (n then a multiple of 256;
- * the caller fences): the data is read once and the destination's lines are never read for
- * ownership, so a copy moves less memory than a plain one, crc included. Inlined into its
- * two callers below, where d is a constant, so neither loop tests it. */
-__attribute__((target(SP_AVX512), always_inline)) static inline uint32_t
-fold_vpclmul(uint32_t reg, uint8_t *d, const uint8_t *p, size_t n)
-{
-    __m512i x0 = _mm512_loadu_si512(p), x1 = _mm512_loadu_si512(p + 64);
-    __m512i x2 = _mm512_loadu_si512(p + 128), x3 = _mm512_loadu_si512(p + 192);
-    if (d) {
-        stream256(d, x0, x1, x2, x3);
-        d += 256;
-    }
-    x0 = _mm512_xor_si512(x0, _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)reg)));
-    p += 256;
-    n -= 256;
-    __m512i k256 = broadcast(k_256), k64 = broadcast(k_64);
-    while (n >= 256) {
-        __m512i y0 = _mm512_loadu_si512(p), y1 = _mm512_loadu_si512(p + 64);
-        __m512i y2 = _mm512_loadu_si512(p + 128), y3 = _mm512_loadu_si512(p + 192);
-        if (d) {
-            stream256(d, y0, y1, y2, y3);
-            d += 256;
-        }
-        x0 = _mm512_xor_si512(fold512(x0, k256), y0);
-        x1 = _mm512_xor_si512(fold512(x1, k256), y1);
-        x2 = _mm512_xor_si512(fold512(x2, k256), y2);
-        x3 = _mm512_xor_si512(fold512(x3, k256), y3);
-        p += 256;
-        n -= 256;
-    }
-    x0 = _mm512_xor_si512(fold512(x0, k64), x1);
-    x0 = _mm512_xor_si512(fold512(x0, k64), x2);
-    x0 = _mm512_xor_si512(fold512(x0, k64), x3);
-    while (n >= 64) {
-        x0 = _mm512_xor_si512(fold512(x0, k64), _mm512_loadu_si512(p));
-        p += 64;
-        n -= 64;
-    }
-    return finish(_mm512_extracti32x4_epi32(x0, 0), _mm512_extracti32x4_epi32(x0, 1),
-                  _mm512_extracti32x4_epi32(x0, 2), _mm512_extracti32x4_epi32(x0, 3), p, n);
-}
-
-/* n >= 256 */
-__attribute__((target(SP_AVX512))) static uint32_t
-crc_vpclmul(uint32_t reg, const uint8_t *p, size_t n)
-{
-    return fold_vpclmul(reg, NULL, p, n);
-}
-
-/* n a multiple of 256, at least 256; d 64-byte aligned; the caller fences */
-__attribute__((target(SP_AVX512))) static uint32_t
-copy_crc_stream(uint32_t reg, uint8_t *d, const uint8_t *p, size_t n)
-{
-    return fold_vpclmul(reg, d, p, n);
-}
+#define FOLD_BITS 512
+#define FOLD_TARGET SP_AVX512
+#define FOLD_K_BLOCK k_256
+#define FOLD_K_LANE k_64
+#include "_native_fold.h"
 
 static void
 store_fence(void)
@@ -285,12 +230,15 @@ store_fence(void)
     _mm_sfence();
 }
 
+/* For AVX2 machines without AVX-512 (AMD Zen 3 and later): four 256-bit registers, about
+ * twice the 128-bit path. The last register's two lanes go to finish as its last two. */
 #define SP_AVX2 "sse4.2,pclmul,avx2,vpclmulqdq"
 
-__attribute__((target(SP_AVX2))) static inline __m256i
-fold256(__m256i v, __m256i k)
+__attribute__((target(SP_AVX2))) static inline uint32_t
+finish256(__m256i x, const uint8_t *tail, size_t n)
 {
-    return _mm256_xor_si256(_mm256_clmulepi64_epi128(v, k, 0x00), _mm256_clmulepi64_epi128(v, k, 0x11));
+    __m128i zero = _mm_setzero_si128();
+    return finish(zero, zero, _mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1), tail, n);
 }
 
 __attribute__((target(SP_AVX2))) static inline __m256i
@@ -299,74 +247,11 @@ broadcast256(fold_k k)
     return _mm256_broadcastsi128_si256(_mm_set_epi64x((long long)k.hi, (long long)k.lo));
 }
 
-/* Store 128 bytes to the 32-byte-aligned d with non-temporal stores. */
-__attribute__((target(SP_AVX2), always_inline)) static inline void
-stream128(uint8_t *d, __m256i a, __m256i b, __m256i c, __m256i e)
-{
-    _mm256_stream_si256((__m256i *)d, a);
-    _mm256_stream_si256((__m256i *)(d + 32), b);
-    _mm256_stream_si256((__m256i *)(d + 64), c);
-    _mm256_stream_si256((__m256i *)(d + 96), e);
-}
-
-/* fold_vpclmul with 256-bit registers, for AVX2 machines without AVX-512: four of them
- * (128 bytes) folded 128 bytes ahead, then to one register, then 32 bytes at a time; about
- * twice the 128-bit path (in-cache, AMD EPYC with AVX2: 17-19 GiB/s against 8.5-9.4 of CPU
- * time). When d is not NULL the loaded registers are also stored to the 32-byte-aligned d
- * non-temporally (n then a multiple of 128; the caller fences), as fold_vpclmul does.
- * n >= 128. */
-__attribute__((target(SP_AVX2), always_inline)) static inline uint32_t
-fold_vpclmul256(uint32_t reg, uint8_t *d, const uint8_t *p, size_t n)
-{
-    __m256i x0 = _mm256_loadu_si256((const __m256i *)p), x1 = _mm256_loadu_si256((const __m256i *)(p + 32));
-    __m256i x2 = _mm256_loadu_si256((const __m256i *)(p + 64)), x3 = _mm256_loadu_si256((const __m256i *)(p + 96));
-    if (d) {
-        stream128(d, x0, x1, x2, x3);
-        d += 128;
-    }
-    x0 = _mm256_xor_si256(x0, _mm256_zextsi128_si256(_mm_cvtsi32_si128((int)reg)));
-    p += 128;
-    n -= 128;
-    __m256i k128 = broadcast256(k_128), k32 = broadcast256(k_32);
-    while (n >= 128) {
-        __m256i y0 = _mm256_loadu_si256((const __m256i *)p), y1 = _mm256_loadu_si256((const __m256i *)(p + 32));
-        __m256i y2 = _mm256_loadu_si256((const __m256i *)(p + 64)), y3 = _mm256_loadu_si256((const __m256i *)(p + 96));
-        if (d) {
-            stream128(d, y0, y1, y2, y3);
-            d += 128;
-        }
-        x0 = _mm256_xor_si256(fold256(x0, k128), y0);
-        x1 = _mm256_xor_si256(fold256(x1, k128), y1);
-        x2 = _mm256_xor_si256(fold256(x2, k128), y2);
-        x3 = _mm256_xor_si256(fold256(x3, k128), y3);
-        p += 128;
-        n -= 128;
-    }
-    x0 = _mm256_xor_si256(fold256(x0, k32), x1);
-    x0 = _mm256_xor_si256(fold256(x0, k32), x2);
-    x0 = _mm256_xor_si256(fold256(x0, k32), x3);
-    while (n >= 32) {
-        x0 = _mm256_xor_si256(fold256(x0, k32), _mm256_loadu_si256((const __m256i *)p));
-        p += 32;
-        n -= 32;
-    }
-    __m128i zero = _mm_setzero_si128();
-    return finish(zero, zero, _mm256_castsi256_si128(x0), _mm256_extracti128_si256(x0, 1), p, n);
-}
-
-/* n >= 128 */
-__attribute__((target(SP_AVX2))) static uint32_t
-crc_vpclmul256(uint32_t reg, const uint8_t *p, size_t n)
-{
-    return fold_vpclmul256(reg, NULL, p, n);
-}
-
-/* n a multiple of 128, at least 128; d 32-byte aligned; the caller fences */
-__attribute__((target(SP_AVX2))) static uint32_t
-copy_crc_stream256(uint32_t reg, uint8_t *d, const uint8_t *p, size_t n)
-{
-    return fold_vpclmul256(reg, d, p, n);
-}
+#define FOLD_BITS 256
+#define FOLD_TARGET SP_AVX2
+#define FOLD_K_BLOCK k_128
+#define FOLD_K_LANE k_32
+#include "_native_fold.h"
 
 #endif /* SP_X86 */
 
@@ -391,7 +276,7 @@ crc32c_update(uint32_t crc, const uint8_t *p, size_t n)
     uint32_t reg = ~crc;
 #ifdef SP_X86
     if (have_vpclmul && n >= 256)
-        return ~crc_vpclmul(reg, p, n);
+        return ~crc_vpclmul512(reg, p, n);
     if (have_vpclmul256 && n >= 128)
         return ~crc_vpclmul256(reg, p, n);
     if (have_pclmul && n >= 64)
@@ -459,6 +344,18 @@ loop_args(Py_buffer *view, long long offset, Py_ssize_t segment)
     return -1;
 }
 
+/* After a loop: release its buffer; -1 with an OSError set when it stopped on errno err. */
+static int
+loop_done(Py_buffer *view, int err)
+{
+    PyBuffer_Release(view);
+    if (!err)
+        return 0;
+    errno = err;
+    PyErr_SetFromErrno(PyExc_OSError);
+    return -1;
+}
+
 PyDoc_STRVAR(pread_doc,
 "pread_into(fd, buffer, offset, segment, check) -> (nread, crc32c)\n\n"
 "Fill the writable buffer from fd at offset, one pread of at most segment bytes at a\n"
@@ -498,11 +395,8 @@ py_pread_into(PyObject *self, PyObject *args)
         pos += (size_t)got;
     }
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&view);
-    if (err) {
-        errno = err;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
+    if (loop_done(&view, err) < 0)
+        return NULL;
     return Py_BuildValue("nk", (Py_ssize_t)pos, (unsigned long)crc);
 }
 
@@ -570,11 +464,8 @@ py_pwrite_from(PyObject *self, PyObject *args)
         pos += (size_t)put;
     }
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&view);
-    if (err) {
-        errno = err;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
+    if (loop_done(&view, err) < 0)
+        return NULL;
     return PyLong_FromUnsignedLong(crc);
 }
 
@@ -632,7 +523,7 @@ map_window(int fd, long long at, size_t len, long page, struct window *w)
 
 #ifdef SP_X86
 
-/* crc32c (finished, continuing `crc`) of n bytes copied from p to d; see copy_crc_stream.
+/* crc32c (finished, continuing `crc`) of n bytes copied from p to d; see copy_crc_stream512.
  * Needs stream_copy (the 512- or the 256-bit folding). */
 static uint32_t
 copy_crc(uint32_t crc, uint8_t *d, const uint8_t *p, size_t n)
@@ -644,7 +535,7 @@ copy_crc(uint32_t crc, uint8_t *d, const uint8_t *p, size_t n)
     crc = crc32c_update(crc, p, head);
     size_t body = (n - head) / 256 * 256;
     if (body)
-        crc = have_vpclmul ? ~copy_crc_stream(~crc, d + head, p + head, body)
+        crc = have_vpclmul ? ~copy_crc_stream512(~crc, d + head, p + head, body)
                            : ~copy_crc_stream256(~crc, d + head, p + head, body);
     size_t done = head + body;
     memcpy(d + done, p + done, n - done);
@@ -887,7 +778,7 @@ py_crc32c_using(PyObject *self, PyObject *args)
     else if (strcmp(name, "pclmulqdq") == 0 && have_pclmul)
         reg = n >= 64 ? crc_pclmul(reg, p, n) : crc_hw(reg, p, n);
     else if (strcmp(name, "vpclmulqdq") == 0 && have_vpclmul)
-        reg = n >= 256 ? crc_vpclmul(reg, p, n) : crc_hw(reg, p, n);
+        reg = n >= 256 ? crc_vpclmul512(reg, p, n) : crc_hw(reg, p, n);
     else if (strcmp(name, "vpclmulqdq-256") == 0 && have_vpclmul256)
         reg = n >= 128 ? crc_vpclmul256(reg, p, n) : crc_hw(reg, p, n);
 #endif
