@@ -204,7 +204,11 @@ def test_loops_round_trip_and_detect_damage(tmp_path, monkeypatch, use_options, 
 
 
 @needs_native
-def test_copy_cached_copies_any_alignment_with_its_crc(tmp_path):
+@pytest.mark.parametrize("mapped", [None, True, False], ids=["as-the-cache-maps", "mapped", "bounced"])
+def test_copy_cached_copies_any_alignment_with_its_crc(tmp_path, mapped):
+    """Both ways of copying a cached window (mapped, or pread through the thread's bounce
+    buffer), and the choice between them by how the page cache maps it, give the same bytes
+    and crc32c at every alignment of file, length and destination."""
     if not native.STREAM_COPY:
         pytest.skip("this CPU has no VPCLMULQDQ for the mapped copy")
     rng = random.Random(5)
@@ -223,11 +227,35 @@ def test_copy_cached_copies_any_alignment_with_its_crc(tmp_path):
             dest = bytearray(shift + length + 64)
             view = memoryview(dest)[shift : shift + length]
             window = rng.choice([16 << 20, 4096, 65_600, 1000])  # windows chain their crcs
-            got = native.copy_cached(fd, view, offset, window)
+            got = native.copy_cached(fd, view, offset, window, mapped)
             expected = data[offset : offset + length]
-            assert got == (length, reference.crc32c(expected)), (offset, length, shift, window)
+            assert got == (length, reference.crc32c(expected)), (offset, length, shift, window, mapped)
             assert bytes(view) == expected
             assert not any(dest[:shift]) and not any(dest[shift + length :]), "wrote outside"
+    finally:
+        os.close(fd)
+
+
+@needs_native
+def test_copy_cached_works_in_a_forked_child(tmp_path):
+    """The extension keeps /proc/self/pagemap open to see how windows are mapped; a forked
+    child must not scan its parent's page tables through it (nor hang on it): it copies the
+    same bytes and crc."""
+    if not native.STREAM_COPY:
+        pytest.skip("this CPU has no VPCLMULQDQ for the mapped copy")
+    data = random.Random(8).randbytes(6 << 20)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    expected = (len(data), reference.crc32c(data))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert native.copy_cached(fd, bytearray(len(data)), 0) == expected  # the parent's scan
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child reports through its exit code
+            out = bytearray(len(data))
+            os._exit(0 if native.copy_cached(fd, out, 0) == expected and out == data else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
     finally:
         os.close(fd)
 
