@@ -91,6 +91,35 @@ def test_pread_into_reads_exactly_and_reports_the_end_of_file(tmp_path):
 
 
 @needs_native
+@pytest.mark.parametrize("cached", [True, False], ids=["page-cache", "disk"])
+def test_checked_pread_into_gives_the_bytes_and_crc_at_any_alignment_and_segment(tmp_path, cached):
+    """A checked read goes through the thread's bounce buffer where the folding copy exists
+    (256 KiB at a time, whatever segment is asked): the bytes and the crc32c are the file's,
+    for every destination alignment and for ranges that end mid-buffer or past the file."""
+    rng = random.Random(9)
+    data = rng.randbytes((3 << 20) + 12_345)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for segment in (4096, 256 << 10, 2 << 20, 8 << 20):
+            for _ in range(6):
+                offset = rng.randrange(len(data) // 2)
+                length = rng.randrange(1, len(data) - offset + 5000)  # may run past the end
+                shift = rng.randrange(128)
+                dest = bytearray(shift + length + 64)
+                if not cached:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                got, crc = native.pread_into(fd, memoryview(dest)[shift : shift + length], offset, segment, True)
+                expected = data[offset : offset + length]
+                assert (got, crc) == (len(expected), reference.crc32c(expected)), (segment, offset, length)
+                assert dest[shift : shift + got] == expected
+                assert not any(dest[:shift]) and not any(dest[shift + got :]), "wrote outside what it read"
+    finally:
+        os.close(fd)
+
+
+@needs_native
 @pytest.mark.parametrize("segment", [65_536, 1 << 20, 2 << 20])  # crc after / after / before the write
 def test_pwrite_from_writes_everything_and_returns_its_crc(tmp_path, segment):
     data = random.Random(3).randbytes(3_333_333)
