@@ -163,6 +163,13 @@ class _CountingNative:
         self.prefixes: list[int] = []
         self.direct: list[int] = []
         self.direct_errno = direct_errno
+        self.preads: list[tuple[int, bool]] = []  # (bytes read, checked) of each pread_into
+
+    def pread_into(self, fd, buffer, offset, segment, check):
+        self.used.add("pread_into")
+        done = self._module.pread_into(fd, buffer, offset, segment, check)
+        self.preads.append((done[0], bool(check)))
+        return done
 
     def pread_direct(self, fd, buffer, offset, bounce, check):
         if self.direct_errno is not None:
@@ -183,6 +190,38 @@ class _CountingNative:
         self.copied += done[0] == len(buffer)
         self.prefixes.append(done[0])
         return done
+
+
+@needs_native
+def test_an_unchecked_load_reads_what_is_not_cached_through_the_bounce_buffer(tmp_path, monkeypatch, use_options):
+    """verify=False: the cached part of a piece is one plain pread, the part the page cache
+    does not hold goes through the checked read's bounce buffer (faster from the disk), and
+    the tensor is whole either way."""
+    if not native.STREAM_COPY:
+        pytest.skip("this CPU has no VPCLMULQDQ for the folding copy")
+    counting = _CountingNative(native)
+    monkeypatch.setattr(files, "_native", counting)
+    use_options(io=sp.IOOptions(cached_copy=False))  # reads by pread only, cached or not
+    t = torch.randn(3 << 20, generator=torch.Generator().manual_seed(11))  # 12 MiB: one piece
+    sp.save({"t": t}, tmp_path / "ck")
+    path = tmp_path / "ck" / "model.safetensors"
+    size = path.stat().st_size
+    evicted_from = (size // 2 + 4095) // 4096 * 4096  # DONTNEED drops the whole pages only
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, size // 2, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    out = sp.load(tmp_path / "ck", verify=False)
+    assert torch.equal(out["t"], t)
+    checked = sum(n for n, check in counting.preads if check)
+    plain = sum(n for n, check in counting.preads if not check)
+    assert checked + plain == t.nbytes
+    # The cached half went plain; the evicted half bounced, less what readahead brought back
+    # into the cache before its own piece came up.
+    data_start = size - t.nbytes
+    assert plain >= evicted_from - data_start and checked > 0, (plain, checked)
 
 
 @pytest.mark.parametrize("loops", ["cached", "native", "python"])
