@@ -348,9 +348,9 @@ loop_args(Py_buffer *view, long long offset, Py_ssize_t segment)
     return -1;
 }
 
+static uint32_t copy_crc(uint32_t crc, uint8_t *d, const uint8_t *p, size_t n);
 #ifdef SP_X86
 static uint8_t *thread_bounce(void);
-static uint32_t copy_crc(uint32_t crc, uint8_t *d, const uint8_t *p, size_t n);
 #define BOUNCE_BYTES ((size_t)256 << 10)
 #endif
 
@@ -403,22 +403,15 @@ py_pread_into(PyObject *self, PyObject *args)
     while (pos < len) {
         size_t want = len - pos < (size_t)segment ? len - pos : (size_t)segment;
         ssize_t got = pread(fd, bounce ? bounce : buf + pos, want, (off_t)(offset + (long long)pos));
-        if (got < 0) {
-            if (errno == EINTR)
-                continue;
-            err = errno;
-            break;
-        }
-        if (got == 0)
-            break;
-#ifdef SP_X86
-        if (bounce) {
-            crc = copy_crc(crc, buf + pos, bounce, (size_t)got);
-            pos += (size_t)got;
+        if (got < 0 && errno == EINTR)
             continue;
+        if (got <= 0) { /* an error, or the end of the file */
+            err = got < 0 ? errno : 0;
+            break;
         }
-#endif
-        if (check)
+        if (bounce)
+            crc = copy_crc(crc, buf + pos, bounce, (size_t)got);
+        else if (check)
             crc = crc32c_update(crc, buf + pos, (size_t)got);
         pos += (size_t)got;
     }
@@ -548,6 +541,9 @@ map_window(int fd, long long at, size_t len, long page, struct window *w)
 }
 
 /* ------------------------------------------------------------- copies from the page cache */
+
+/* How copy_cached copies a window: as the page cache maps it, or always one way (tests). */
+enum copy_way { WAY_AUTO = -1, WAY_BOUNCED = 0, WAY_MAPPED = 1 };
 
 #ifdef SP_X86
 
@@ -707,9 +703,6 @@ copy_bounced(int fd, uint8_t *d, size_t n, long long offset, uint32_t *crc)
     return pos;
 }
 
-/* How copy_cached copies a window: as the page cache maps it, or always one way (tests). */
-enum copy_way { WAY_AUTO = -1, WAY_BOUNCED = 0, WAY_MAPPED = 1 };
-
 /* Copy from fd at offset to d, a window at a time, for as long as each window is wholly in
  * the page cache. Returns the bytes copied (a prefix of the n asked; 0 when the file cannot
  * be mapped or is shorter than the range: the caller reads those and reports a short file
@@ -751,6 +744,17 @@ copy_cached_prefix(int fd, uint8_t *d, size_t n, long long offset, size_t window
 }
 
 #endif /* SP_X86 */
+
+#ifndef SP_X86
+/* Without the folding copy a checked pread_into reads in place and never calls this; it
+ * completes the build. */
+static uint32_t
+copy_crc(uint32_t crc, uint8_t *d, const uint8_t *p, size_t n)
+{
+    memcpy(d, p, n);
+    return crc32c_update(crc, p, n);
+}
+#endif
 
 PyDoc_STRVAR(copy_cached_doc,
 "copy_cached(fd, buffer, offset, window=16 MiB, mapped=None) -> (ncopied, crc32c)\n\n"
@@ -819,16 +823,15 @@ cached_prefix(int fd, long long offset, size_t n)
     long page;
     if (!file_holds(fd, offset, n, &page))
         return 0;
-    size_t done = 0;
-    while (done < n) {
-        size_t len = n - done < MAX_WINDOW_BYTES ? n - done : MAX_WINDOW_BYTES;
-        struct window w;
+    size_t done, len;
+    struct window w;
+    for (done = 0; done < n; done += len) {
+        len = n - done < MAX_WINDOW_BYTES ? n - done : MAX_WINDOW_BYTES;
         if (!map_window(fd, offset + (long long)done, len, page, &w))
-            break;
+            return done;
         munmap(w.map, w.span);
-        done += w.resident;
         if (w.resident < len)
-            break;
+            return done + w.resident;
     }
     return done;
 }
