@@ -147,6 +147,19 @@ def test_load_best_model_at_end(tmp_path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(("use_async", "kill_at"), [(False, 5), (True, 6)], ids=["sync", "async"])
 def test_sigkill_and_resume_equals_uninterrupted_run(tmp_path, capsys, use_async, kill_at) -> None:
+    # The killed run trains with one thread (OMP_NUM_THREADS=1 below); the resumed and the
+    # reference runs here must too, or their float reductions split differently and no
+    # run equals another bitwise (this test passed only after an earlier test in the same
+    # process had set one thread, and failed when run alone).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _sigkill_and_resume(tmp_path, capsys, use_async, kill_at)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _sigkill_and_resume(tmp_path, capsys, use_async: bool, kill_at: int) -> None:
     out = str(tmp_path / "run")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), "src") if p),
            "OMP_NUM_THREADS": "1"}
