@@ -193,9 +193,10 @@ class IOOptions(_Checked, group="io", minimum={"write_threads": 0, "read_threads
     (``SHARDPOINT_NATIVE``, on); off: the Python loops. ``SHARDPOINT_NATIVE=0`` also keeps
     the extension from being imported at all."""
     cached_copy: bool = _seeded("io", "cached_copy", True)
-    """Copy page-cache-resident pieces straight from the mapped cache with non-temporal
-    stores and crc32c folded in (C extension, x86-64 with AVX-512) instead of ``pread``
-    (``SHARDPOINT_CACHED_COPY``, on)."""
+    """Copy page-cache-resident pieces of 1 MiB or more with non-temporal stores and crc32c
+    folded in (C extension, x86-64 with VPCLMULQDQ: AVX-512, or AVX2 for checked reads):
+    mapped where the page cache maps them huge, else through a per-thread buffer in the CPU
+    cache; off: ``pread`` (``SHARDPOINT_CACHED_COPY``, on)."""
     direct_reads: bool = _seeded("io", "direct_reads", False)
     """Read pieces that are not in the page cache with ``O_DIRECT`` (C extension, Linux)
     through a 2 MiB aligned buffer per reader thread (``SHARDPOINT_DIRECT_READS``, off):
