@@ -366,6 +366,42 @@ loop_done(Py_buffer *view, int err)
     return -1;
 }
 
+/* Fill buf[0, len) from fd at offset, one pread of at most segment bytes at a time, with
+ * check folding the bytes' crc32c into *crc. Returns the bytes read: fewer than len at the end
+ * of the file or on an error (its errno in *err). Called without the GIL. */
+static size_t
+read_range(int fd, uint8_t *buf, size_t len, long long offset, size_t segment, int check, uint32_t *crc, int *err)
+{
+    size_t pos = 0;
+    uint8_t *bounce = NULL;
+#ifdef SP_X86
+    if (check && stream_copy()) {
+        /* Through the thread's bounce buffer, which stays in the CPU cache, then to buf by
+         * the folding copy: the destination is written once, non-temporally, never read,
+         * and the crc comes from the copy's own registers (see copy_cached_prefix). */
+        bounce = thread_bounce();
+        if (bounce != NULL && segment > BOUNCE_BYTES)
+            segment = BOUNCE_BYTES;
+    }
+#endif
+    while (pos < len) {
+        size_t want = len - pos < segment ? len - pos : segment;
+        ssize_t got = pread(fd, bounce ? bounce : buf + pos, want, (off_t)(offset + (long long)pos));
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got <= 0) { /* an error, or the end of the file */
+            *err = got < 0 ? errno : 0;
+            break;
+        }
+        if (bounce)
+            *crc = copy_crc(*crc, buf + pos, bounce, (size_t)got);
+        else if (check)
+            *crc = crc32c_update(*crc, buf + pos, (size_t)got);
+        pos += (size_t)got;
+    }
+    return pos;
+}
+
 PyDoc_STRVAR(pread_doc,
 "pread_into(fd, buffer, offset, segment, check) -> (nread, crc32c)\n\n"
 "Fill the writable buffer from fd at offset, one pread of at most segment bytes at a\n"
@@ -384,37 +420,11 @@ py_pread_into(PyObject *self, PyObject *args)
         return NULL;
     if (loop_args(&view, offset, segment) < 0)
         return NULL;
-    uint8_t *buf = view.buf;
-    size_t len = (size_t)view.len, pos = 0;
     uint32_t crc = 0;
     int err = 0;
+    size_t pos;
     Py_BEGIN_ALLOW_THREADS
-    uint8_t *bounce = NULL;
-#ifdef SP_X86
-    if (check && stream_copy()) {
-        /* Through the thread's bounce buffer, which stays in the CPU cache, then to buf by
-         * the folding copy: the destination is written once, non-temporally, never read,
-         * and the crc comes from the copy's own registers (see copy_cached_prefix). */
-        bounce = thread_bounce();
-        if (bounce != NULL && (size_t)segment > BOUNCE_BYTES)
-            segment = (Py_ssize_t)BOUNCE_BYTES;
-    }
-#endif
-    while (pos < len) {
-        size_t want = len - pos < (size_t)segment ? len - pos : (size_t)segment;
-        ssize_t got = pread(fd, bounce ? bounce : buf + pos, want, (off_t)(offset + (long long)pos));
-        if (got < 0 && errno == EINTR)
-            continue;
-        if (got <= 0) { /* an error, or the end of the file */
-            err = got < 0 ? errno : 0;
-            break;
-        }
-        if (bounce)
-            crc = copy_crc(crc, buf + pos, bounce, (size_t)got);
-        else if (check)
-            crc = crc32c_update(crc, buf + pos, (size_t)got);
-        pos += (size_t)got;
-    }
+    pos = read_range(fd, view.buf, (size_t)view.len, offset, (size_t)segment, check, &crc, &err);
     Py_END_ALLOW_THREADS
     if (loop_done(&view, err) < 0)
         return NULL;
@@ -682,27 +692,6 @@ thread_bounce(void)
     return b;
 }
 
-/* Copy n bytes of fd at offset to d through the thread's bounce buffer, crc32c folded on the
- * way. Returns the bytes copied: fewer than n at end of file, on an error or without a
- * buffer (the caller reads the rest). */
-static size_t
-copy_bounced(int fd, uint8_t *d, size_t n, long long offset, uint32_t *crc)
-{
-    uint8_t *b = thread_bounce();
-    size_t pos = 0;
-    while (b != NULL && pos < n) {
-        size_t want = n - pos < BOUNCE_BYTES ? n - pos : BOUNCE_BYTES;
-        ssize_t got = pread(fd, b, want, (off_t)(offset + (long long)pos));
-        if (got < 0 && errno == EINTR)
-            continue;
-        if (got <= 0)
-            break;
-        *crc = copy_crc(*crc, d + pos, b, (size_t)got);
-        pos += (size_t)got;
-    }
-    return pos;
-}
-
 /* Copy from fd at offset to d, a window at a time, for as long as each window is wholly in
  * the page cache. Returns the bytes copied (a prefix of the n asked; 0 when the file cannot
  * be mapped or is shorter than the range: the caller reads those and reports a short file
@@ -732,7 +721,8 @@ copy_cached_prefix(int fd, uint8_t *d, size_t n, long long offset, size_t window
                 *crc = copy_crc(*crc, d + done, w.map + w.lead, len);
                 got = len;
             } else {
-                got = copy_bounced(fd, d + done, len, offset + (long long)done, crc);
+                int err = 0; /* the caller reads again what is left, and reports it */
+                got = read_range(fd, d + done, len, offset + (long long)done, BOUNCE_BYTES, 1, crc, &err);
             }
         }
         munmap(w.map, w.span);
