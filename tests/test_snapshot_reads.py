@@ -22,6 +22,7 @@ import torch
 import shardpoint as sp
 from shardpoint._read import ReadBatch
 from shardpoint._source import open_checkpoint
+from shardpoint._verify import verify_checkpoint
 from shardpoint.errors import CheckpointError, CheckpointNotFoundError, StorageError
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -222,6 +223,58 @@ def test_removed_for_good_is_said_plainly(tmp_path: Path) -> None:
     finally:
         _source._fill_local = real
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("entry", ["load", "load_into", "verify"])
+def test_a_directory_removed_as_it_is_listed_is_said_removed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, entry: str) -> None:
+    """Retention deletes the step after the entry point saw the directory and before it
+    listed it to tell the format: the same 'removed' error, not a bare FileNotFoundError."""
+    path = tmp_path / "ckpt"
+    sp.save(_state(1.0), path, max_shard_size="1MiB")
+    real = os.listdir
+
+    def delete_then_list(where: object = ".") -> list[str]:
+        if os.fspath(where) == str(path):  # type: ignore[arg-type]
+            shutil.rmtree(path)  # a real deletion, at the worst moment
+        return real(where)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "listdir", delete_then_list)
+    with pytest.raises(CheckpointNotFoundError) as caught:
+        if entry == "load":
+            sp.load(path)
+        elif entry == "load_into":
+            sp.load_into(_state(0.0), path)
+        else:
+            verify_checkpoint(str(path))
+    done, doing = ("verified", "verify") if entry == "verify" else ("loaded", "load")
+    assert str(caught.value) == (
+        f"{path} was removed (e.g. retired by a CheckpointManager's retention) while being "
+        f"{done}; {doing} a checkpoint that is still there")
+
+
+def test_a_directory_that_cannot_be_listed_is_a_storage_error_naming_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """EACCES listing the directory (root passes permission checks, so the error is raised
+    where the listing happens): a StorageError naming the path and keeping the errno."""
+    import errno
+
+    path = tmp_path / "ckpt"
+    sp.save(_state(1.0), path, max_shard_size="1MiB")
+    real = os.listdir
+
+    def refuse(where: object = ".") -> list[str]:
+        if os.fspath(where) == str(path):  # type: ignore[arg-type]
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real(where)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "listdir", refuse)
+    with pytest.raises(StorageError) as caught:
+        sp.load(path)
+    assert caught.value.errno == errno.EACCES
+    assert str(caught.value) == (
+        f"{path}: listing the directory failed: [Errno 13] Permission denied; make it readable "
+        "and listable by this user, then load again")
 
 
 def test_fd_limit_is_raised_for_many_files(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ held descriptors and validated headers, is a :class:`~shardpoint._checkpoint.Che
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -159,12 +160,7 @@ def _open_local(store: LocalStore) -> Checkpoint:
             continue
         return ckpt
     if not os.path.lexists(location):
-        if moved_aside(location):  # an overwrite interrupted between its two renames
-            raise CheckpointNotFoundError(missing_path_message(location))
-        raise CheckpointNotFoundError(
-            f"{location} was removed (e.g. retired by a CheckpointManager's retention) while "
-            "being loaded; load a checkpoint that is still there"
-        )
+        raise gone_while_reading(location)
     raise StorageError(
         f"{location} was replaced {OPEN_TRIES} times while being opened (saves to it follow "
         "each other too fast to load a whole version); load it again, or load a fixed step"
@@ -255,11 +251,48 @@ def _fill_local(ckpt: Checkpoint) -> Checkpoint:
     raise not_readable(location, found)
 
 
+_DONE = {"load": "loaded", "verify": "verified", "inspect": "inspected"}
+
+
+def gone_while_reading(location: str, doing: str = "load") -> CheckpointNotFoundError:
+    """The error for a local path that existed when a ``doing`` ("load", "verify") began and
+    is gone now."""
+    if moved_aside(location):  # an overwrite interrupted between its two renames
+        return CheckpointNotFoundError(missing_path_message(location))
+    return CheckpointNotFoundError(
+        f"{location} was removed (e.g. retired by a CheckpointManager's retention) while "
+        f"being {_DONE.get(doing, doing)}; {doing} a checkpoint that is still there"
+    )
+
+
+def list_directory(location: str, doing: str = "load") -> list[str]:
+    """The names in a local directory the caller just saw, for a ``doing`` ("load",
+    "verify"). One removed meanwhile (retention retiring a step while it is read) is
+    :class:`CheckpointNotFoundError`; one that cannot be listed is :class:`StorageError`."""
+    try:
+        return os.listdir(location)
+    except FileNotFoundError:
+        raise gone_while_reading(location, doing) from None
+    except OSError as exc:
+        err = StorageError(
+            f"{location}: listing the directory failed: [Errno {exc.errno}] "
+            f"{exc.strerror or exc}; make it readable and listable by this user, then {doing} again"
+        )
+        err.errno = exc.errno
+        raise err from None
+
+
 def detect_local(location: str) -> Detected:
     """:func:`~shardpoint._format.detect.detect` of an existing local path: a directory's
-    listing, or a file's name, its directory's listing and its first bytes."""
+    listing (:func:`list_directory`), or a file's name, its directory's listing and its
+    first bytes."""
     if os.path.isdir(location):
-        return detect(os.listdir(location))
+        try:
+            return detect(list_directory(location))
+        except StorageError as exc:
+            if exc.errno != errno.ENOTDIR:
+                raise
+            # replaced by a file meanwhile: detected as the file it now is
     parent = os.path.dirname(location) or "."
     try:
         siblings = os.listdir(parent)

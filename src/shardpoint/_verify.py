@@ -26,7 +26,7 @@ from ._format.index import index_name, parse_index
 from ._format.manifest import MANIFEST_NAME, PENDING_NAME, ChunkRef, Manifest
 from ._format.names import is_tmp_name
 from ._hub import resolve_hub
-from ._source import detect_local, not_readable, open_checkpoint, remote_listing
+from ._source import detect_local, list_directory, not_readable, open_checkpoint, remote_listing
 from ._storage.fsspec_store import FsspecStore
 from ._storage.local_recovery import hidden_sibling_message, missing_path_message
 from ._storage.local_store import LocalStore
@@ -127,7 +127,7 @@ def _verify_local(store: LocalStore, *, checksums: bool, progress: bool | None) 
         return _verify_foreign(location, directory, "hf-file", None, [name], checksums=checksums)
     if not os.path.isdir(location):
         raise CheckpointNotFoundError(f"{location} is neither a directory nor a checkpoint file")
-    names = os.listdir(location)
+    names = list_directory(location, "verify")
     found = detect(names)
     if found.kind == kinds.SHARDPOINT:
         return _verify_shardpoint(store, location, names, checksums=checksums, progress=progress)

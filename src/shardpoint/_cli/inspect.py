@@ -64,7 +64,7 @@ from .._format.manifest import MANIFEST_NAME
 from .._format.names import is_tmp_name
 from .._hub import resolve_hub
 from .._sizes import human_size
-from .._source import detect_local, open_checkpoint
+from .._source import detect_local, list_directory, open_checkpoint
 from .._sources.contract import SourceSpec
 from .._sources.pickled import BinShardsSource, TorchSaveSource
 from .._storage.store import open_store
@@ -152,7 +152,7 @@ def describe_path(
 
 def _unchecked(location: str, doc: dict[str, Any], index: str | None, tables: list[str]) -> list[str]:
     """The directory's files that are not the checkpoint's data, manifest or index."""
-    names = os.listdir(location)
+    names = list_directory(location, "inspect")
     used = {f["name"] for f in doc["files"]} | {MANIFEST_NAME, index or ""}
     used |= {index_name(c) for c in doc["components"]} | set(tables)
     if doc["format"] == "hf-index":
