@@ -575,7 +575,12 @@ def test_reads_run_fewer_threads_over_cached_bytes_and_more_over_the_disk(tmp_pa
     source = files.LocalFiles()
     try:
         os.pread(source.fd(tasks[0]), len(data), 0)
+        probes = []
+        probe = source._cached_prefix
+        assert probe is not None
+        source._cached_prefix = lambda *args: probes.append(args) or probe(*args)
         assert source.threads(tasks) == cached
+        assert len(probes) == 4  # it stops probing once half the sample is found cached
         fd = source.fd(tasks[0])
         os.fsync(fd)  # clean pages can be evicted
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

@@ -197,3 +197,32 @@ def test_every_entry_point_takes_options(tmp_path: Path) -> None:
         mgr.restore({"w": torch.zeros(4)})
     target = {"w": torch.zeros(4)}
     assert sp.CheckpointManager(tmp_path / "run").restore(target) == 1 and target["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_the_runner_uses_the_callers_thread_and_stops_at_the_first_error() -> None:
+    """``run_all`` runs each item once, on the caller's thread and ``threads - 1`` more; the
+    first error stops new items and is raised only once the running ones have finished."""
+    ran: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def record(item: int) -> None:
+        with lock:
+            ran.append((item, threading.get_ident()))
+        threading.Event().wait(0.01)  # long enough that every thread takes items
+
+    run_all(record, list(range(12)), threads=3)
+    assert sorted(i for i, _ in ran) == list(range(12))
+    idents = {t for _, t in ran}
+    assert threading.get_ident() in idents and len(idents) == 3
+
+    finished: list[int] = []
+
+    def fail_or_wait(item: int) -> None:
+        if item == 1:
+            raise OSError(28, "No space left on device")
+        threading.Event().wait(0.2)
+        finished.append(item)
+
+    with pytest.raises(OSError, match="No space left on device"):
+        run_all(fail_or_wait, list(range(20)), threads=2)
+    assert finished == [0]  # item 0 ran to its end before the error was raised; no item after 1 started

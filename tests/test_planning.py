@@ -236,3 +236,32 @@ def test_a_file_one_rank_holds_whole_is_its_own_and_the_rest_are_shared():
     # One process holding whole tensors writes every file itself.
     (alone,) = plan.parts([[whole, ChunkPlan("model", "b", "F32", (4,), (0,), (4,), 16)]])
     assert alone.whole == [("model", f1), ("model", f2)] and alone.placement == {} and alone.shared == {}
+
+
+def test_shard_offsets_agree_with_torch_for_every_shard_and_replicate_layout():
+    """Our offsets of a DTensor's local chunk equal torch's own (its private
+    ``_compute_local_shape_and_global_offset``, which takes the coordinate as an argument) on
+    every coordinate of 1-D to 3-D meshes, even and uneven extents, empty chunks included;
+    a placement we do not compute (``_StridedShard``) is left to torch (None)."""
+    import itertools
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from shardpoint._distributed.group import shard_offsets
+
+    checked = 0
+    for mesh_shape in [(1,), (2,), (3,), (5,), (2, 2), (2, 3), (3, 2), (2, 2, 2)]:
+        kinds = [Replicate(), Shard(0), Shard(1)]
+        for placements in itertools.product(kinds, repeat=len(mesh_shape)):
+            for global_shape in [(0, 3), (1, 7), (5, 4), (7, 3), (10, 1), (16, 9)]:
+                for coord in itertools.product(*(range(k) for k in mesh_shape)):
+                    _, expected = _compute_local_shape_and_global_offset(
+                        global_shape, mesh_shape, list(coord), list(placements))
+                    got = shard_offsets(global_shape, mesh_shape, coord, placements)
+                    assert got == tuple(expected), (global_shape, mesh_shape, coord, placements)
+                    checked += 1
+    assert checked == 2358  # 3^d placements x 6 shapes x every coordinate, summed over the meshes
+    assert shard_offsets((8, 2), (2, 2), (0, 1), [Shard(0), _StridedShard(0, split_factor=2)]) is None
+    assert shard_offsets((8, 2), (2,), None, [Shard(0)]) is None

@@ -375,6 +375,6 @@ def applied(options: OptionsArg) -> contextlib.AbstractContextManager[Options]:
 
 
 def adopt(options: Options) -> None:
-    """Put ``options`` in effect on this thread (a thread pool's initializer, so that the
-    threads of a call run under the options of the call)."""
+    """Put ``options`` in effect on this thread (each thread the I/O runner starts, the async
+    executor's), so that the threads of a call run under the options of the call."""
     _in_effect.set(options)

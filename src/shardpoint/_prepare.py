@@ -11,6 +11,7 @@ import torch
 from ._flatten import flatten_state
 from ._format.dtypes import dtype_name
 from ._format.names import check_tensor_name, validate_component_key
+from ._io.memory import local_tensor
 from ._stateful import find_modules, make_to_state, parameter_names
 from .errors import InvalidStateError
 
@@ -205,8 +206,7 @@ def hf_sizes(comp: Component) -> tuple[list[tuple[str, int]], dict[str, tuple[An
 def storage_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
     """Identity of a tensor's memory view: equal keys mean the very same bytes."""
     if type(tensor).__name__ == "DTensor":
-        with torch.no_grad():  # the local tensor itself, not an autograd node (~70 us each)
-            tensor = tensor.to_local()  # type: ignore[attr-defined]
+        tensor = local_tensor(tensor)
     if tensor.numel() == 0 or tensor.is_meta:
         return None
     # The first element's address stands for (storage, offset): the same address, shape,

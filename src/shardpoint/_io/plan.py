@@ -12,7 +12,7 @@ import torch
 SMALL_TENSOR_BYTES = 64 << 10
 """Tensors of at most this many bytes are written (and read) in runs of neighbours: one
 ``pwrite`` / ``preadv`` (or ranged GET) per run through one buffer, instead of one call (and
-one work item of the thread pool) per tensor, whose fixed cost dwarfs copying a few bytes."""
+one work item of the I/O threads) per tensor, whose fixed cost dwarfs copying a few bytes."""
 
 SMALL_RUN_BYTES = 4 << 20
 """Largest run of small tensors moved by one call."""
