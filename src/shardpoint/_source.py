@@ -251,7 +251,7 @@ def _fill_local(ckpt: Checkpoint) -> Checkpoint:
     raise not_readable(location, found)
 
 
-_DONE = {"load": "loaded", "verify": "verified", "inspect": "inspected"}
+_DONE = {"load": "loaded", "verify": "verified", "inspect": "inspected", "convert": "converted"}
 
 
 def gone_while_reading(location: str, doing: str = "load") -> CheckpointNotFoundError:

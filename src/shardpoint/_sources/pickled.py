@@ -26,6 +26,7 @@ from .._checkpoint import read_json_file
 from .._format.detect import detect
 from .._format.index import parse_index
 from .._format.names import check_file_name
+from .._source import list_directory
 from .._storage.paths import member_path, open_regular
 from ..errors import (
     CheckpointError,
@@ -196,7 +197,7 @@ class BinShardsSource(TensorSource):
     def __init__(self, spec: SourceSpec, notes: list[str]) -> None:
         self.spec = spec  # _load needs it before the dataclass fields are set
         directory = spec.path
-        iname = spec.index or detect(os.listdir(directory)).index
+        iname = spec.index or detect(list_directory(directory, "convert")).index
         if iname is None:
             raise CheckpointNotFoundError(
                 f"{directory} holds no *.bin.index.json; it is not a directory of .bin shards"
