@@ -226,3 +226,18 @@ def test_the_runner_uses_the_callers_thread_and_stops_at_the_first_error() -> No
     with pytest.raises(OSError, match="No space left on device"):
         run_all(fail_or_wait, list(range(20)), threads=2)
     assert finished == [0]  # item 0 ran to its end before the error was raised; no item after 1 started
+
+    # Ctrl-C while the caller's thread runs an item: the helper finishes the item it holds,
+    # takes no other, and the interrupt is raised.
+    caller = threading.get_ident()
+    done: list[int] = []
+
+    def interrupted_in_caller(item: int) -> None:
+        if threading.get_ident() == caller:
+            raise KeyboardInterrupt
+        threading.Event().wait(0.1)
+        done.append(item)
+
+    with pytest.raises(KeyboardInterrupt):
+        run_all(interrupted_in_caller, list(range(20)), threads=2)
+    assert len(done) <= 1  # at most the item it held when the interrupt came

@@ -148,7 +148,11 @@ def run_all(
     finally:
         for t in helpers:
             if t.ident is not None:
-                t.join()
+                try:
+                    t.join()
+                except BaseException:  # interrupted again while waiting: no further item starts
+                    stop.set()
+                    raise
     if errors:
         raise errors[0]
 
