@@ -276,6 +276,19 @@ def test_a_directory_that_cannot_be_listed_is_a_storage_error_naming_it(
         f"{path}: listing the directory failed: [Errno 13] Permission denied; make it readable "
         "and listable by this user, then load again")
 
+    def fail(where: object = ".") -> list[str]:
+        if os.fspath(where) == str(path):  # type: ignore[arg-type]
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return real(where)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "listdir", fail)
+    with pytest.raises(StorageError) as caught:
+        verify_checkpoint(str(path))
+    assert caught.value.errno == errno.EIO
+    assert str(caught.value) == (
+        f"{path}: listing the directory failed: [Errno 5] Input/output error; the disk or file "
+        "system reported an error; check it (e.g. dmesg), then verify again")
+
 
 def test_fd_limit_is_raised_for_many_files(tmp_path: Path) -> None:
     """A load holding more files than the soft RLIMIT_NOFILE raises it toward the hard one."""

@@ -274,9 +274,13 @@ def list_directory(location: str, doing: str = "load") -> list[str]:
     except FileNotFoundError:
         raise gone_while_reading(location, doing) from None
     except OSError as exc:
+        fix = (
+            "make it readable and listable by this user" if exc.errno in (errno.EACCES, errno.EPERM)
+            else "the disk or file system reported an error; check it (e.g. dmesg)"
+        )
         err = StorageError(
-            f"{location}: listing the directory failed: [Errno {exc.errno}] "
-            f"{exc.strerror or exc}; make it readable and listable by this user, then {doing} again"
+            f"{location}: listing the directory failed: [Errno {exc.errno}] {exc.strerror or exc}; "
+            f"{fix}, then {doing} again"
         )
         err.errno = exc.errno
         raise err from None
