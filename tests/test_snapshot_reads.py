@@ -8,12 +8,14 @@ checkpoint is gone for good, says so) and never a mix or a false "damaged" alarm
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -225,6 +227,19 @@ def test_removed_for_good_is_said_plainly(tmp_path: Path) -> None:
     assert len(calls) == 1
 
 
+def _when_listed(monkeypatch: pytest.MonkeyPatch, path: Path, happen: Callable[[], None]) -> None:
+    """Run ``happen`` each time ``path`` is about to be listed (then list it for real): an
+    event at the worst moment for the code that just saw the directory."""
+    real = os.listdir
+
+    def listing(where: object = ".") -> list[str]:
+        if os.fspath(where) == str(path):  # type: ignore[arg-type]
+            happen()
+        return real(where)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "listdir", listing)
+
+
 @pytest.mark.parametrize("entry", ["load", "load_into", "verify"])
 def test_a_directory_removed_as_it_is_listed_is_said_removed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, entry: str) -> None:
@@ -232,14 +247,7 @@ def test_a_directory_removed_as_it_is_listed_is_said_removed(
     listed it to tell the format: the same 'removed' error, not a bare FileNotFoundError."""
     path = tmp_path / "ckpt"
     sp.save(_state(1.0), path, max_shard_size="1MiB")
-    real = os.listdir
-
-    def delete_then_list(where: object = ".") -> list[str]:
-        if os.fspath(where) == str(path):  # type: ignore[arg-type]
-            shutil.rmtree(path)  # a real deletion, at the worst moment
-        return real(where)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(os, "listdir", delete_then_list)
+    _when_listed(monkeypatch, path, lambda: shutil.rmtree(path))  # a real deletion
     with pytest.raises(CheckpointNotFoundError) as caught:
         if entry == "load":
             sp.load(path)
@@ -253,41 +261,27 @@ def test_a_directory_removed_as_it_is_listed_is_said_removed(
         f"{done}; {doing} a checkpoint that is still there")
 
 
+@pytest.mark.parametrize(("code", "entry", "expected"), [
+    (errno.EACCES, "load", "[Errno 13] Permission denied; make it readable and listable by this "
+                           "user, then load again"),
+    (errno.EIO, "verify", "[Errno 5] Input/output error; the disk or file system reported an "
+                          "error; check it (e.g. dmesg), then verify again"),
+])
 def test_a_directory_that_cannot_be_listed_is_a_storage_error_naming_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """EACCES listing the directory (root passes permission checks, so the error is raised
-    where the listing happens): a StorageError naming the path and keeping the errno."""
-    import errno
-
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, entry: str, expected: str) -> None:
+    """The listing fails (root passes permission checks, so the error is raised where the
+    listing happens): a StorageError naming the path, keeping the errno, saying what to do."""
     path = tmp_path / "ckpt"
     sp.save(_state(1.0), path, max_shard_size="1MiB")
-    real = os.listdir
 
-    def refuse(where: object = ".") -> list[str]:
-        if os.fspath(where) == str(path):  # type: ignore[arg-type]
-            raise PermissionError(errno.EACCES, "Permission denied", str(path))
-        return real(where)  # type: ignore[arg-type]
+    def fail() -> None:
+        raise OSError(code, os.strerror(code), str(path))
 
-    monkeypatch.setattr(os, "listdir", refuse)
+    _when_listed(monkeypatch, path, fail)
     with pytest.raises(StorageError) as caught:
-        sp.load(path)
-    assert caught.value.errno == errno.EACCES
-    assert str(caught.value) == (
-        f"{path}: listing the directory failed: [Errno 13] Permission denied; make it readable "
-        "and listable by this user, then load again")
-
-    def fail(where: object = ".") -> list[str]:
-        if os.fspath(where) == str(path):  # type: ignore[arg-type]
-            raise OSError(errno.EIO, "Input/output error", str(path))
-        return real(where)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(os, "listdir", fail)
-    with pytest.raises(StorageError) as caught:
-        verify_checkpoint(str(path))
-    assert caught.value.errno == errno.EIO
-    assert str(caught.value) == (
-        f"{path}: listing the directory failed: [Errno 5] Input/output error; the disk or file "
-        "system reported an error; check it (e.g. dmesg), then verify again")
+        sp.load(path) if entry == "load" else verify_checkpoint(str(path))
+    assert caught.value.errno == code
+    assert str(caught.value) == f"{path}: listing the directory failed: {expected}"
 
 
 def test_fd_limit_is_raised_for_many_files(tmp_path: Path) -> None:

@@ -24,6 +24,11 @@ from ._progress import byte_progress
 from .errors import CorruptCheckpointError
 
 
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor as one dimension (a 0-d one as one element), without a copy."""
+    return tensor if tensor.dim() == 1 else tensor.view(-1)
+
+
 class ReadBatch:
     """Collects reads from one checkpoint and runs them together on the I/O pool."""
 
@@ -85,7 +90,7 @@ class ReadBatch:
             else:
                 buffer = torch.empty(box_shape, dtype=entry.dtype)
                 self._copies.append((view, buffer))
-            flat = buffer.view(-1) if buffer.dim() != 1 else buffer
+            flat = _flat(buffer)
             item = entry.dtype.itemsize
             name, path, fd = self._file(chunk.file)
             crc = chunk.crc32c if (whole and self.verify) else None
@@ -136,7 +141,7 @@ class ReadBatch:
         if entry is None:
             entry = self.ckpt.entry(chunk, record.dtype, label)
         name, path, fd = self._file(chunk.file)
-        flat = dest if len(shape) == 1 else dest.view(-1) if shape else dest.view(1)
+        flat = _flat(dest)
         self.tasks.append(
             ReadTask(name, path, entry.start, entry.nbytes, flat, entry.dtype,
                      chunk.crc32c if self.verify else None, label, fd)
@@ -179,7 +184,7 @@ class ReadBatch:
             name, path, fd = self._file(chunk.file)
             self.tasks.append(
                 ReadTask(name, path, entry.start, entry.nbytes,
-                         dest if dest.dim() == 1 else dest.view(-1) if dest.dim() else dest.view(1), entry.dtype,
+                         _flat(dest), entry.dtype,
                          chunk.crc32c if self.verify else None, label, fd)
             )
             return dest

@@ -251,7 +251,7 @@ def _fill_local(ckpt: Checkpoint) -> Checkpoint:
     raise not_readable(location, found)
 
 
-_DONE = {"load": "loaded", "verify": "verified", "inspect": "inspected", "convert": "converted"}
+_PARTICIPLE = {"load": "loaded", "verify": "verified", "inspect": "inspected", "convert": "converted"}
 
 
 def gone_while_reading(location: str, doing: str = "load") -> CheckpointNotFoundError:
@@ -261,7 +261,7 @@ def gone_while_reading(location: str, doing: str = "load") -> CheckpointNotFound
         return CheckpointNotFoundError(missing_path_message(location))
     return CheckpointNotFoundError(
         f"{location} was removed (e.g. retired by a CheckpointManager's retention) while "
-        f"being {_DONE.get(doing, doing)}; {doing} a checkpoint that is still there"
+        f"being {_PARTICIPLE.get(doing, doing)}; {doing} a checkpoint that is still there"
     )
 
 

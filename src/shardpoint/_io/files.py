@@ -262,8 +262,9 @@ class LocalFiles:
 
     def _mostly_cached(self, tasks: Sequence[ReadTask]) -> bool:
         """Whether at least half of up to 32 tasks, spread over the list, have their first
-        64 KiB in the page cache (``mincore``, ~9 us a probe; nothing is read). False without the C loops, and
-        where a file cannot be opened: the reads then report that, naming the file."""
+        64 KiB in the page cache (``mincore``, ~9 us a probe; nothing is read). False
+        without the C loops, and where a file cannot be opened: the reads then report that,
+        naming the file."""
         if self._cached_prefix is None or not tasks:
             return False
         sample = tasks[:: max(1, len(tasks) // CACHE_SAMPLE_TASKS)][:CACHE_SAMPLE_TASKS]

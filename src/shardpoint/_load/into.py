@@ -204,13 +204,8 @@ def _load_into(target: Any, path: str | os.PathLike[str], settings: IntoSettings
         return _load_into_checkpoint(target, ckpt, settings)
 
 
+@torch.no_grad()  # planning makes views of the targets' memory to read into: no autograd nodes
 def _load_into_checkpoint(target: Any, ckpt: Checkpoint, settings: IntoSettings) -> LoadResult:
-    # Planning makes views of the targets' memory to read into: no autograd nodes for them.
-    with torch.no_grad():
-        return _plan_and_run(target, ckpt, settings)
-
-
-def _plan_and_run(target: Any, ckpt: Checkpoint, settings: IntoSettings) -> LoadResult:
     batch = ReadBatch(ckpt, verify=settings.verify, staging_bytes=settings.staging_bytes,
                       ranks_here=settings.ranks_here)
     planner = Planner(ckpt.location, batch, allow_pickle=settings.allow_pickle, device=settings.device,
