@@ -221,7 +221,10 @@ def kill_worker(rank: int, world: int, root_str: str, victim: int, where: str) -
 
         def write_after_victim_died(*args: Any, **kwargs: Any) -> Any:
             out = real_write(*args, **kwargs)
-            pidfd = os.pidfd_open(pids[victim])
+            try:
+                pidfd = os.pidfd_open(pids[victim])
+            except ProcessLookupError:  # dead and already reaped by the launcher: the order wanted
+                return out
             try:
                 ready, _, _ = select.select([pidfd], [], [], 60)
                 assert ready, "the victim did not die"
