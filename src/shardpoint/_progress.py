@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -33,3 +34,8 @@ def byte_progress(total: int, desc: str, enabled: bool | None) -> Iterator[Calla
                 bar.update(nbytes)
 
         yield advance
+
+
+def loading_label(location: str) -> str:
+    """A load's bar label: the checkpoint's last path component."""
+    return f"loading {os.path.basename(os.path.normpath(location))}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from ._format.safetensors import HeaderEntry
 from ._io.reads import ReadTask, run_reads
 from ._load.memory import allocate
 from ._planning.chunks import byte_runs, intersect
-from ._progress import byte_progress
+from ._progress import byte_progress, loading_label
 from .errors import CorruptCheckpointError
 
 
@@ -107,6 +108,10 @@ class ReadBatch:
                 "the checkpoint is incomplete for this tensor"
             )
 
+    def sub(self) -> ReadBatch:
+        """A new, empty batch of reads from the same checkpoint, with the same settings."""
+        return ReadBatch(self.ckpt, verify=self.verify, staging_bytes=self.staging_bytes, ranks_here=self.ranks_here)
+
     def _fd(self, file: str) -> int:
         """The checkpoint's held descriptor of ``file`` (-1 on an object store)."""
         return self.ckpt.held_fd(file)
@@ -191,10 +196,18 @@ class ReadBatch:
         self.fill(record, dest, label)
         return dest
 
-    def run(self, progress: bool | None) -> None:
-        total = sum(t.nbytes for t in self.tasks)
-        desc = f"loading {os.path.basename(os.path.normpath(self.ckpt.location))}"
-        with torch.no_grad(), byte_progress(total, desc, progress) as advance:
+    def run(self, progress: bool | None, advance: Callable[[int], None] | None = None) -> None:
+        """Run the planned reads: a progress bar of their bytes per ``progress``, or, given
+        ``advance``, that callback told of each piece read (a bar the caller holds)."""
+        if advance is None:
+            with byte_progress(sum(t.nbytes for t in self.tasks), loading_label(self.ckpt.location),
+                               progress) as bar:
+                self._run(bar)
+        else:
+            self._run(advance)
+
+    def _run(self, advance: Callable[[int], None] | None) -> None:
+        with torch.no_grad():
             run_reads(self.tasks, self.ckpt.byte_source(processes_here=self.ranks_here), advance=advance,
                       staging_bytes=self.staging_bytes)
             for dest, temp in self._copies:

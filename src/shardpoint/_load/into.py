@@ -21,6 +21,7 @@ from .._distributed.group import Group, resolve_group
 from .._gc import collector_paused
 from .._hub import resolve_hub
 from .._options import OptionsArg, applied
+from .._progress import byte_progress, loading_label
 from .._read import ReadBatch
 from .._source import OPEN_TRIES, open_checkpoint
 from .._sources.contract import SourceSpec
@@ -254,8 +255,11 @@ def _run(planner: Planner, batch: ReadBatch | PickledBatch, location: str, setti
                         planner.prefix_mapping)
     if settings.strict and not result.ok:
         raise LoadMismatchError(mismatch_message(location, result), result)
-    batch.run(settings.progress)
+    with byte_progress(batch.planned_bytes + planner.fusion_bytes, loading_label(location),
+                       settings.progress) as advance:
+        batch.run(False, advance)
+        planner.run_fusions(advance)
     for fix in planner.post:
         fix()
     read = batch.planned_bytes if isinstance(batch, ReadBatch) else batch.bytes_read
-    return dataclasses.replace(result, bytes_read=read)
+    return dataclasses.replace(result, bytes_read=read + planner.fusion_bytes)

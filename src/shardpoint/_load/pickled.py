@@ -15,12 +15,13 @@ structure.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from .._format.detect import HF_BIN, TORCH_SAVE
+from .._progress import byte_progress, loading_label
 from .._source import detect_local
 from .._sources.contract import SourceSpec, TensorSource, batches
 from .._sources.pickled import BinShardsSource, TorchSaveSource
@@ -102,9 +103,11 @@ class PickledBatch:
     them (same planner), then run a batch of tensors at a time: each tensor is copied (and
     cast) into every destination planned for it and its pages dropped again."""
 
-    def __init__(self, path: str | os.PathLike[str], spec: SourceSpec) -> None:
+    def __init__(self, path: str | os.PathLike[str], spec: SourceSpec,
+                 opened: tuple[TensorSource, Any] | None = None) -> None:
         self.location = os.fspath(path)
-        self.source, self.comp = _open_flat(path, spec)
+        self.spec = spec
+        self.source, self.comp = opened or _open_flat(path, spec)
         self.dests: dict[str, list[tuple[torch.Tensor, tuple[int, ...] | None]]] = {}
         self.bytes_read = 0
 
@@ -113,6 +116,10 @@ class PickledBatch:
         """Copy tensor ``label`` (the region at ``offsets``, default all) into ``dest`` once read."""
         self.dests.setdefault(label, []).append((dest, offsets))
 
+    def sub(self) -> PickledBatch:
+        """A new, empty batch reading the same opened files (closed with this one)."""
+        return PickledBatch(self.location, self.spec, (self.source, self.comp))
+
     def new(self, record: Any, label: str, *, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
         raise InvalidStateError(f"{self.location} holds a flat state dict; load it into a module or a dict of tensors")
 
@@ -120,12 +127,24 @@ class PickledBatch:
     def planned_bytes(self) -> int:
         return sum(self.comp.tensors[n].numel() * self.comp.tensors[n].element_size() for n in self.dests)
 
-    def run(self, progress: bool | None) -> None:
+    def run(self, progress: bool | None, advance: Callable[[int], None] | None = None) -> None:
+        """Read every planned tensor, a group at a time; ``advance`` (a bar the caller
+        holds) is told of each tensor's bytes, else a bar of its own per ``progress``."""
+        if advance is None:
+            with byte_progress(self.planned_bytes, loading_label(self.location), progress) as bar:
+                self._run(bar)
+        else:
+            self._run(advance)
+
+    def _run(self, advance: Callable[[int], None] | None) -> None:
         with torch.no_grad():
             for group in _batches(self.source, self.comp, list(self.dests)):
                 with self.source.batch([(self.comp.name, n) for n in group], None) as tensors:
                     for name, value in zip(group, tensors, strict=True):
-                        self.bytes_read += value.numel() * value.element_size()
+                        nbytes = value.numel() * value.element_size()
+                        self.bytes_read += nbytes
+                        if advance is not None:
+                            advance(nbytes)
                         for dest, offsets in self.dests[name]:
                             part = value
                             if tuple(dest.shape) != tuple(value.shape) or (offsets is not None and any(offsets)):

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .. import _module_fit
+from .. import _hf_conversions, _module_fit
 from .._distributed.group import local_chunk
 from .._flatten import WRAPPER_TYPES, tree_tensor_names, unflatten_state
 from .._format.manifest import ComponentRecord
@@ -26,6 +26,7 @@ from .._prepare import storage_key
 from .._read import ReadBatch
 from .._stateful import Stateful, optimizer_state_for
 from ..errors import CheckpointError, InvalidStateError, LoadMismatchError
+from . import fusions
 from .memory import allocate
 from .pickled import PickledBatch
 from .result import no_match_message
@@ -111,6 +112,9 @@ class _ModuleLoad:
     ``all_tied_weights_keys``): one absent from the checkpoint gets its twin's tensor."""
     materialized: set[str] = field(default_factory=set)
     """Keys given a new tensor by this load (meta ones among them)."""
+    fused: set[str] = field(default_factory=set)
+    """Keys a ``transformers`` conversion makes from other checkpoint tensors (filled after
+    the batch, by :meth:`Planner._fuse`)."""
 
 
 class Planner:
@@ -131,6 +135,9 @@ class Planner:
         self.device = device
         self.dtype = dtype
         self.device_map = dict(device_map)
+        self.fusions: list[fusions.PlannedFusion] = []
+        """Groups of checkpoint tensors a ``transformers`` conversion fuses: each read and
+        combined after the batch, on its own (:mod:`.fusions`)."""
 
     def placement(self, key: str, tensor: torch.Tensor, keep_fp32: re.Pattern[str] | None = None
                   ) -> tuple[torch.device, torch.dtype]:
@@ -148,7 +155,7 @@ class Planner:
         allow = self.allow_pickle
         self.post.append(lambda: _apply_saved(apply, unflatten_state(node, tensors, where=where, allow_pickle=allow), where))
 
-    def _new_home(self, key: str, tensor: torch.Tensor, fit: _ModuleLoad | None
+    def new_home(self, key: str, tensor: torch.Tensor, fit: _ModuleLoad | None
                   ) -> tuple[torch.device, torch.dtype] | None:
         """Where a target tensor must be replaced by a new one (device, dtype), or None to
         fill it in place: a meta tensor; a floating-point one of another dtype than
@@ -205,7 +212,7 @@ class Planner:
             else:
                 tied[key] = twin
         for key in to_tie:
-            if fit is not None and self._new_home(tied[key], targets[tied[key]], fit) is None:
+            if fit is not None and self.new_home(tied[key], targets[tied[key]], fit) is None:
                 self._assign_later(fit.module, key, targets[tied[key]])
                 fit.materialized.add(key)
         if saved_names is None:
@@ -221,7 +228,7 @@ class Planner:
             saved = names[key]
             stored = comp.aliases.get(saved, saved)
             record = comp.tensors[stored]
-            home = self._new_home(key, tensor, fit)
+            home = self.new_home(key, tensor, fit)
             if home is not None:
                 if module is None:
                     raise InvalidStateError(
@@ -250,12 +257,7 @@ class Planner:
                         fit.materialized.add(k)
                     if targets[k] is value:
                         continue  # the same object, given its new data above
-
-                    def put(m: torch.nn.Module = module, k: str = k, v: torch.Tensor = value) -> None:
-                        if not _assign(m, k, v):
-                            m.load_state_dict({k: v}, strict=False, assign=True)
-
-                    self.post.append(put)
+                    self.post.append(functools.partial(self.assign_now, module, k, value))
                 continue
             idents = ids[key]
             if any(i in filled for i in idents):
@@ -287,6 +289,15 @@ class Planner:
             keep_fp32=_module_fit.keep_fp32_pattern(target, self.dtype),
             declared_ties=_module_fit.declared_ties(target),
         )
+        conversions = _hf_conversions.plan(target, saved, targets, fusions.stored_shapes(saved, comp), self.location)
+        if conversions is not None:  # a transformers 5 model, files in the Hub's names
+            planned, wrong = fusions.plan(self.batch, conversions.fusions, saved, comp, target, targets,
+                                          functools.partial(self._put_fused, fit, targets))
+            fit.fused.update(k for f in conversions.fusions for k in f.outputs)
+            self.fusions.extend(planned)
+            self.mismatched.extend((prefix + k, made, have) for k, made, have in wrong)
+            saved = conversions.remaining(saved)
+            targets = {k: t for k, t in targets.items() if k not in fit.fused}
         base = getattr(target, "base_model_prefix", None)
         rename = _module_fit.match_prefix(targets, saved, base if isinstance(base, str) else None)
         by_target = _module_fit.rename_keys(targets, saved, rename)
@@ -327,8 +338,49 @@ class Planner:
                     self.meta_left.append(prefix + full)
 
     def _assign_later(self, module: torch.nn.Module, key: str, value: torch.Tensor) -> None:
-        self.post.append(lambda: None if _assign(module, key, value) else module.load_state_dict(
-            {key: value}, strict=False, assign=True))
+        self.post.append(functools.partial(self.assign_now, module, key, value))
+
+    @staticmethod
+    def assign_now(module: torch.nn.Module, key: str, value: torch.Tensor) -> None:
+        """Make ``value`` the module's parameter or buffer ``key``."""
+        if not _assign(module, key, value):
+            module.load_state_dict({key: value}, strict=False, assign=True)
+
+    @property
+    def fusion_bytes(self) -> int:
+        return sum(f.nbytes for f in self.fusions)
+
+    def run_fusions(self, advance: Callable[[int], None] | None) -> None:
+        """Read and combine the planned fusions, one group at a time (after the batch)."""
+        for planned in self.fusions:
+            fusions.run(self.batch, planned, self.location, advance)
+
+    def _put_fused(self, fit: _ModuleLoad, targets: Mapping[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
+        """Give model tensor ``key`` its fused ``value``: copied in place (a DTensor its own
+        region) where it already has its home, else a new tensor where ``device`` /
+        ``device_map`` / ``dtype`` put it (a real parameter keeps its identity)."""
+        tensor = targets[key]
+        home = self.new_home(key, tensor, fit)
+        if home is None:
+            if type(tensor).__name__ == "DTensor":
+                _global_shape, offsets, local = local_chunk(tensor)
+                for dim, (start, size) in enumerate(zip(offsets, local.shape, strict=True)):
+                    value = value.narrow(dim, start, size)
+                local.copy_(value)
+            else:
+                tensor.detach().copy_(value)
+            return
+        device, dtype = home
+        if device.type == "meta":
+            return  # the device map keeps it off this process
+        new = value.to(device=device, dtype=dtype)
+        fit.materialized.add(key)
+        if isinstance(tensor, torch.nn.Parameter) and tensor.device.type != "meta":
+            tensor.data = new
+        elif isinstance(tensor, torch.nn.Parameter):
+            self.assign_now(fit.module, key, torch.nn.Parameter(new, requires_grad=tensor.requires_grad))
+        else:
+            self.assign_now(fit.module, key, new)
 
     def node(self, target: Any, node: dict[str, Any], comp: ComponentRecord, path: str,
              setter: Callable[[Any], None] | None) -> None:

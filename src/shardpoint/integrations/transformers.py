@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from .._prepare import prepare_state, storage_key
+from .._hf_conversions import weights_to_save
+from .._prepare import prepare_state
 from .._sizes import parse_size
 from .._write import SaveInfo, json_metadata, write_checkpoint
 from ..errors import InvalidArgumentTypeError, InvalidStateError
@@ -36,40 +37,6 @@ GENERATION_CONFIG_NAME = "generation_config.json"
 TRANSFORMERS_SHARD_SIZE = "50GB"
 """``transformers`` 5's default ``max_shard_size``, where the model's own cannot be read."""
 _SAVE_KWARGS = ("durable", "metadata", "overwrite", "progress")
-
-
-def _weights_to_save(model: Any) -> tuple[dict[str, torch.Tensor], set[str]]:
-    """The model's state dict as ``transformers``' ``save_pretrained`` stores it, plus the
-    names it keeps.
-
-    As there: keys listed in ``_keys_to_ignore_on_save`` are dropped; of tied weights the
-    name ``remove_tied_weights_from_state_dict`` keeps is stored (views that share a
-    storage without overlapping become copies of their own); weight conversions applied
-    at load time (``transformers`` 5) are reverted. Unlike there, the dropped names of
-    ties follow as aliases of the kept one (absent from the files and the index, as in
-    ``transformers``' output; recorded in shardpoint's manifest, so ``sp.load`` returns
-    them). A dropped name whose twin a conversion changed is left out, as there.
-    """
-    state = dict(model.state_dict())
-    for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
-        state.pop(key, None)
-    try:
-        from transformers.modeling_utils import remove_tied_weights_from_state_dict
-    except ImportError:  # pragma: no cover - older transformers: shardpoint's own tie rule
-        return state, set()
-    kept = remove_tied_weights_from_state_dict(dict(state), model)
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:  # pragma: no cover - transformers 4 converts no weights
-        converted = dict(kept)
-    else:
-        converted = dict(revert_weight_conversion(model, kept))
-    stored = {storage_key(t) for t in converted.values()} - {None}
-    out = dict(converted)
-    for name, tensor in state.items():
-        if name not in kept and name not in out and storage_key(tensor) in stored:
-            out[name] = tensor
-    return out, set(converted)
 
 
 def _default_shard_size(model: Any) -> int | str:
@@ -149,7 +116,7 @@ def save_pretrained(
         )
     max_bytes = parse_size(_default_shard_size(model) if max_shard_size is None else max_shard_size)
     metadata = json_metadata(save_kwargs.get("metadata"))
-    weights, kept = _weights_to_save(model)
+    weights, kept = weights_to_save(model)
     prepared = prepare_state(weights, keep=kept)
     num_parameters = getattr(model, "num_parameters", None)
     if callable(num_parameters):
