@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import shardpoint as sp
+from _dist_utils import run_ranks
 from shardpoint.errors import ChecksumMismatchError, LoadMismatchError
 
 transformers = pytest.importorskip("transformers")
@@ -205,3 +206,38 @@ def test_save_pretrained_writes_the_files_transformers_writes(family: str, tmp_p
     empty = sp.empty_model(cls, config)
     assert sp.load_into(empty, tmp_path / "ours").ok
     _assert_same(empty, model)
+
+
+def _fsdp_rank(rank: int, world_size: int, folder: str, want: str) -> None:
+    """An FSDP2-sharded Mixtral (its experts' stacked weights sharded on dim 0) loads the
+    Hub's per-expert files: each rank ends with its own shard of what ``from_pretrained``
+    gives, and the full model's logits."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    transformers.logging.set_verbosity_error()
+    cls, config, _ = _families()["mixtral"]
+    torch.manual_seed(100 + rank)  # every rank's own random start: the load must replace it all
+    model = cls(config).eval()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    experts = model.model.layers[0].mlp.experts.gate_up_proj
+    assert type(experts).__name__ == "DTensor" and experts.to_local().shape[0] == 4 // world_size
+    result = sp.load_into(model, folder)
+    assert result.ok, result
+    reference = torch.load(want, weights_only=True)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value.full_tensor(), reference["state"][key]), key
+    assert torch.equal(model(reference["ids"]).logits, reference["logits"])
+
+
+def test_an_fsdp2_sharded_model_loads_hub_files_on_every_rank(tmp_path: Path) -> None:
+    cls, _, _ = _hub_files("mixtral", tmp_path / "hub")
+    reference = cls.from_pretrained(tmp_path / "hub").eval()
+    ids = torch.randint(0, 64, (1, 7))
+    with torch.no_grad():
+        logits = reference(ids).logits
+    torch.save({"state": reference.state_dict(), "ids": ids, "logits": logits}, tmp_path / "want.pt")
+    run_ranks(_fsdp_rank, 2, str(tmp_path / "hub"), str(tmp_path / "want.pt"))
