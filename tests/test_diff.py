@@ -355,3 +355,21 @@ def test_save_pretrained_against_shardpoint_save_pretrained_exits_0(
         assert all(n.endswith(f"; compared as {kept}") for n in notes)
         assert "only in" not in out and "DIFFERENT" not in out
         assert out.splitlines()[-1].startswith("equal: ")
+
+
+def test_integers_beyond_float64_s_precision_are_compared_exactly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Nanosecond timestamps and 2**62-sized counters differ by less than float64 can
+    tell (2**62 + 256 rounds to 2**62): compared as integers, they are different."""
+    ns = 1_732_000_000_000_000_000
+    sp.save({"t": torch.tensor([ns, 2**62], dtype=torch.int64)}, tmp_path / "a")
+    sp.save({"t": torch.tensor([ns + 100, 2**62 + 256], dtype=torch.int64)}, tmp_path / "b")
+    report = sp.diff(tmp_path / "a", tmp_path / "b")
+    [changed] = report.differences
+    assert (changed.status, changed.max_abs, changed.mismatched) == ("changed", 256.0, 2)
+    assert sp.diff(tmp_path / "a", tmp_path / "b", atol=256).equal
+    assert not sp.diff(tmp_path / "a", tmp_path / "b", atol=255).equal
+    code, out, _ = run_cli(capsys, "diff", tmp_path / "a", tmp_path / "b")
+    assert code == 1
+    assert out.splitlines()[-1] == "DIFFERENT: 1 of 1 tensors differ (1 changed) (atol=0, rtol=0)"

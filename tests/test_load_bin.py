@@ -102,9 +102,15 @@ def test_a_safetensors_sibling_is_read_instead_of_the_pickle(tmp_path):
     torch.save({"w": torch.zeros(4)}, tmp_path / "model.pt")  # differs: shows which file was read
     sp.save(sd, tmp_path / "ck")
     os.rename(tmp_path / "ck" / "model.safetensors", tmp_path / "model.safetensors")
-    assert sp.load(tmp_path / "model.pt")["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    said = (f"reading {tmp_path / 'model.safetensors'} instead of {tmp_path / 'model.pt'}: a .safetensors "
+            "file of the same stem sits beside it and is read in its place (no unpickling); move it away "
+            "to read the pickle")
+    with pytest.warns(UserWarning) as caught:  # never a silent swap: the two may differ, as here
+        assert sp.load(tmp_path / "model.pt")["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert [str(w.message) for w in caught] == [said]
     target = {"w": torch.full((4,), float("nan"))}
-    sp.load_into(target, tmp_path / "model.pt")
+    with pytest.warns(UserWarning, match="is read in its place"):
+        sp.load_into(target, tmp_path / "model.pt")
     assert target["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
 
 

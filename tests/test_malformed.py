@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import shardpoint as sp
+from shardpoint._verify import verify_checkpoint
 from shardpoint.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -800,6 +801,53 @@ def test_one_stored_tensor_claimed_by_two_manifest_entries(tmp_path: Path, load_
     )
     with _raises(CorruptCheckpointError, expected):
         load_fn(ckpt, _two_targets())
+
+
+@pytest.mark.parametrize("second_at", [[0], [1]])
+def test_chunks_that_overlap_are_refused_though_they_hold_the_tensor_s_count(
+    tmp_path: Path, second_at: list[int]
+) -> None:
+    """Two chunks of 2 elements for a tensor of 4, both at 0 (or at 0 and 1): the count
+    matches, but part of the tensor would never be read (load would hand back whatever the
+    memory held, verify would pass it and convert launder it). Refused by every reader."""
+    ckpt = _two_shards(tmp_path)
+    manifest = ckpt / "shardpoint.json"
+    doc = _explicit_chunks(_read_json(manifest))
+    tensors = doc["components"]["model"]["tensors"]
+    a, b = tensors["a"]["chunks"][0], tensors["b"]["chunks"][0]
+    tensors["w"] = {"dtype": "F32", "shape": [8], "chunks": [
+        {**a, "offsets": [0], "shape": [4]}, {**b, "offsets": second_at, "shape": [4]}]}
+    del tensors["a"], tensors["b"]
+    doc["components"]["model"]["tree"] = {"type": "dict", "tensors": ["w"]}
+    _write_json(manifest, doc)
+    expected = (
+        f"{manifest}, component 'model', tensor 'w': chunks overlap ('a' of "
+        f"'model-00001-of-00002.safetensors' at [0] shape [4] and 'b' of 'model-00002-of-00002.safetensors' "
+        f"at {second_at} shape [4]; a tensor's chunks must each hold a different part of it); "
+        "the manifest is damaged or forged"
+    )
+    with _raises(CorruptCheckpointError, expected):
+        sp.load(ckpt)
+    with _raises(CorruptCheckpointError, expected):
+        sp.load_into({"w": torch.full((8,), -1.0)}, ckpt)
+    report = verify_checkpoint(ckpt)
+    assert not report.ok
+    assert any(expected in str(p) for p in report.problems), report.problems
+
+
+def test_a_data_file_without_a_save_id_under_a_manifest_is_refused(tmp_path: Path) -> None:
+    """A same-size file in place of one of the save's, its save_id key renamed: the identity
+    check that also guards mmap loads (which skip crc32c) must not be skipped."""
+    first = _two_shards(tmp_path)
+    shard = first / "model-00002-of-00002.safetensors"
+    raw = shard.read_bytes()
+    forged = raw.replace(b'"shardpoint.save_id"', b'"shardpoint.save_iX"', 1)
+    assert forged != raw and len(forged) == len(raw)
+    shard.write_bytes(forged)
+    expected = f"{shard} carries no shardpoint save_id (the manifest's save is "
+    for mmap in (False, True):
+        with _raises(CorruptCheckpointError, expected):
+            sp.load(first, mmap=mmap)
 
 
 # --------------------------------------------------------------------- sizes and checksums

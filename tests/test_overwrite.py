@@ -81,6 +81,34 @@ def test_overwrite_keeps_the_users_files_and_subdirectories(tmp_path: Path) -> N
     assert os.listdir(tmp_path) == ["ck"]  # the old directory is gone, nothing hidden left
 
 
+def test_overwrite_never_takes_what_a_damaged_or_forged_manifest_lists(tmp_path: Path) -> None:
+    """The old manifest's 'files' naming the user's config.json, a folder of theirs and a
+    safetensors file of theirs (no save_id of this save in it): each is kept. Only what
+    the save wrote (its files carry its save_id) is replaced."""
+    from safetensors.torch import save_file
+
+    path = tmp_path / "ck"
+    sp.save({"w": torch.zeros(3)}, path)
+    (path / "config.json").write_text('{"hidden_size": 2}')
+    (path / "runs").mkdir()
+    (path / "runs" / "train.log").write_text("precious log")
+    save_file({"lora": torch.ones(2)}, str(path / "adapter.safetensors"))
+    doc = json.loads((path / "shardpoint.json").read_text())
+    for name in ("config.json", "runs", "adapter.safetensors", "../elsewhere.safetensors"):
+        doc["files"][name] = {"size": 18}
+    doc["components"]["adapter"] = doc["components"]["model"]
+    (path / "shardpoint.json").write_text(json.dumps(doc))
+
+    sp.save({"w": torch.ones(3)}, path, overwrite=True)
+
+    assert sorted(os.listdir(path)) == [
+        "adapter.safetensors", "config.json", "model.safetensors", "runs", "shardpoint.json"]
+    assert (path / "config.json").read_text() == '{"hidden_size": 2}'
+    assert (path / "runs" / "train.log").read_text() == "precious log"
+    assert torch.equal(sp.load(path / "adapter.safetensors")["lora"], torch.ones(2))
+    assert torch.equal(sp.load(path)["w"], torch.ones(3))
+
+
 def test_files_created_or_replaced_during_the_save_are_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -216,6 +216,22 @@ def test_overwrite_deletes_the_old_manifest_first_and_leaves_no_stale_object(
     assert tensors_equal(sp.load(url, storage_options=opts), second)
 
 
+def test_overwrite_keeps_the_users_objects_beside_the_checkpoint(url: str, opts: dict[str, Any], fs: Any) -> None:
+    """As in a local folder: config.json and tokenizer files stay, even where the old
+    manifest (forged) lists them; the old checkpoint's shards go."""
+    root = url.removeprefix("s3://")
+    sp.save({f"t{i}": torch.full((100,), float(i)) for i in range(3)}, url, storage_options=opts, max_shard_size=500)
+    fs.pipe_file(f"{root}/config.json", b'{"hidden_size": 2}')
+    fs.pipe_file(f"{root}/tokenizer.json", b"tok")
+    doc = json.loads(fs.cat_file(f"{root}/shardpoint.json"))
+    doc["files"]["config.json"] = {"size": 18}
+    fs.pipe_file(f"{root}/shardpoint.json", json.dumps(doc).encode())
+    sp.save({"t0": torch.zeros(7)}, url, storage_options=opts, overwrite=True)
+    assert keys_under(fs, url) == ["config.json", "model.safetensors", "shardpoint.json", "tokenizer.json"]
+    assert fs.cat_file(f"{root}/config.json") == b'{"hidden_size": 2}'
+    assert tensors_equal(sp.load(url, storage_options=opts), {"t0": torch.zeros(7)})
+
+
 def test_a_prefix_holding_other_data_is_never_overwritten(url: str, opts: dict[str, Any], fs: Any) -> None:
     root = url.removeprefix("s3://")
     fs.pipe_file(f"{root}/notes.txt", b"precious")

@@ -8,6 +8,7 @@ named capabilities).
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -136,3 +137,20 @@ def test_a_checkpoint_opens_from_the_store_resolved_at_the_edge(where: tuple[str
         assert ckpt.header("model.safetensors").entries["w"].shape == (4,)
     report = verify_checkpoint(f"{root}/ckpt", storage_options=options)
     assert (report.ok, report.files_checked, report.bytes_checked) == (True, 1, 16)
+
+
+def test_a_folder_not_named_as_the_manager_names_steps_is_not_a_step(tmp_path: Path) -> None:
+    """A committed checkpoint copied in as ``step-500`` (or with non-ASCII digits) is the
+    user's folder: not listed, not restored, not retired; the manager's own steps are."""
+    mgr = sp.CheckpointManager(tmp_path, keep_last=2)
+    for step in (1, 2):
+        mgr.save(step, {"model": {"w": torch.full((2,), float(step))}})
+    sp.save({"model": {"w": torch.full((2,), 500.0)}}, tmp_path / "step-500")
+    sp.save({"model": {"w": torch.full((2,), 7.0)}}, tmp_path / "step-\u0661\u0662\u0663\u0664\u0665\u0666")
+    assert mgr.steps() == [1, 2] and mgr.latest_step() == 2
+    mgr.save(3, {"model": {"w": torch.full((2,), 3.0)}})
+    assert mgr.steps() == [2, 3]
+    target = {"model": {"w": torch.zeros(2)}}
+    assert mgr.restore(target) == 3 and torch.equal(target["model"]["w"], torch.full((2,), 3.0))
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-000002", "step-000003", "step-500",
+                                            "step-\u0661\u0662\u0663\u0664\u0665\u0666"]

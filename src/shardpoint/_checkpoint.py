@@ -32,6 +32,7 @@ from ._format.safetensors import HeaderEntry, SafetensorsHeader, read_header, re
 from ._io.files import LocalFiles, read_error
 from ._io.reads import ByteSource, ObjectRanges, header_reader
 from ._options import current_options
+from ._printable import printable
 from ._rule_chunks import RuleChunks
 from ._storage.paths import member_path, open_regular, read_small_file
 from ._storage.remote_store import RemoteStore
@@ -338,9 +339,15 @@ class Checkpoint:
     def _check_save_id(self, header: SafetensorsHeader, where: str) -> None:
         if self.manifest is not None:
             save_id = header.metadata.get("shardpoint.save_id")
-            if save_id is not None and save_id != self.manifest.save_id:
+            if save_id is None:  # every save writes its id into each of its files
                 raise CorruptCheckpointError(
-                    f"{where} belongs to another save (save_id {save_id}, the manifest says "
+                    f"{where} carries no shardpoint save_id (the manifest's save is "
+                    f"{self.manifest.save_id}); a file from elsewhere was put in place of one of "
+                    "this save's: restore the checkpoint from a copy"
+                )
+            if save_id != self.manifest.save_id:
+                raise CorruptCheckpointError(
+                    f"{where} belongs to another save (save_id {printable(save_id)}, the manifest says "
                     f"{self.manifest.save_id}); a shard was swapped in from another checkpoint"
                 )
 

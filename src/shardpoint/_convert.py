@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ._format.dtypes import parse_dtype
 from ._hub import local_path
 from ._io.writes import FileWrite, write_files
 from ._prepare import Component, PreparedState
@@ -27,35 +28,6 @@ from ._sources.contract import BATCH_BYTES, Ref, SourceSpec, TensorSource, batch
 from ._sources.open import open_source, open_spec
 from ._write import SaveInfo, json_metadata, write_checkpoint
 from .errors import CorruptCheckpointError, InvalidArgumentError
-
-DTYPES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-}
-
-
-def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    """``"bf16"`` / ``"fp16"`` / ``"fp32"`` (or the torch dtype) -> torch dtype.
-
-    >>> parse_dtype("bf16"), parse_dtype(None)
-    (torch.bfloat16, None)
-    """
-    if dtype is None or isinstance(dtype, torch.dtype):
-        if isinstance(dtype, torch.dtype) and not dtype.is_floating_point:
-            raise InvalidArgumentError(
-                f"dtype {dtype} is not a floating-point dtype; use bf16, fp16 or fp32"
-            )
-        return dtype
-    found = DTYPES.get(str(dtype).lower())
-    if found is None:
-        raise InvalidArgumentError(f"unknown dtype {dtype!r}; use bf16, fp16 or fp32")
-    return found
 
 
 @dataclass(frozen=True)

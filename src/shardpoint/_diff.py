@@ -32,6 +32,7 @@ from ._sources.open import open_source
 from ._typed_nodes import TYPED_VALUE_NODES, typed_leaf_text
 from .errors import (
     InvalidArgumentError,
+    InvalidArgumentTypeError,
 )
 
 _ELEMENTS_PER_STEP = 1 << 20
@@ -243,17 +244,25 @@ def compare_values(
     if a.dtype == b.dtype and torch.equal(a, b):
         return 0.0, 0.0, 0
     complex_ = a.is_complex() or b.is_complex()
+    exact = a.dtype == b.dtype and not (a.is_floating_point() or complex_)
     wide = torch.complex128 if complex_ else torch.float64
     fa, fb = a.reshape(-1), b.reshape(-1)
     max_abs = max_rel = 0.0
     bad = 0
     for start in range(0, fa.numel(), _ELEMENTS_PER_STEP):
-        x = fa[start : start + _ELEMENTS_PER_STEP].to(wide)
-        y = fb[start : start + _ELEMENTS_PER_STEP].to(wide)
+        xs, ys = fa[start : start + _ELEMENTS_PER_STEP], fb[start : start + _ELEMENTS_PER_STEP]
+        x, y = xs.to(wide), ys.to(wide)
         same = (x == y) | (x.isnan() & y.isnan())
         d = (x - y).abs()
         if d.is_complex():
             d = d.real
+        if exact:
+            # Integers above 2**53 differ by less than float64 can tell (2**62 + 256 is 2**62
+            # there): compared as they are, and their difference taken in int64 (exact, even
+            # wrapped, wherever it is under 2**62; larger ones float64 gives closely enough).
+            same = xs == ys
+            near = (xs.to(torch.int64) - ys.to(torch.int64)).abs().to(wide)
+            d = torch.where(d < 2.0**62, near, d)
         d = torch.where(same, torch.zeros((), dtype=d.dtype), d)
         ref = y.abs().real if y.is_complex() else y.abs()
         ok = same | (d <= atol + rtol * ref)
@@ -321,6 +330,9 @@ def diff(
         >>> report.equal, report.tensors[0].max_abs
         (False, 0.5)
     """
+    for name, value in (("atol", atol), ("rtol", rtol)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidArgumentTypeError(f"diff: {name} must be a number, not {type(value).__name__}")
     if atol < 0 or rtol < 0 or math.isnan(atol) or math.isnan(rtol):
         raise InvalidArgumentError(f"diff: atol and rtol must be >= 0 (got atol={atol}, rtol={rtol})")
     local_a, local_b = local_path(a, cache_dir), local_path(b, cache_dir)

@@ -39,7 +39,14 @@ from ._async import AsyncQueue, AsyncSave
 from ._distributed.group import Group, resolve_group
 from ._format.manifest import MANIFEST_NAME
 from ._load.into import load_into
-from ._manager_steps import STEP_RE, agreed_step, metrics_json, metrics_of_manifest, step_dir_name
+from ._manager_steps import (
+    STEP_RE,
+    agreed_step,
+    metrics_json,
+    metrics_of_manifest,
+    step_dir_name,
+    step_of,
+)
 from ._options import OptionsArg, current_options, merged
 from ._storage.posix import reported
 from ._storage.store import open_store
@@ -156,9 +163,9 @@ class CheckpointManager:
         self._store.put_back_moved_aside()
         found = []
         for name, committed in self._store.children().items():
-            match = STEP_RE.match(name)
-            if match and committed:
-                found.append(int(match.group(1)))
+            step = step_of(name)
+            if step is not None and committed:
+                found.append(step)
         return sorted(found)
 
     def latest_step(self) -> int | None:
@@ -177,8 +184,7 @@ class CheckpointManager:
             raw = self._store.read_small(LATEST_NAME, limit=_LATEST_LIMIT).decode("utf-8", errors="replace")
         except (OSError, CheckpointError):
             return None
-        match = STEP_RE.match(raw.strip())
-        return int(match.group(1)) if match else None
+        return step_of(raw.strip())
 
     def metrics(self, step: int) -> dict[str, Any]:
         """The metrics recorded with ``step``.

@@ -14,8 +14,8 @@ from typing import Any
 
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 
-STEP_RE = re.compile(r"^step-(\d+)$")
-"""A step's directory (prefix) name; the group is the step."""
+STEP_RE = re.compile(r"^step-([0-9]{6,})$")
+"""A step's directory (prefix) name; the group is the step (ASCII digits only)."""
 
 
 def step_dir_name(step: int) -> str:
@@ -25,6 +25,21 @@ def step_dir_name(step: int) -> str:
     'step-000100'
     """
     return f"step-{step:06d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step whose directory is named ``name``, or None: only the name
+    :func:`step_dir_name` gives counts (a copy named ``step-500``, or with Unicode digits,
+    is someone else's folder: the manager would look for that step elsewhere).
+
+    >>> step_of("step-000500"), step_of("step-500"), step_of("step-1234567"), step_of("step-0001234567")
+    (500, None, 1234567, None)
+    """
+    match = STEP_RE.match(name)
+    if match is None:
+        return None
+    step = int(match.group(1))
+    return step if step_dir_name(step) == name else None
 
 
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}

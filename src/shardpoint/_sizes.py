@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 from .errors import InvalidSizeError
 
@@ -32,7 +33,7 @@ def parse_size(size: int | str) -> int:
     if isinstance(size, int):
         if size <= 0:
             raise InvalidSizeError(f"size {size!r} must be a positive number of bytes")
-        return size
+        return _at_most_max(size, size)
     if not isinstance(size, str):
         raise InvalidSizeError(
             f"size {size!r} has type {type(size).__name__}; pass an int of bytes or a string like '5GB'"
@@ -44,9 +45,20 @@ def parse_size(size: int | str) -> int:
             f"cannot parse size {size!r}; use an int of bytes or a number followed by one of "
             "B, kB, MB, GB, TB (powers of 10) or KiB, MiB, GiB, TiB (powers of 2), e.g. '5GB'"
         )
-    value = int(float(match.group(1)) * _UNITS[unit])
+    value = int(Fraction(match.group(1)) * _UNITS[unit])  # exact: no float rounding or overflow
     if value <= 0:
         raise InvalidSizeError(f"size {size!r} must be at least one byte")
+    return _at_most_max(value, size)
+
+
+MAX_SIZE = 2**63 - 1
+"""The largest size a file (``off_t``) can have."""
+
+
+def _at_most_max(value: int, given: object) -> int:
+    if value > MAX_SIZE:
+        shown = given if not isinstance(given, (int, str)) or len(str(given)) <= 40 else f"{str(given)[:40]}..."
+        raise InvalidSizeError(f"size {shown!r} is larger than any file can be ({MAX_SIZE} bytes); pass a smaller one")
     return value
 
 

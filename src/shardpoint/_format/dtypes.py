@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import InvalidStateError, UnsupportedFormatError
+from ..errors import (
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+    InvalidStateError,
+    UnsupportedFormatError,
+)
 
 _CANDIDATES: list[tuple[str, str]] = [
     ("F64", "float64"),
@@ -57,3 +62,50 @@ def dtype_name(dtype: torch.dtype, *, key: str) -> str:
 def itemsize(dtype: torch.dtype) -> int:
     """Bytes per element of ``dtype``."""
     return int(dtype.itemsize)
+
+
+CAST_NAMES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+    "double": torch.float64,
+}
+"""The names a ``dtype=`` argument (or ``--dtype``) may give a floating-point dtype by."""
+
+
+def parse_dtype(dtype: object) -> torch.dtype | None:
+    """A ``dtype=`` argument: None, a floating-point ``torch.dtype``, or its name (``"bf16"``,
+    ``"float16"``, ``"torch.float32"``). It casts floating-point tensors only, so an integer
+    or bool dtype (which would turn every weight into 0/1 or True) is refused.
+
+    >>> parse_dtype("bf16"), parse_dtype("torch.float16"), parse_dtype(None)
+    (torch.bfloat16, torch.float16, None)
+    >>> parse_dtype(torch.bool)
+    Traceback (most recent call last):
+    ...
+    shardpoint.errors.InvalidArgumentError: dtype torch.bool is not a floating-point dtype; use bf16, fp16, fp32 or fp64 (dtype= casts floating-point tensors only)
+    """
+    if dtype is None:
+        return None
+    if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise InvalidArgumentError(
+                f"dtype {dtype} is not a floating-point dtype; use bf16, fp16, fp32 or fp64 "
+                "(dtype= casts floating-point tensors only)"
+            )
+        return dtype
+    if not isinstance(dtype, str):
+        raise InvalidArgumentTypeError(
+            f"dtype must be a torch.dtype or its name (e.g. torch.bfloat16 or 'bf16'), not {type(dtype).__name__}"
+        )
+    found = CAST_NAMES.get(dtype.strip().lower().removeprefix("torch."))
+    if found is None:
+        raise InvalidArgumentError(f"unknown dtype {dtype[:40]!r}; use bf16, fp16, fp32 or fp64")
+    return found

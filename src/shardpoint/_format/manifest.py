@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from .._planning.chunks import overlapping_pair
 from .._planning.rules import Rule, describe_checks
 from .._tree_validation import validate_tree
 from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedFormatError
@@ -447,6 +448,14 @@ def _parse_manifest(raw: bytes, *, where: str) -> Manifest:
                 covered == math.prod(shape),
                 twhere,
                 f"chunks hold {covered} elements, the tensor has {math.prod(shape)}",
+            )
+            clash = overlapping_pair([(c.offsets, c.shape) for c in chunks]) if len(chunks) > 1 else None
+            _need(
+                clash is None,
+                twhere,
+                "chunks overlap ({}; a tensor's chunks must each hold a different part of it)".format(
+                    " and ".join(f"{chunks[i].key!r} of {chunks[i].file!r} at {list(chunks[i].offsets)} "
+                                 f"shape {list(chunks[i].shape)}" for i in clash or ())),
             )
             tensors[tname] = TensorRecord(dtype, shape, tuple(chunks))
         for alias, target in aliases.items():

@@ -18,6 +18,7 @@ import torch
 
 from .._checkpoint import Checkpoint
 from .._distributed.group import Group, resolve_group
+from .._format.dtypes import parse_dtype
 from .._gc import collector_paused
 from .._hub import resolve_hub
 from .._options import OptionsArg, applied
@@ -31,7 +32,7 @@ from ..errors import InvalidStateError, LoadMismatchError, StorageError
 from .pickled import PickledBatch, route
 from .planner import Planner
 from .result import LoadResult, mismatch_message
-from .settings import IntoSettings, resolve_verify, staging_size
+from .settings import IntoSettings, device_arg, resolve_verify, staging_size
 
 
 def _component_targets(target: Any, ckpt: Checkpoint) -> dict[str, Any]:
@@ -142,8 +143,9 @@ def load_into(
         group = resolve_group(process_group, target)
 
         def load_here() -> LoadResult:  # in the phase: a refused argument fails alike on every rank
-            settings = IntoSettings(strict, progress, resolve_verify(verify), allow_pickle, torch.device(device),
-                                    dtype, dict(device_map or {}), staging_size(max_buffer_bytes), ranks_here)
+            settings = IntoSettings(strict, progress, resolve_verify(verify), allow_pickle, device_arg(device),
+                                    parse_dtype(dtype), dict(device_map or {}), staging_size(max_buffer_bytes),
+                                    ranks_here)
             return _load_into(target, path, settings, storage_options, opened)
 
         with collector_paused():

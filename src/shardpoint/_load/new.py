@@ -16,6 +16,7 @@ import torch
 
 from .._checkpoint import Checkpoint
 from .._flatten import unflatten_state
+from .._format.dtypes import parse_dtype
 from .._format.manifest import TensorRecord
 from .._format.safetensors import HeaderEntry
 from .._gc import collector_paused
@@ -27,7 +28,7 @@ from .._storage.store import open_store
 from ..errors import InvalidArgumentError
 from .memory import check_memory
 from .pickled import load_pickled, route
-from .settings import resolve_verify, staging_size
+from .settings import device_arg, keys_arg, resolve_verify, staging_size
 
 
 def _mmap_tensor(ckpt: Checkpoint, record: TensorRecord, label: str, maps: dict[str, Any]) -> torch.Tensor:
@@ -53,7 +54,7 @@ def _selection(ckpt: Checkpoint, keys: Sequence[str] | None) -> dict[str, list[s
     """Which tensors of which components to read: component -> names (None = all)."""
     if keys is None:
         return {c: None for c in ckpt.components}
-    wanted = [keys] if isinstance(keys, str) else list(keys)
+    wanted = list(keys)
     if ckpt.flat:
         comp = ckpt.components["model"]
         unknown = [k for k in wanted if k not in comp.tensors and k not in comp.aliases]
@@ -130,6 +131,7 @@ def load(
         [0.0, 1.0, 2.0, 3.0]
     """
     with applied(options):
+        keys, device, dtype = keys_arg(keys), device_arg(device), parse_dtype(dtype)
         path, storage_options = resolve_hub(path, storage_options)
         store, pickled = route(open_store(path, storage_options))  # the path resolved once, here
         if pickled is not None:

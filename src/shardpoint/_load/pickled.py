@@ -15,12 +15,14 @@ structure.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from .._format.detect import HF_BIN, TORCH_SAVE
+from .._printable import printable
 from .._progress import byte_progress, loading_label
 from .._source import detect_local
 from .._sources.contract import SourceSpec, TensorSource, batches
@@ -44,7 +46,12 @@ def route(store: Store) -> tuple[Store, SourceSpec | None]:
     found = detect_local(location)
     if found.instead_of is not None and found.file is not None:
         parent = os.path.dirname(location) or "."
-        return LocalStore(member_path(parent, found.file, where=parent)), None
+        sibling = member_path(parent, found.file, where=parent)
+        warnings.warn(  # never a silent swap: the two files may hold different weights
+            printable(f"reading {sibling} instead of {location}: a .safetensors file of the same stem sits "
+                      "beside it and is read in its place (no unpickling); move it away to read the pickle"),
+            UserWarning, stacklevel=4)
+        return LocalStore(sibling), None
     if found.kind == HF_BIN:
         return store, SourceSpec(location, HF_BIN, trust_pickle=False, zip_only=True, index=found.index)
     if found.kind == TORCH_SAVE and found.file is not None:

@@ -70,6 +70,27 @@ def _assign(module: torch.nn.Module, name: str, value: torch.Tensor) -> bool:
     return False
 
 
+def _writable(tensor: torch.Tensor, key: str) -> torch.Tensor:
+    """``tensor``, refused where several of its elements are one memory location (an
+    ``expand()``-ed view): no load can give each element its own value there."""
+    overlap = torch._debug_has_internal_overlap(tensor)
+    if overlap == 2:  # torch cannot tell: strides that nest without overlap are fine
+        dims = sorted((st, n) for n, st in zip(tensor.shape, tensor.stride(), strict=True) if n > 1)
+        reach = 0
+        overlap = 0
+        for stride, size in dims:
+            if stride <= reach:
+                overlap = 1
+                break
+            reach += (size - 1) * stride
+    if overlap == 1:
+        raise InvalidStateError(
+            f"target tensor {key!r} has elements that share one memory location (an expand()-ed "
+            "or overlapping view); load into a tensor of its own (.clone() it first)"
+        )
+    return tensor
+
+
 def _item_setter(
     container: MutableMapping[Any, Any] | MutableSequence[Any], key: Any
 ) -> Callable[[Any], None]:
@@ -265,9 +286,9 @@ class Planner:
             filled.update(idents)
             if type(tensor).__name__ == "DTensor":
                 _global_shape, offsets, local = local_chunk(tensor)
-                self.batch.fill(record, local.detach(), stored, offsets)
+                self.batch.fill(record, _writable(local.detach(), prefix + key), stored, offsets)
             else:
-                self.batch.fill(record, tensor.detach(), stored)
+                self.batch.fill(record, _writable(tensor.detach(), prefix + key), stored)
 
     def dict_into(self, targets: Mapping[str, torch.Tensor], names: Mapping[str, str], comp: ComponentRecord) -> None:
         """Fill a flat dict of tensors in place from a flat checkpoint (``names``: its keys ->

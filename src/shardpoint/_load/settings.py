@@ -11,7 +11,7 @@ import torch
 
 from .._options import current_options
 from .._sizes import parse_size
-from ..errors import InvalidSizeError
+from ..errors import InvalidArgumentError, InvalidArgumentTypeError, InvalidSizeError
 
 
 def staging_size(value: int | str | None) -> int | None:
@@ -22,6 +22,40 @@ def staging_size(value: int | str | None) -> int | None:
     if size < 4096:
         raise InvalidSizeError(f"max_buffer_bytes={value!r} is too small; use at least 4 KiB, e.g. '16MiB'")
     return size
+
+
+def device_arg(device: object) -> torch.device:
+    """A ``device=`` argument as a ``torch.device`` (refused clearly where torch knows none)."""
+    if isinstance(device, torch.device):
+        return device
+    if not isinstance(device, (str, int)) or isinstance(device, bool):
+        raise InvalidArgumentTypeError(
+            f"device must be a torch.device or a string such as 'cpu' or 'cuda:0', not {type(device).__name__}"
+        )
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise InvalidArgumentError(
+            f"device {str(device)[:40]!r} is not a device torch knows; use e.g. 'cpu', 'cuda', 'cuda:0'"
+        ) from None
+
+
+def keys_arg(keys: object) -> list[str] | None:
+    """A ``keys=`` argument: None, one name, or names (each a string)."""
+    if keys is None:
+        return None
+    if isinstance(keys, str):
+        return [keys]
+    try:
+        wanted = list(keys)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidArgumentTypeError(f"keys must be a list of names, not {type(keys).__name__}") from None
+    wrong = [k for k in wanted if not isinstance(k, str)]
+    if wrong:
+        raise InvalidArgumentTypeError(
+            f"keys must be names (strings); got {type(wrong[0]).__name__} {str(wrong[0])[:40]!r}"
+        )
+    return wanted
 
 
 def resolve_verify(verify: bool | None) -> bool:

@@ -125,6 +125,39 @@ def split_replicated(
     return out
 
 
+def overlapping_pair(boxes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> tuple[int, int] | None:
+    """Indices of two boxes (offsets, shape) that share an element, or None.
+
+    A tensor's chunks that hold as many elements as the tensor and fit inside it cover it
+    exactly only if no two overlap: a manifest whose chunks overlap would leave part of the
+    tensor unread. A sweep along the dimension with the most distinct starts compares each
+    box only with those still open there (a rank grid: a handful each), not every pair.
+
+    >>> overlapping_pair([((0, 0), (2, 4)), ((2, 0), (2, 4))]) is None
+    True
+    >>> overlapping_pair([((0,), (2,)), ((1,), (2,))])
+    (0, 1)
+    """
+    live = [i for i, (_, shape) in enumerate(boxes) if all(shape)]  # an empty box holds nothing
+    if len(live) < 2:
+        return None
+    ndim = len(boxes[live[0]][0])
+    if ndim == 0:
+        return live[0], live[1]  # two chunks of one scalar
+    dim = max(range(ndim), key=lambda d: len({boxes[i][0][d] for i in live}))
+    active: list[tuple[int, int]] = []  # (end along dim, box) of boxes still open at the sweep
+    for i in sorted(live, key=lambda i: boxes[i][0][dim]):
+        offsets, shape = boxes[i]
+        active = [(end, j) for end, j in active if end > offsets[dim]]
+        for _, j in active:
+            other_offsets, other_shape = boxes[j]
+            if all(o < p + q and p < o + s
+                   for o, s, p, q in zip(offsets, shape, other_offsets, other_shape, strict=True)):
+                return min(i, j), max(i, j)
+        active.append((offsets[dim] + shape[dim], i))
+    return None
+
+
 def intersect(
     a_offsets: Sequence[int], a_shape: Sequence[int], b_offsets: Sequence[int], b_shape: Sequence[int]
 ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

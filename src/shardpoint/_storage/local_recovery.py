@@ -32,15 +32,16 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from .._format.index import index_name
 from .._format.manifest import MANIFEST_NAME
 from .._format.names import TMP_MARKER, is_tmp_name
+from .._format.safetensors import read_header
 from .._options import current_options
 from ..errors import CheckpointError
+from . import ownership
+from .ownership import SAVE_MARKER, manifest_components
 from .paths import read_small_file
 from .posix import _RENAME_NOREPLACE, _rename2, lock_nowait, write_small_file
 
-SAVE_MARKER = ".shardpoint-save"
 """Prefix of a save's marker file, :func:`marker_name`."""
 
 _NAME_MAX = 255
@@ -51,7 +52,6 @@ _SAVE_TMP = re.compile(r"[0-9a-f]{32}")
 _OLD_TMP = re.compile(r"old-[0-9a-f]{32}")
 """What follows ``.<stem>.tmp-`` in a directory moved aside by an overwrite without
 ``renameat2`` (a whole previous version of the path)."""
-_WEIGHT_SHARD = re.compile(r"(.+)-\d{5}-of-\d{5}\.safetensors")
 
 
 def temp_stem(name: str) -> str:
@@ -191,44 +191,32 @@ def manifest_doc(directory: str) -> dict[str, object] | None:
     return doc if isinstance(doc, dict) else None
 
 
-def manifest_components(doc: dict[str, object] | None) -> set[str]:
-    comps = doc.get("components") if doc else None
-    return {c for c in comps if isinstance(c, str)} if isinstance(comps, dict) else set()
-
-
-def is_weight_file_of(name: str, components: set[str]) -> bool:
-    """Whether ``name`` is a Hugging Face weight file or index of one of ``components``:
-    ``{c}.safetensors``, ``{c}-NNNNN-of-NNNNN.safetensors``, ``{c}.safetensors.index.json``.
-
-    >>> is_weight_file_of("model-00002-of-00003.safetensors", {"model"})
-    True
-    >>> is_weight_file_of("tokenizer.json", {"model"}), is_weight_file_of("adapter.safetensors", {"model"})
-    (False, False)
-    """
-    if name.endswith(".safetensors.index.json"):
-        return name[: -len(".safetensors.index.json")] in components
-    shard = _WEIGHT_SHARD.fullmatch(name)
-    if shard:
-        return shard.group(1) in components
-    return name.endswith(".safetensors") and name[: -len(".safetensors")] in components
-
-
 def owned_names(directory: str, names: Sequence[str], components: set[str]) -> set[str]:
-    """The entries of ``directory`` (listed as ``names``) that its checkpoint owns, when a
-    save of ``components`` replaces it: everything its manifest lists (data files, the
-    components' indexes, the manifest), a save's marker, and the Hugging Face weight files
-    and indexes of the components being written or of its own. Everything else is the
-    user's (``config.json``, tokenizer files, notes, subdirectories) and is kept."""
-    owned = {MANIFEST_NAME} | {n for n in names if n.startswith(SAVE_MARKER)}
+    """The entries of ``directory`` (listed as ``names``) that its checkpoint owns when a
+    save of ``components`` replaces it (the rule: :func:`.ownership.owned_names`), each
+    data file the manifest lists read from the directory for its save id."""
     doc = manifest_doc(directory) if MANIFEST_NAME in names else None
-    own = manifest_components(doc)
-    files = doc.get("files") if doc else None
-    if isinstance(files, dict):
-        owned |= {f for f in files if isinstance(f, str)}
-    owned |= {index_name(c) for c in own}
-    every = components | own
-    owned |= {n for n in names if is_weight_file_of(n, every)}
-    return owned & set(names) | {MANIFEST_NAME}
+    return ownership.owned_names(names, doc, components, lambda name: _local_save_id(directory, name))
+
+
+def _local_save_id(directory: str, name: str) -> str | None:
+    """The ``shardpoint.save_id`` in the header of regular file ``name`` of ``directory``
+    (None for anything else, or where it cannot be read)."""
+    try:
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        header = read_header(fd, st.st_size, name=name, max_header_bytes=current_options().io.max_header_bytes)
+    except (OSError, CheckpointError):
+        return None
+    finally:
+        os.close(fd)
+    save_id = header.metadata.get("shardpoint.save_id")
+    return save_id if isinstance(save_id, str) else None
 
 
 def _version(st: os.stat_result) -> tuple[int, int, int, int, int]:

@@ -3,9 +3,10 @@
 Object stores have no atomic rename, so a save commits by order (:class:`RemoteTransaction`):
 
 1. ``shardpoint.pending`` is written first: the prefix now holds a save in progress.
-2. With ``overwrite=True`` the old manifest is deleted, then the old objects: from the
-   first deletion on, the prefix no longer loads (the old checkpoint is gone even if this
-   save then fails: overwriting an object store is not atomic).
+2. With ``overwrite=True`` the old manifest is deleted, then the old checkpoint's objects
+   (:mod:`.ownership`: the user's objects beside it stay): from the first deletion on, the
+   prefix no longer loads (the old checkpoint is gone even if this save then fails:
+   overwriting an object store is not atomic).
 3. Data objects are uploaded concurrently under the final prefix, then the indexes, then
    ``shardpoint.json`` last: its presence is the commit.
 4. ``shardpoint.pending`` is deleted.
@@ -19,13 +20,17 @@ the marker, which is what makes it recognizable.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Sequence
 from contextlib import suppress
 
 from .._format.manifest import MANIFEST_NAME, PENDING_NAME
+from .._format.safetensors import read_header_with
 from .._io.writes import FileWrite, UploadAbortedError, upload_files
-from ..errors import CheckpointExistsError, InvalidArgumentError, StorageError
+from .._options import current_options
+from ..errors import CheckpointError, CheckpointExistsError, InvalidArgumentError, StorageError
+from . import ownership
 from .remote_store import PENDING_TEXT, RemoteStore
 from .transaction import Advance, Crcs, Transaction, Writer
 
@@ -61,10 +66,16 @@ class RemoteTransaction(Transaction):
         self._marker = PENDING_TEXT + f"save {uuid.uuid4().hex}\n".encode()
         self._taken_over = False
         store.put(PENDING_NAME, self._marker)
+        self._kept: set[str] = set()
+        """The user's objects under the prefix, which neither this save nor its abort removes."""
         if existing:
+            # Only what the old checkpoint (or an interrupted save) owns goes; the user's
+            # objects beside it (config.json, tokenizer files) stay, as in a local folder.
+            ours = _owned(store, existing)
+            self._kept = set(existing) - ours
             # The manifest goes first: from here on the prefix never loads as the old checkpoint.
             store.delete([n for n in existing if n == MANIFEST_NAME])
-            store.delete([n for n in existing if n not in (MANIFEST_NAME, PENDING_NAME)])
+            store.delete([n for n in existing if n in ours and n not in (MANIFEST_NAME, PENDING_NAME)])
         if PENDING_NAME in existing:
             store.abort_uploads()  # a killed save's unfinished multipart uploads
 
@@ -124,7 +135,35 @@ class RemoteTransaction(Transaction):
         if self._taken_over:
             return  # what is under the prefix now belongs to the save that took it over
         with suppress(Exception):
-            names = self.store.list()
+            names = [n for n in self.store.list() if n not in self._kept]
             self.store.delete([n for n in names if n == MANIFEST_NAME])
             self.store.delete([n for n in names if n not in (MANIFEST_NAME, PENDING_NAME)])
             self.store.delete([PENDING_NAME])
+
+
+_OURS_AFTER_A_KILL = (".safetensors", ".safetensors.index.json")
+
+
+def _owned(store: RemoteStore, existing: dict[str, int]) -> set[str]:
+    """The objects of ``existing`` a save replacing the prefix may delete. With a manifest:
+    :func:`.ownership.owned_names` (each listed data object's header read for its save id).
+    After a killed save (a marker, no manifest): its data objects and indexes, named as
+    only a save names them; a killed save may have written any of them."""
+    if MANIFEST_NAME not in existing:
+        return {PENDING_NAME} | {n for n in existing if n.endswith(_OURS_AFTER_A_KILL)}
+    try:
+        doc = json.loads(store.get(MANIFEST_NAME, limit=current_options().io.max_json_bytes))
+    except (CheckpointError, ValueError, RecursionError):
+        doc = None  # damaged: it names nothing, so only the components' weight files go
+
+    def save_id_of(name: str) -> str | None:
+        try:
+            header = read_header_with(lambda n, offset: store.read_range(name, offset, n), existing[name],
+                                      name=store.url_of(name), max_header_bytes=current_options().io.max_header_bytes)
+        except (CheckpointError, FileNotFoundError):
+            return None
+        found = header.metadata.get("shardpoint.save_id")
+        return found if isinstance(found, str) else None
+
+    return ownership.owned_names(list(existing), doc if isinstance(doc, dict) else None, set(), save_id_of) | {
+        PENDING_NAME}

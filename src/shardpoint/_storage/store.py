@@ -11,6 +11,7 @@ the store's transaction, and the few capabilities that differ are named properti
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -118,6 +119,20 @@ def open_store(path: Any, storage_options: Mapping[str, Any] | None = None) -> S
     return LocalStore(where) if store is None else store
 
 
+def path_arg(path: object) -> str | os.PathLike[str]:
+    """A local path argument, refused clearly where it cannot name a file."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidArgumentTypeError(
+            f"the path must be a str or os.PathLike (a directory, a file or a URL), not {type(path).__name__}"
+        )
+    text = os.fspath(path)
+    if not isinstance(text, str):
+        raise InvalidArgumentTypeError(f"the path must be text, not {type(text).__name__}")
+    if "\x00" in text or not text:
+        raise InvalidArgumentError(f"the path {text[:80]!r} is empty or holds a NUL character; no file has that name")
+    return path
+
+
 def is_url(path: object) -> bool:
     return isinstance(path, str) and "://" in path
 
@@ -151,6 +166,7 @@ def resolve(path: Any, storage_options: Mapping[str, Any] | None) -> tuple[Any, 
             f"{type(storage_options).__name__}"
         )
     if not is_url(path):
+        path = path_arg(path)
         if storage_options:
             raise InvalidArgumentError(
                 f"storage_options were given but {path!s} is a local path; they apply to fsspec "
