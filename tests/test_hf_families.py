@@ -364,3 +364,95 @@ def test_dtype_on_a_real_model_swaps_data_and_keeps_parameters(tmp_path: Path) -
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32
     reference = cls.from_pretrained(tmp_path / "st", dtype=torch.bfloat16).eval()
     assert torch.equal(_logits(model, "llama-tied", torch.bfloat16), _logits(reference, "llama-tied", torch.bfloat16))
+
+
+# ---------------------------------------------------------- what from_pretrained lets be
+
+
+def _rewrite(folder: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    """Edit the single model.safetensors that save_pretrained wrote (an older Hub layout)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _same_as_from_pretrained(cls: Any, config: Any, folder: Path, **kwargs: Any) -> sp.LoadResult:
+    reference = cls.from_pretrained(folder, **kwargs)
+    model = sp.empty_model(cls, config)
+    result = sp.load_into(model, folder, **kwargs)  # strict
+    want, got = reference.state_dict(), model.state_dict()
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+    return result
+
+
+def test_buffers_old_hub_files_hold_are_not_unexpected(tmp_path: Path) -> None:
+    """GPT-2's Hub files hold every layer's causal-mask ``attn.bias`` and Llama-era files
+    each layer's ``rotary_emb.inv_freq``: buffers the models no longer save, which
+    ``from_pretrained`` lets be (``_keys_to_ignore_on_load_unexpected`` and its two extra
+    rules). A strict load reads the rest and reports nothing."""
+    tf = transformers
+    gpt2 = tf.GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=2, n_positions=16)
+    torch.manual_seed(0)
+    tf.GPT2LMHeadModel(gpt2).save_pretrained(tmp_path / "gpt2")
+
+    def mask(tensors: dict[str, torch.Tensor]) -> None:
+        for i in range(2):
+            tensors[f"transformer.h.{i}.attn.bias"] = torch.tril(torch.ones(1, 1, 16, 16))
+
+    _rewrite(tmp_path / "gpt2", mask)
+    result = _same_as_from_pretrained(tf.GPT2LMHeadModel, gpt2, tmp_path / "gpt2")
+    assert result.ok and result.unexpected_keys == []
+
+    llama = tf.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1)
+    tf.LlamaForCausalLM(llama).save_pretrained(tmp_path / "llama")
+    _rewrite(tmp_path / "llama", lambda t: t.update(
+        {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.ones(8) for i in range(2)}))
+    result = _same_as_from_pretrained(tf.LlamaForCausalLM, llama, tmp_path / "llama")
+    assert result.ok and result.unexpected_keys == []
+
+    # Not every unexpected key is let be: one the model does not name still stops a strict load.
+    _rewrite(tmp_path / "llama", lambda t: t.update({"model.layers.0.self_attn.extra.weight": torch.ones(2)}))
+    with pytest.raises(sp.LoadMismatchError, match=r"unexpected \(in the checkpoint, not the target\): "
+                                                   r"'model\.layers\.0\.self_attn\.extra\.weight'\n"):
+        sp.load_into(sp.empty_model(tf.LlamaForCausalLM, llama), tmp_path / "llama")
+
+
+def test_a_key_the_model_lets_be_missing_is_rebuilt_as_from_pretrained_does(tmp_path: Path) -> None:
+    """A BART base model's files into the model with a head: ``final_logits_bias`` is in no
+    base checkpoint, and ``from_pretrained`` lets it be missing
+    (``_keys_to_ignore_on_load_missing``) and initializes it (zeros). Built empty, it is
+    rebuilt through the model's own init; nothing is reported missing or left on meta."""
+    tf = transformers
+    config = tf.BartConfig(vocab_size=V, max_position_embeddings=64, d_model=16, encoder_layers=1, decoder_layers=1,
+                           encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                           decoder_ffn_dim=32)
+    torch.manual_seed(3)
+    tf.BartModel(config).save_pretrained(tmp_path)
+    result = _same_as_from_pretrained(tf.BartForConditionalGeneration, config, tmp_path)
+    assert result.ok and result.missing_keys == [] and result.meta_keys == []
+    assert result.prefix_mapping == {"": ("", "model.")}
+
+
+def test_a_tensor_the_model_builds_in_float32_stays_float32_under_a_dtype(tmp_path: Path) -> None:
+    """HunYuan-MoE builds its router ``nn.Linear(..., dtype=torch.float32)``:
+    ``from_pretrained(dtype=torch.bfloat16)`` builds the model under bfloat16 as the default,
+    so that one stays float32. ``load_into(dtype=...)`` gives every tensor the dtype it
+    gives."""
+    tf = transformers
+    config = tf.HunYuanMoEV1Config(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, num_experts=4, moe_topk=2,
+                                   head_dim=8)
+    torch.manual_seed(0)
+    tf.HunYuanMoEV1ForCausalLM(config).save_pretrained(tmp_path)
+    _same_as_from_pretrained(tf.HunYuanMoEV1ForCausalLM, config, tmp_path, dtype=torch.bfloat16)
+    model = sp.empty_model(tf.HunYuanMoEV1ForCausalLM, config)
+    assert sp.load_into(model, tmp_path, dtype=torch.bfloat16).ok
+    dtypes = {k: v.dtype for k, v in model.state_dict().items()}
+    assert dtypes["model.layers.0.mlp.gate.wg.weight"] == torch.float32
+    assert dtypes["model.embed_tokens.weight"] == torch.bfloat16
+    assert model.config.dtype == config.dtype  # the model's own config is not changed by the load

@@ -20,9 +20,11 @@ Three things ``from_pretrained`` does that ``load_into`` does the same way:
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import re
 import sys
+import warnings
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
@@ -105,6 +107,91 @@ def keep_fp32_pattern(module: torch.nn.Module, dtype: torch.dtype | None) -> re.
     return re.compile("|".join(f"(?:{n.replace('*', '.*')})" for n in sorted(set(names))))
 
 
+def ignored_on_load(module: torch.nn.Module) -> tuple[re.Pattern[str] | None, re.Pattern[str] | None]:
+    r"""The keys ``from_pretrained`` does not report (missing, unexpected), as patterns
+    searched in each key: the model's ``_keys_to_ignore_on_load_missing`` /
+    ``_keys_to_ignore_on_load_unexpected`` (a composite model's sub-models' too), and the
+    buffers old checkpoints hold that models no longer save (a layer's
+    ``rotary_emb.inv_freq``, ``position_ids``), as ``transformers`` adds them: GPT-2's Hub
+    files hold every layer's ``attn.bias``, Llama-era ones each layer's ``inv_freq``.
+
+    >>> import torch
+    >>> class Old(torch.nn.Linear):
+    ...     _keys_to_ignore_on_load_unexpected = [r"attn\.bias"]
+    >>> missing, unexpected = ignored_on_load(Old(1, 1))
+    >>> missing, bool(unexpected.search("h.0.attn.bias")), bool(unexpected.search("h.0.attn.c_attn.bias"))
+    (None, True, False)
+    """
+    missing: set[str] = set()
+    unexpected: set[str] = set()
+    for _, sub in module.named_modules():
+        for attr, into in (("_keys_to_ignore_on_load_missing", missing), ("_keys_to_ignore_on_load_unexpected", unexpected)):
+            value = getattr(sub, attr, None)
+            if isinstance(value, (list, tuple, set, frozenset)):
+                into.update(str(v) for v in value)
+    buffers = [name for name, _ in module.named_buffers()]
+    if missing or unexpected or _is_transformers(module):  # transformers' two extra rules
+        if any(b.endswith("rotary_emb.inv_freq") for b in buffers):
+            unexpected.add(r"rotary_emb\.inv_freq")
+        if any(b.endswith("position_ids") for b in buffers):
+            unexpected.add(r"(^|\.)position_ids$")
+
+    def pattern(found: set[str]) -> re.Pattern[str] | None:
+        return re.compile("|".join(f"(?:{p})" for p in sorted(found))) if found else None
+
+    return pattern(missing), pattern(unexpected)
+
+
+def _is_transformers(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a ``transformers`` model (``transformers`` is imported if so)."""
+    base = getattr(sys.modules.get("transformers"), "PreTrainedModel", None)
+    return isinstance(base, type) and isinstance(module, base)
+
+
+def float_dtypes(module: torch.nn.Module, dtype: torch.dtype | None) -> Callable[[str], torch.dtype] | None:
+    """The dtype ``from_pretrained(dtype=dtype)`` gives each floating-point key, as a function
+    of the key; None where that is ``dtype`` for every key.
+
+    ``from_pretrained`` builds the model under ``dtype`` as the default dtype, so a tensor
+    the model builds in a dtype of its own (a router kept in float32 with
+    ``nn.Linear(..., dtype=torch.float32)``) keeps it; and it keeps the keys of
+    :func:`keep_fp32_pattern` in float32. The first is found by building the model's class
+    again on ``meta`` (no memory, no init) under that default; where that cannot be done
+    (not a ``transformers`` model, or its class cannot be built from its config alone),
+    every key takes ``dtype``.
+    """
+    if dtype is None:
+        return None
+    keep = keep_fp32_pattern(module, dtype)
+    built = _built_dtypes(module, dtype)
+    if keep is None and not built:
+        return None
+
+    def float_dtype(key: str) -> torch.dtype:
+        if keep is not None and keep.search(key):
+            return torch.float32
+        return built.get(key, dtype)
+
+    return float_dtype
+
+
+def _built_dtypes(module: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """Key -> the floating-point dtype other than ``dtype`` the model's class builds it in
+    under ``dtype`` as the default (empty where none, or where it cannot be built)."""
+    from_config = getattr(type(module), "_from_config", None)
+    config = getattr(module, "config", None)
+    if not _is_transformers(module) or not callable(from_config) or config is None:
+        return {}
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            twin = from_config(copy.deepcopy(config), dtype=dtype)  # it sets the config's dtype
+        tensors = dict(twin.state_dict())
+    except Exception:  # a class that needs more than its config: every key takes dtype
+        return {}
+    return {k: t.dtype for k, t in tensors.items() if t.dtype.is_floating_point and t.dtype != dtype}
+
+
 def declared_ties(module: torch.nn.Module) -> dict[str, str]:
     """Tied key -> source key as the module declares them (``transformers``'
     ``all_tied_weights_keys``, which ``from_pretrained`` ties after loading); else empty."""
@@ -112,6 +199,17 @@ def declared_ties(module: torch.nn.Module) -> dict[str, str]:
     if not isinstance(ties, Mapping):
         return {}
     return {k: v for k, v in ties.items() if isinstance(k, str) and isinstance(v, str)}
+
+
+def buffer_of(module: torch.nn.Module, key: str) -> tuple[torch.nn.Module, str, torch.Tensor] | None:
+    """(owner, name in it, buffer) of buffer ``key`` of ``module``; None for a parameter."""
+    owner_path, _, name = key.rpartition(".")
+    try:
+        owner = module.get_submodule(owner_path) if owner_path else module
+    except AttributeError:
+        return None
+    buffer = owner._buffers.get(name)
+    return None if buffer is None else (owner, name, buffer)
 
 
 def non_persistent_buffers(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, str, torch.Tensor]]:

@@ -10,7 +10,6 @@ parameters, ``load_state_dict`` of rebuilt values) run only after the batch has 
 from __future__ import annotations
 
 import functools
-import re
 from collections import Counter
 from collections.abc import Callable, Mapping, MutableMapping, MutableSequence
 from dataclasses import dataclass, field
@@ -104,18 +103,19 @@ def _item_setter(
 
 def _placement(
     key: str, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None,
-    device_map: Mapping[str, Any], keep_fp32: re.Pattern[str] | None = None,
+    device_map: Mapping[str, Any], float_dtype: Callable[[str], torch.dtype] | None = None,
 ) -> tuple[torch.device, torch.dtype]:
     """Device and dtype for materializing meta tensor ``key``: the longest matching
     ``device_map`` prefix (module names, as Accelerate's), else ``device``; ``dtype`` for a
-    floating-point tensor (float32 where ``keep_fp32`` matches the key), else its own."""
+    floating-point tensor (``float_dtype(key)`` where the model says otherwise, e.g. its
+    fp32-kept modules), else its own."""
     best = -1
     for prefix, target in device_map.items():
         if (prefix == "" or key == prefix or key.startswith(prefix + ".")) and len(prefix) > best:
             best, device = len(prefix), torch.device(target)
     want = tensor.dtype
     if dtype is not None and tensor.dtype.is_floating_point:
-        want = torch.float32 if keep_fp32 is not None and keep_fp32.search(key) else dtype
+        want = dtype if float_dtype is None else float_dtype(key)
     return device, want
 
 
@@ -127,12 +127,17 @@ class _ModuleLoad:
     empty: bool
     """Some parameter or buffer was on ``meta``: its buffers go where ``device=`` /
     ``device_map`` say, like its parameters (an empty model has no other placement)."""
-    keep_fp32: re.Pattern[str] | None = None
+    float_dtype: Callable[[str], torch.dtype] | None = None
+    """The dtype ``dtype=`` gives each floating-point key of this model (see
+    :func:`_module_fit.float_dtypes`); None: ``dtype`` itself."""
     declared_ties: dict[str, str] = field(default_factory=dict)
     """Target key -> the key it is tied to, as the model declares (``transformers``'
     ``all_tied_weights_keys``): one absent from the checkpoint gets its twin's tensor."""
     materialized: set[str] = field(default_factory=set)
     """Keys given a new tensor by this load (meta ones among them)."""
+    rebuild: set[str] = field(default_factory=set)
+    """Keys the checkpoint lacks that the model lets be (``_keys_to_ignore_on_load_missing``):
+    a buffer of them on ``meta`` is rebuilt through the model's init, like a non-persistent one."""
     fused: set[str] = field(default_factory=set)
     """Keys a ``transformers`` conversion makes from other checkpoint tensors (filled after
     the batch, by :meth:`Planner._fuse`)."""
@@ -160,9 +165,9 @@ class Planner:
         """Groups of checkpoint tensors a ``transformers`` conversion fuses: each read and
         combined after the batch, on its own (:mod:`.fusions`)."""
 
-    def placement(self, key: str, tensor: torch.Tensor, keep_fp32: re.Pattern[str] | None = None
+    def placement(self, key: str, tensor: torch.Tensor, float_dtype: Callable[[str], torch.dtype] | None = None
                   ) -> tuple[torch.device, torch.dtype]:
-        return _placement(key, tensor, self.device, self.dtype, self.device_map, keep_fp32)
+        return _placement(key, tensor, self.device, self.dtype, self.device_map, float_dtype)
 
     # A subtree read into new tensors, turned into a value after the batch ran.
     def build(self, comp: ComponentRecord, node: dict[str, Any], apply: Callable[[Any], None], path: str) -> None:
@@ -183,7 +188,7 @@ class Planner:
         ``dtype=`` asks; a buffer of an empty model away from its placement."""
         if fit is None and not tensor.is_meta:
             return None  # a plain dict's tensor: filled where it is (asked per tensor: no placement)
-        device, want = self.placement(key, tensor, fit.keep_fp32 if fit else None)
+        device, want = self.placement(key, tensor, fit.float_dtype if fit else None)
         if tensor.is_meta:
             return device, want
         if fit is None or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
@@ -307,7 +312,7 @@ class Planner:
         fit = _ModuleLoad(
             target,
             empty=any(t.device.type == "meta" for t in everything.values()),
-            keep_fp32=_module_fit.keep_fp32_pattern(target, self.dtype),
+            float_dtype=_module_fit.float_dtypes(target, self.dtype),
             declared_ties=_module_fit.declared_ties(target),
         )
         conversions = _hf_conversions.plan(target, saved, targets, fusions.stored_shapes(saved, comp), self.location)
@@ -327,18 +332,30 @@ class Planner:
         if rename is not None:
             self.prefix_mapping[path] = rename
         names = {k: saved[s] for k, s in by_target.items()}
+        missing_from, unexpected_from = len(self.missing), len(self.unexpected)
         self.tensors_into(targets, names, comp, prefix, target, fit, {v: k for k, v in saved.items()})
+        ignore_missing, ignore_unexpected = _module_fit.ignored_on_load(target)
+        if ignore_unexpected is not None:  # never read; from_pretrained does not report them either
+            self.unexpected[unexpected_from:] = [
+                k for k in self.unexpected[unexpected_from:] if not ignore_unexpected.search(k[len(prefix):])]
+        if ignore_missing is not None:  # kept as they are (on meta: rebuilt by the model's init, else reported)
+            ignored = [k for k in self.missing[missing_from:] if ignore_missing.search(k[len(prefix):])]
+            self.missing[missing_from:] = [k for k in self.missing[missing_from:] if k not in set(ignored)]
+            fit.rebuild.update(k[len(prefix):] for k in ignored)
         self._finish_module(fit, targets, prefix)
 
     def _finish_module(self, fit: _ModuleLoad, targets: Mapping[str, torch.Tensor], prefix: str) -> None:
         """Non-persistent buffers of an empty model placed (rebuilt where on ``meta``), and
         every tensor that will still be on ``meta`` after the load listed."""
+        buffers = {full: (owner, name, b) for full, owner, name, b in _module_fit.non_persistent_buffers(fit.module)}
         for key, tensor in targets.items():
             off = isinstance(tensor, torch.Tensor) and tensor.device.type == "meta" and key not in fit.materialized
-            if off and self.placement(key, tensor)[0].type != "meta":
+            if off and key in fit.rebuild and (found := _module_fit.buffer_of(fit.module, key)) is not None:
+                buffers[key] = found  # rebuilt below, or reported there
+            elif off and self.placement(key, tensor)[0].type != "meta":
                 self.meta_left.append(prefix + key)
         rebuild: dict[str, tuple[torch.nn.Module, list[str]]] = {}
-        for full, owner, name, buffer in _module_fit.non_persistent_buffers(fit.module):
+        for full, (owner, name, buffer) in buffers.items():
             device = self.placement(full, buffer)[0] if fit.empty else buffer.device
             if buffer.device.type == "meta":
                 if device.type != "meta":
