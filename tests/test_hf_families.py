@@ -456,3 +456,18 @@ def test_a_tensor_the_model_builds_in_float32_stays_float32_under_a_dtype(tmp_pa
     assert dtypes["model.layers.0.mlp.gate.wg.weight"] == torch.float32
     assert dtypes["model.embed_tokens.weight"] == torch.bfloat16
     assert model.config.dtype == config.dtype  # the model's own config is not changed by the load
+
+
+@pytest.mark.parametrize("device_map", ["auto", "sequential", "cpu", {"": "cpu"}])
+def test_device_map_as_from_pretrained_takes_it(device_map: Any, tmp_path: Path) -> None:
+    """``device_map="auto"`` (accelerate's plan for the module; on this machine every module
+    on the CPU), one device for all, or a mapping: as ``from_pretrained`` takes them."""
+    torch.manual_seed(0)
+    config = _llama_config()
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    reference = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    model = sp.empty_model(transformers.LlamaForCausalLM, config)
+    assert sp.load_into(model, tmp_path, device_map=device_map).ok
+    for key, value in reference.state_dict().items():
+        got = model.state_dict()[key]
+        assert got.device.type == "cpu" and torch.equal(got, value), key

@@ -32,7 +32,7 @@ from ..errors import InvalidStateError, LoadMismatchError, StorageError
 from .pickled import PickledBatch, route
 from .planner import Planner
 from .result import LoadResult, mismatch_message
-from .settings import IntoSettings, device_arg, resolve_verify, staging_size
+from .settings import IntoSettings, device_arg, device_map_arg, resolve_verify, staging_size
 
 
 def _component_targets(target: Any, ckpt: Checkpoint) -> dict[str, Any]:
@@ -66,7 +66,7 @@ def load_into(
     allow_pickle: bool = False,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
-    device_map: Mapping[str, str | torch.device] | None = None,
+    device_map: Mapping[str, str | int | torch.device] | str | int | torch.device | None = None,
     max_buffer_bytes: int | str | None = None,
     options: OptionsArg = None,
 ) -> LoadResult:
@@ -114,7 +114,10 @@ def load_into(
             ``_keep_in_fp32_modules_strict`` (float16, bfloat16) stay float32. A real
             parameter of another dtype keeps its ``Parameter`` object (new ``.data``).
         device_map: module-name prefix -> device for ``meta`` parameters (the longest
-            prefix wins; ``"meta"`` leaves them unmaterialized), as Accelerate's.
+            prefix wins; ``"meta"`` leaves them unmaterialized), as Accelerate's; or one
+            device for all (``"cpu"``, ``0``); or ``"auto"`` / ``"balanced"`` /
+            ``"balanced_low_0"`` / ``"sequential"``: accelerate's map for the target module.
+            Disk offload is not supported.
         storage_options: options of the URL's fsspec filesystem (see :func:`shardpoint.save`).
         max_buffer_bytes: size of each reader thread's reusable staging buffer (dtype
             casts, GPU destinations): peak host memory is what stays on the host plus
@@ -144,7 +147,8 @@ def load_into(
 
         def load_here() -> LoadResult:  # in the phase: a refused argument fails alike on every rank
             settings = IntoSettings(strict, progress, resolve_verify(verify), allow_pickle, device_arg(device),
-                                    parse_dtype(dtype), dict(device_map or {}), staging_size(max_buffer_bytes),
+                                    parse_dtype(dtype), device_map_arg(device_map, target, parse_dtype(dtype)),
+                                    staging_size(max_buffer_bytes),
                                     ranks_here)
             return _load_into(target, path, settings, storage_options, opened)
 

@@ -33,11 +33,84 @@ def device_arg(device: object) -> torch.device:
             f"device must be a torch.device or a string such as 'cpu' or 'cuda:0', not {type(device).__name__}"
         )
     try:
-        return torch.device(device)
+        found = torch.device(f"cuda:{device}" if isinstance(device, int) else device)  # an index: a GPU's
     except (RuntimeError, TypeError, ValueError):
         raise InvalidArgumentError(
             f"device {str(device)[:40]!r} is not a device torch knows; use e.g. 'cpu', 'cuda', 'cuda:0'"
         ) from None
+    return _available(found, device)
+
+
+def _available(found: torch.device, given: object) -> torch.device:
+    """``found``, refused where this machine has no such accelerator (a bare index is CUDA's)."""
+    if found.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgumentError(
+            f"device {str(given)[:40]!r} is a CUDA device, and torch sees none on this machine; "
+            "load to 'cpu' (or check CUDA_VISIBLE_DEVICES and the torch build)"
+        )
+    return found
+
+
+_PLANNED_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def device_map_arg(device_map: object, target: object, dtype: torch.dtype | None) -> dict[str, torch.device]:
+    """A ``device_map=`` argument as module-name prefix -> device.
+
+    As ``from_pretrained`` takes it: a mapping (devices as strings, indexes or
+    ``torch.device``; ``"meta"`` leaves those tensors unmaterialized), one device for
+    everything (``"cpu"``, ``0``), or ``"auto"`` (and accelerate's other planned maps): the
+    map ``accelerate.infer_auto_device_map`` makes for the target module. Offloading to
+    ``"disk"`` is not supported.
+    """
+    if device_map is None:
+        return {}
+    if isinstance(device_map, str) and device_map in _PLANNED_MAPS:
+        return _planned(device_map, target, dtype)
+    if not isinstance(device_map, Mapping):
+        return {"": device_arg(device_map)}
+    out: dict[str, torch.device] = {}
+    for prefix, device in device_map.items():
+        if not isinstance(prefix, str):
+            raise InvalidArgumentTypeError(
+                f"device_map keys must be module names (strings, '' for all), not {type(prefix).__name__}")
+        if device == "disk":
+            raise InvalidArgumentError(
+                f"device_map[{prefix[:60]!r}] = 'disk': offloading to disk is not supported by load_into; "
+                "map those modules to 'cpu' (or to 'meta' to leave them unloaded)")
+        out[prefix] = torch.device("meta") if device == "meta" else device_arg(device)
+    return out
+
+
+def _planned(kind: str, target: object, dtype: torch.dtype | None) -> dict[str, torch.device]:
+    if not isinstance(target, torch.nn.Module):
+        raise InvalidArgumentError(
+            f"device_map={kind!r} plans the placement of a module; pass the module as the target, "
+            "or a mapping of module names to devices")
+    try:
+        from accelerate.utils import get_balanced_memory, infer_auto_device_map
+    except ImportError:
+        from ..errors import MissingDependencyError
+
+        raise MissingDependencyError(
+            f"device_map={kind!r} is planned by accelerate: pip install accelerate, or pass a mapping "
+            "of module names to devices") from None
+    no_split = getattr(target, "_no_split_modules", None)
+    no_split = list(no_split) if isinstance(no_split, (list, tuple, set)) else None
+    max_memory = None
+    if kind != "sequential":
+        max_memory = get_balanced_memory(target, dtype=dtype, low_zero=kind == "balanced_low_0",
+                                         no_split_module_classes=no_split)
+    planned = infer_auto_device_map(target, max_memory=max_memory, no_split_module_classes=no_split, dtype=dtype)
+    out: dict[str, torch.device] = {}
+    for prefix, device in planned.items():
+        if device == "disk":
+            raise InvalidArgumentError(
+                f"device_map={kind!r}: the model does not fit this machine's memory (accelerate would put "
+                f"{prefix[:60]!r} on disk, which load_into does not support); load with a smaller dtype or "
+                "give more devices")
+        out[prefix] = torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+    return out
 
 
 def keys_arg(keys: object) -> list[str] | None:

@@ -36,7 +36,7 @@ from .._format.manifest import MANIFEST_NAME
 from .._format.names import TMP_MARKER, is_tmp_name
 from .._format.safetensors import read_header
 from .._options import current_options
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
 from . import ownership
 from .ownership import SAVE_MARKER, manifest_components
 from .paths import read_small_file
@@ -204,15 +204,17 @@ def _local_save_id(directory: str, name: str) -> str | None:
     (None for anything else, or where it cannot be read)."""
     try:
         fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ELOOP, errno.EACCES, errno.EPERM, errno.ENXIO):
+            return None  # gone, a symlink, or not ours to read: not the save's (kept)
+        raise  # a disk error is the save's to report, not a reason to guess
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             return None
         header = read_header(fd, st.st_size, name=name, max_header_bytes=current_options().io.max_header_bytes)
-    except (OSError, CheckpointError):
-        return None
+    except CorruptCheckpointError:
+        return None  # not a safetensors file the save wrote
     finally:
         os.close(fd)
     save_id = header.metadata.get("shardpoint.save_id")

@@ -29,7 +29,13 @@ from .._format.manifest import MANIFEST_NAME, PENDING_NAME
 from .._format.safetensors import read_header_with
 from .._io.writes import FileWrite, UploadAbortedError, upload_files
 from .._options import current_options
-from ..errors import CheckpointError, CheckpointExistsError, InvalidArgumentError, StorageError
+from ..errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    StorageError,
+)
 from . import ownership
 from .remote_store import PENDING_TEXT, RemoteStore
 from .transaction import Advance, Crcs, Transaction, Writer
@@ -160,8 +166,8 @@ def _owned(store: RemoteStore, existing: dict[str, int]) -> set[str]:
         try:
             header = read_header_with(lambda n, offset: store.read_range(name, offset, n), existing[name],
                                       name=store.url_of(name), max_header_bytes=current_options().io.max_header_bytes)
-        except (CheckpointError, FileNotFoundError):
-            return None
+        except (CorruptCheckpointError, FileNotFoundError):
+            return None  # not a safetensors object the save wrote, or gone (a store error is raised)
         found = header.metadata.get("shardpoint.save_id")
         return found if isinstance(found, str) else None
 
