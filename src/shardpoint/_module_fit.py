@@ -119,7 +119,7 @@ def ignored_on_load(module: torch.nn.Module) -> tuple[re.Pattern[str] | None, re
     >>> class Old(torch.nn.Linear):
     ...     _keys_to_ignore_on_load_unexpected = [r"attn\.bias"]
     >>> missing, unexpected = ignored_on_load(Old(1, 1))
-    >>> missing, bool(unexpected.search("h.0.attn.bias")), bool(unexpected.search("h.0.attn.c_attn.bias"))
+    >>> missing, bool(unexpected.search("h.0.attn.bias")), bool(unexpected.search("h.0.mlp.c_fc.bias"))
     (None, True, False)
     """
     missing: set[str] = set()
