@@ -433,6 +433,56 @@ def test_dcp_refused_without_trust_and_converted_with_it(tmp_path: Path) -> None
     assert back["optim"]["param_groups"][0]["lr"] == osd["param_groups"][0]["lr"]
 
 
+def _forged_dcp(tmp_path: Path, forge: Any) -> Path:
+    """A DCP checkpoint of one 64 x 4 tensor whose ``.metadata`` ``forge`` edits (this test
+    wrote it, so it reads its own pickle)."""
+    import pickle
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    path = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": {"w": torch.arange(256.0).reshape(64, 4)}}, checkpoint_id=str(path))
+    metadata = pickle.loads((path / ".metadata").read_bytes())
+    forge(metadata)
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    return path
+
+
+def _shrink_chunk(metadata: Any) -> None:
+    chunk = metadata.state_dict_metadata["model.w"].chunks[0]
+    chunk.sizes = torch.Size([3, 4])
+
+
+def _huge_size(metadata: Any) -> None:
+    metadata.state_dict_metadata["model.w"].size = torch.Size([10**6, 10**6])
+
+
+def _offset_past_the_end(metadata: Any) -> None:
+    for info in metadata.storage_data.values():
+        info.offset = 10**15
+
+
+@pytest.mark.parametrize(("forge", "message"), [
+    (_shrink_chunk, "tensor 'model.w': its chunks do not cover its size [64, 4] exactly (outside it, "
+                    "overlapping, or leaving part of it unstored); the .metadata is damaged"),
+    (_huge_size, "tensor 'model.w': size [1000000, 1000000] needs more bytes than all its data files hold"),
+    (_offset_past_the_end, "is stored at offset 1000000000000000, length"),
+])
+def test_forged_dcp_metadata_is_refused_before_anything_is_read(tmp_path: Path, forge: Any, message: str) -> None:
+    """A chunk that leaves rows 3-63 unstored (converted, they were memory never read, given
+    fresh checksums), a size of 10^12 elements, a range past its file: refused, naming it,
+    with trust_pickle too, and nothing written."""
+    path = _forged_dcp(tmp_path, forge)
+    with pytest.raises(sp.CorruptCheckpointError) as info:
+        sp.convert(path, tmp_path / "out", trust_pickle=True)
+    assert str(info.value).startswith(f"{path / '.metadata'}")
+    assert message in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
 def _torchtitan_dcp(tmp_path: Path) -> tuple[LlamaForCausalLM, dict[str, Any], Path]:
     """A DCP checkpoint in torchtitan's layout: model keys at the top level, beside nested
     ``optimizer`` / ``lr_scheduler`` / ``train_state`` entries."""

@@ -20,6 +20,7 @@ directory); control files are size-capped before they are read.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -31,11 +32,14 @@ from .._checkpoint import Checkpoint
 from .._format.detect import DCP, HF_BIN, HF_FILE, HF_INDEX, SHARDPOINT, TORCH_SAVE
 from .._format.dtypes import dtype_from_name
 from .._options import current_options
+from .._planning.chunks import overlapping_pair
 from .._prepare import Component
+from .._printable import printable
 from .._read import ReadBatch
 from .._source import detect_local, not_readable, open_checkpoint
 from .._storage.paths import member_path, open_regular
 from ..errors import (
+    CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     MissingShardError,
@@ -121,19 +125,66 @@ def _check_control_file(path: str, where: str) -> None:
 
 
 def _check_dcp_files(directory: str, metadata: Any) -> None:
-    """Every data file DCP's ``.metadata`` names: a plain name inside ``directory``, regular."""
-    infos = getattr(metadata, "storage_data", None) or {}
+    """What DCP's ``.metadata`` says, checked before anything is read or allocated: every
+    data file a plain name inside ``directory``, regular, each stored range inside its
+    file; every tensor's chunks inside its size, not overlapping and covering it exactly
+    (else part of it would be memory never read), and no tensor larger than the data
+    files hold."""
+    where = os.path.join(directory, ".metadata")
+    infos = getattr(metadata, "storage_data", None)
+    tensors = getattr(metadata, "state_dict_metadata", None)
+    if not isinstance(infos, dict) or not isinstance(tensors, dict):
+        raise CorruptCheckpointError(f"{where}: its storage_data or state_dict_metadata is not a mapping; "
+                                     "the .metadata is damaged")
+    sizes: dict[Any, int] = {}
     names: set[Any] = {getattr(info, "relative_path", None) for info in infos.values()}
     for name in sorted(names, key=str):
-        path = member_path(directory, name, where=os.path.join(directory, ".metadata"))
-        where = os.path.join(directory, str(name))
+        path = member_path(directory, name, where=where)
+        file = os.path.join(directory, str(name))
         try:
-            os.close(open_regular(path, where=where))
+            fd = open_regular(path, where=file)
         except FileNotFoundError:
             raise MissingShardError(
-                f"{where} is missing: the DCP .metadata lists it but it is not there; the "
+                f"{file} is missing: the DCP .metadata lists it but it is not there; the "
                 "checkpoint is incomplete"
             ) from None
+        try:
+            sizes[name] = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+    for index, info in infos.items():
+        offset: Any = getattr(info, "offset", None)
+        length: Any = getattr(info, "length", None)
+        if not (_count(offset) and _count(length) and offset + length <= sizes[info.relative_path]):
+            raise CorruptCheckpointError(
+                f"{where}: {printable(str(index))[:200]} is stored at offset {printable(offset)}, length "
+                f"{printable(length)} of {info.relative_path} ({sizes[info.relative_path]} bytes); "
+                "the .metadata is damaged or the file truncated")
+    held = sum(sizes.values())
+    for fqn, md in tensors.items():
+        size, chunks = getattr(md, "size", None), getattr(md, "chunks", None)
+        if size is None:
+            continue  # a non-tensor value (bytes): read by DCP itself
+        label = f"{where}, tensor {printable(str(fqn))[:200]!r}"
+        if not (isinstance(size, Sequence) and all(_count(n) for n in size) and isinstance(chunks, list)):
+            raise CorruptCheckpointError(f"{label}: its size or chunks are malformed; the .metadata is damaged")
+        numel = math.prod(size)
+        if numel * md.properties.dtype.itemsize > held:
+            raise CorruptCheckpointError(
+                f"{label}: size {list(size)[:8]} needs more bytes than all its data files hold ({held}); "
+                "the .metadata is damaged")
+        boxes = [(tuple(getattr(c, "offsets", ())), tuple(getattr(c, "sizes", ()))) for c in chunks]
+        fits = all(len(o) == len(n) == len(size) and all(_count(v) for v in (*o, *n))
+                   and all(a + b <= d for a, b, d in zip(o, n, size, strict=True)) for o, n in boxes)
+        if not fits or sum(math.prod(n) for _, n in boxes) != numel or overlapping_pair(boxes) is not None:
+            raise CorruptCheckpointError(
+                f"{label}: its chunks do not cover its size {list(size)[:8]} exactly (outside it, "
+                "overlapping, or leaving part of it unstored); the .metadata is damaged")
+
+
+def _count(value: object) -> bool:
+    """A non-negative int (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _set_path(root: dict[str, Any], path: Sequence[Any], value: Any) -> None:
@@ -241,14 +292,22 @@ class DCPSource(TensorSource):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "torch.distributed is ... uninitialized"
-            dcp.load(
-                state,
-                storage_reader=_dcp_reader(self.spec.path, self._metadata),
-                planner=DefaultLoadPlanner(allow_partial_load=True),
-                no_dist=True,
-            )
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "torch.distributed is ... uninitialized"
+                dcp.load(
+                    state,
+                    storage_reader=_dcp_reader(self.spec.path, self._metadata),
+                    planner=DefaultLoadPlanner(allow_partial_load=True),
+                    no_dist=True,
+                )
+        except CheckpointError:
+            raise
+        except Exception as exc:  # DCP's own reader (a seek past the end, a torn file)
+            raise CorruptCheckpointError(
+                f"{self.spec.path}: torch.distributed.checkpoint could not read its data "
+                f"({type(exc).__name__}: {printable(str(exc))[:300]}); the checkpoint is damaged"
+            ) from None
 
     def read(self, refs: Sequence[Ref], dtype: torch.dtype | None) -> list[torch.Tensor]:
         wanted: dict[str, Any] = {}
