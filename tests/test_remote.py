@@ -571,3 +571,13 @@ def test_a_save_over_an_interrupted_one_aborts_its_unfinished_uploads(url: str, 
     mgr.save(3, {"w": torch.full((2,), 3.0)})  # removes the dead step 2, aborting its upload
     assert unfinished("run/step-000002") == []
     assert mgr.steps() == [1, 3]
+
+
+def test_a_write_under_a_missing_local_parent_is_a_storage_error(tmp_path: Any) -> None:
+    """A chained local URL (fsspec's simplecache over file://) whose parent does not exist:
+    the first write says so, naming the URL (it was a bare FileNotFoundError)."""
+    url = f"simplecache::file://{tmp_path}/missing/ckpt"
+    with pytest.raises(sp.StorageError, match=r"writing simplecache::file://.*/missing/ckpt/shardpoint\.pending "
+                                              r"failed: .*its parent does not exist") as info:
+        sp.save({"w": torch.ones(2)}, url)
+    assert info.value.errno == 2

@@ -165,7 +165,32 @@ def _set_tensor(name: str, key: str, value: Any) -> Any:
     return lambda m: m["components"]["model"]["tensors"][name].__setitem__(key, value)
 
 
+def _second_component_on_the_same_bytes(ckpt: Path) -> None:
+    """A component ``copy`` with the model's rule-described tensors, every table pointing its
+    cells at the model's own (file, key): 1x the files' bytes would back 2x the tensors."""
+    manifest = json.loads((ckpt / "shardpoint.json").read_text())
+    model = manifest["components"]["model"]
+    ruled = sum(1 for t in model["tensors"].values() if "grid" in t)
+    manifest["components"]["copy"] = json.loads(json.dumps(model))
+    manifest["flat"] = False
+    (ckpt / "shardpoint.json").write_text(json.dumps(manifest))
+    for rank in range(len(manifest["tables"])):
+        _rewrite_table(ckpt, rank, lambda t: t["chunks"].extend([[s + ruled, c, f, crc] for s, c, f, crc in t["chunks"]]))
+
+
+def _deep_table(ckpt: Path) -> None:
+    raw = b"[" * 100_000
+    (ckpt / "shardpoint-r00001.json").write_bytes(raw)
+    _rewrite_manifest(ckpt, lambda m: m["tables"].__setitem__(1, [len(raw), crc32c(raw)]))
+
+
 FORGERIES = [
+    pytest.param(_second_component_on_the_same_bytes, "shardpoint-r0000", "backs another chunk",
+                 id="one-stored-tensor-backs-two-chunks"),
+    pytest.param(lambda c: _rewrite_table(c, 1, lambda t: t["files"][0].__setitem__(0, "model-r00000-00009.safetensors")),
+                 "file 'model-r00000-00009.safetensors' is not one of rank 1's files", "forged",
+                 id="table-lists-another-ranks-file"),
+    pytest.param(_deep_table, "shardpoint-r00001.json: not a JSON object", "nests JSON too deeply", id="deep-table"),
     pytest.param(_flip_byte, "shardpoint-r00002.json is", "the table is damaged or from another save", id="damaged-table"),
     pytest.param(lambda c: (c / "shardpoint-r00003.json").unlink(), "shardpoint-r00003.json", "", id="missing-table"),
     pytest.param(lambda c: _rewrite_table(c, 1, lambda t: t.__setitem__("save_id", "0" * 32)),

@@ -154,3 +154,19 @@ def test_a_folder_not_named_as_the_manager_names_steps_is_not_a_step(tmp_path: P
     assert mgr.restore(target) == 3 and torch.equal(target["model"]["w"], torch.full((2,), 3.0))
     assert sorted(os.listdir(tmp_path)) == ["latest", "step-000002", "step-000003", "step-500",
                                             "step-\u0661\u0662\u0663\u0664\u0665\u0666"]
+
+
+def test_a_metric_too_large_for_a_float_neither_stops_saving_nor_ranks_best(tmp_path: Path) -> None:
+    """A step's manifest whose metric is a 400-digit integer (forged, or another tool's):
+    ranking compares it as the number it is (math.isnan refused it with OverflowError,
+    and every later save of a keep_best manager failed before committing)."""
+    mgr = sp.CheckpointManager(tmp_path, keep_last=1, keep_best=1, metric="loss")
+    mgr.save(1, {"w": torch.ones(2)}, metrics={"loss": 0.125})
+    mgr.save(2, {"w": torch.ones(2)}, metrics={"loss": 0.25})  # step 1 stays: the best
+    manifest = tmp_path / "step-000001" / "shardpoint.json"
+    text = manifest.read_text()
+    assert '"metrics":{"loss":0.125}' in text
+    manifest.write_text(text.replace('"loss":0.125', '"loss":' + "9" * 400))
+    assert mgr.best_steps() == [2, 1]
+    mgr.save(3, {"w": torch.ones(2)}, metrics={"loss": 1.0})
+    assert mgr.steps() == [2, 3]

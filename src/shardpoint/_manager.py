@@ -26,7 +26,6 @@ writes, so crash after crash never piles up more than ``keep_last + 1`` steps.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import warnings
@@ -264,12 +263,8 @@ class CheckpointManager:
             if metrics is None:
                 continue
             value = metrics.get(self.metric)
-            if (
-                isinstance(value, (int, float))
-                and not isinstance(value, bool)
-                and not math.isnan(value)
-            ):
-                scored.append((value if self.mode == "min" else -value, -step, step))
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:  # not nan
+                scored.append((value if self.mode == "min" else -value, -step, step))  # ints of any size compare
         return [s for _, _, s in sorted(scored)]
 
     # ------------------------------------------------------------------ save / restore

@@ -9,7 +9,6 @@ crc32c). :meth:`RuleChunks.expand` reads every table, for the tools that look at
 
 from __future__ import annotations
 
-import itertools
 import math
 import threading
 from collections.abc import Callable, Iterable
@@ -94,8 +93,8 @@ class RuleChunks:
         numel = math.prod(full)
         if numel == 0:  # an empty tensor: stored once, by the writer of cell 0
             cells: Iterable[tuple[int, ...]] = [(0,) * len(full)]
-        elif offsets is None or shape is None:
-            cells = itertools.product(*(range(k) for k in rule.grid))
+        elif offsets is None or shape is None:  # every non-empty cell (never a loop over empty ones)
+            cells = cells_overlapping(full, rule.grid, (0,) * len(full), full)
         else:
             cells = cells_overlapping(full, rule.grid, offsets, shape)
         out = []

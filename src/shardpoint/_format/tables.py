@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -29,6 +30,7 @@ from .._checksum import crc32c
 from .._planning.rules import Rule, cell_box, unravel
 from ..errors import CorruptCheckpointError
 from .names import check_file_name
+from .safetensors import parse_json_object
 
 TABLE_FORMAT = "shardpoint-table"
 
@@ -99,9 +101,9 @@ def parse_table(
             f"{size} bytes with crc32c {crc:08x}; the table is damaged or from another save"
         )
     try:
-        doc: Any = json.loads(raw)
-    except ValueError as exc:
-        raise _bad(where, f"not JSON ({exc})") from None
+        doc: Any = parse_json_object(raw, where=where)  # depth-limited, keys unique
+    except CorruptCheckpointError as exc:
+        raise _bad(where, f"not a JSON object ({str(exc).removeprefix(where).lstrip(': ')})") from None
     if type(doc) is not dict or doc.get("format") != TABLE_FORMAT:
         raise _bad(where, "not a shardpoint table")
     if doc.get("save_id") != save_id or doc.get("rank") != rank:
@@ -116,12 +118,17 @@ def parse_table(
         if type(item) is not list or len(item) != 2 or type(item[0]) is not str or type(item[1]) is not int:
             raise _bad(where, f"file entry {str(item)[:80]} is not [name, size]")
         check_file_name(item[0], where=where)
+        if not re.fullmatch(rf".+-r{rank:05d}-[0-9]{{5,}}\.safetensors", item[0]):
+            raise _bad(where, f"file {item[0]!r} is not one of rank {rank}'s files (<component>-r{rank:05d}-NNNNN.safetensors)")
         if item[0] in files or item[1] < 8:
             raise _bad(where, f"file {item[0]!r} is listed twice or has size {item[1]}")
         files[item[0]] = item[1]
         names.append(item[0])
     chunks: dict[tuple[int, int], ChunkFact] = {}
     used: set[tuple[int, int]] = set()
+    keys: set[tuple[int, str]] = set()
+    """(file, key in it) of every chunk: one stored tensor backs one chunk, never several
+    (else a table could make a load allocate far more than its files hold)."""
     for item in chunks_raw:
         if type(item) is not list or len(item) != 4 or not all(type(v) is int for v in item):
             raise _bad(where, f"chunk entry {str(item)[:80]} is not [slot, cell, file, crc32c]")
@@ -136,10 +143,13 @@ def parse_table(
         whole = math.prod(shape) == 0 and cell == 0
         if rule.writer(index) != rank or not (whole or math.prod(box)):
             raise _bad(where, f"tensor {label!r}: cell {cell} is not one rank {rank} writes")
-        if (slot, cell) in chunks or (slot, fidx) in used:
-            raise _bad(where, f"tensor {label!r}: cell {cell} is listed twice, or a second chunk of it in one file")
+        key = (fidx, label.partition("/")[2])  # a file's key is the tensor's name in its component
+        if (slot, cell) in chunks or (slot, fidx) in used or key in keys:
+            raise _bad(where, f"tensor {label!r}: cell {cell} is listed twice, or a second chunk of it in one "
+                              f"file, or its key in {names[fidx]!r} backs another chunk")
         if math.prod(box) * itemsize > files[names[fidx]]:
             raise _bad(where, f"tensor {label!r}: cell {cell} is larger than its file {names[fidx]!r}")
         used.add((slot, fidx))
+        keys.add(key)
         chunks[(slot, cell)] = ChunkFact(names[fidx], ccrc)
     return Table(files, chunks)

@@ -10,13 +10,14 @@ transactions, tidying) are :class:`~shardpoint._storage.fsspec_store.FsspecStore
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable, Sequence
 from contextlib import suppress
 from typing import Any, TypeVar
 
 from .._format.manifest import MANIFEST_NAME, PENDING_NAME
 from .._options import current_options
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, StorageError
 from .retry import retrying
 
 _T = TypeVar("_T")
@@ -150,7 +151,13 @@ class RemoteStore:
     def put(self, name: str, data: bytes) -> None:
         """Write a small object in one request (it appears whole or not at all)."""
         path = self.path_of(name)
-        retrying("writing", self.url_of(name), lambda: self.fs.pipe_file(path, bytes(data)))
+        try:
+            retrying("writing", self.url_of(name), lambda: self.fs.pipe_file(path, bytes(data)))
+        except FileNotFoundError as exc:  # on a write: the place to write it is not there
+            err = StorageError(f"writing {self.url_of(name)} failed: {exc}; its parent does not exist "
+                               "(a local or chained URL needs its parent directory): create it, or check the URL")
+            err.errno = errno.ENOENT
+            raise err from None
 
     def upload(self, name: str, produce: Callable[[Callable[[Any], object]], _T]) -> _T:
         """Stream object ``name``: ``produce(write)`` calls ``write`` with each chunk in order.
