@@ -70,6 +70,11 @@ def _stored_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _file_tensors_of(file: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    with safe_open(str(file), "pt") as f:
+        return {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}  # noqa: SIM118
+
+
 def _file_tensors(folder: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     return {k: (tuple(t.shape), t.dtype) for k, t in _stored_tensors(folder).items()}
 
@@ -194,12 +199,27 @@ def test_a_damaged_expert_weight_is_caught_naming_it(tmp_path: Path) -> None:
         sp.load_into(sp.empty_model(cls, config), tmp_path / "sp")
 
 
+@pytest.mark.parametrize("shard", [None, "4KB"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_save_pretrained_writes_the_files_transformers_writes(family: str, tmp_path: Path) -> None:
-    cls, config, model = _hub_files(family, tmp_path / "theirs")
+def test_save_pretrained_writes_the_files_transformers_writes(family: str, shard: str | None, tmp_path: Path) -> None:
+    """The same files, each with the same tensors, and the same index byte for byte; with
+    small shards too, where the reverted per-expert weights (views of the stacked experts)
+    must land where save_pretrained puts them: with their stack, counted once."""
+    sizes = {} if shard is None else {"max_shard_size": shard}
+    cls, config, model = _hub_files(family, tmp_path / "theirs", **sizes)
     from shardpoint.integrations.transformers import save_pretrained
 
-    save_pretrained(model, tmp_path / "ours")
+    save_pretrained(model, tmp_path / "ours", **sizes)
+    listing = sorted(n for n in os.listdir(tmp_path / "theirs") if n.endswith((".safetensors", ".json")))
+    ours_listing = sorted(n for n in os.listdir(tmp_path / "ours") if n.endswith((".safetensors", ".json")))
+    assert ours_listing == sorted([*listing, "shardpoint.json"])
+    for name in listing:
+        if name.endswith(".safetensors"):
+            assert _file_tensors_of(tmp_path / "ours" / name) == _file_tensors_of(tmp_path / "theirs" / name), name
+    if shard is not None:
+        assert len(listing) > 4  # several shards
+        index = "model.safetensors.index.json"
+        assert (tmp_path / "ours" / index).read_bytes() == (tmp_path / "theirs" / index).read_bytes()
     theirs, ours = _file_tensors(tmp_path / "theirs"), _file_tensors(tmp_path / "ours")
     assert ours == theirs
     _assert_same(cls.from_pretrained(tmp_path / "ours"), model)

@@ -35,9 +35,14 @@ from ._printable import printable
 from .errors import LoadMismatchError
 
 
-def weights_to_save(model: Any) -> tuple[dict[str, torch.Tensor], set[str]]:
-    """The model's state dict as ``transformers``' ``save_pretrained`` stores it, plus the
-    names it keeps.
+def weights_to_save(model: Any) -> tuple[dict[str, torch.Tensor], set[str], set[str]]:
+    """The model's state dict as ``transformers``' ``save_pretrained`` stores it, the names
+    it keeps, and the names the reverted conversions made.
+
+    The last are planned into files by their real storage, as ``save_pretrained`` plans
+    them (its tie rule, which gives views of one storage that do not overlap storages of
+    their own, runs before the revert): a layer's per-expert weights, views of its stacked
+    experts, go to one file and count the stack's bytes once.
 
     As there: keys listed in ``_keys_to_ignore_on_save`` are dropped; of tied weights the
     name ``remove_tied_weights_from_state_dict`` keeps is stored (views that share a
@@ -53,7 +58,7 @@ def weights_to_save(model: Any) -> tuple[dict[str, torch.Tensor], set[str]]:
     try:
         from transformers.modeling_utils import remove_tied_weights_from_state_dict
     except ImportError:  # pragma: no cover - older transformers: shardpoint's own tie rule
-        return state, set()
+        return state, set(), set()
     kept = remove_tied_weights_from_state_dict(dict(state), model)
     try:
         from transformers.core_model_loading import revert_weight_conversion
@@ -66,7 +71,9 @@ def weights_to_save(model: Any) -> tuple[dict[str, torch.Tensor], set[str]]:
     for name, tensor in state.items():
         if name not in kept and name not in out and storage_key(tensor) in stored:
             out[name] = tensor
-    return out, set(converted)
+    before = {id(t) for t in kept.values()}
+    made = {name for name, tensor in converted.items() if id(tensor) not in before}
+    return out, set(converted), made
 
 
 def is_transformers_model(module: Any) -> bool:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from .._hf_conversions import weights_to_save
-from .._prepare import prepare_state
+from .._prepare import hf_storage, prepare_state
 from .._sizes import parse_size
 from .._write import SaveInfo, json_metadata, write_checkpoint
 from ..errors import InvalidArgumentTypeError, InvalidStateError
@@ -116,8 +116,11 @@ def save_pretrained(
         )
     max_bytes = parse_size(_default_shard_size(model) if max_shard_size is None else max_shard_size)
     metadata = json_metadata(save_kwargs.get("metadata"))
-    weights, kept = weights_to_save(model)
+    weights, kept, reverted = weights_to_save(model)
     prepared = prepare_state(weights, keep=kept)
+    comp = prepared.components[0]
+    for name in reverted & set(comp.hf_storage):  # planned by their real storage, as save_pretrained plans them
+        comp.hf_storage[name] = hf_storage(comp.tensors[name])
     num_parameters = getattr(model, "num_parameters", None)
     if callable(num_parameters):
         prepared.components[0].parameters = int(num_parameters())
