@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -208,3 +209,23 @@ def test_async_staging_buffer_is_reused(tmp_path):
     for i in range(3):
         sp.async_save(state, tmp_path / f"b{i}").result()
         assert staging_bytes() == size
+
+
+def test_an_optimizer_state_dict_saved_as_a_dict_says_how_to_load_it(tmp_path: Path) -> None:
+    """``{"optim": opt.state_dict()}`` (a plain dict, as DCP writes one too) loaded into
+    ``{"optim": opt}``: refused, saying how to restore it instead."""
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    sp.save({"optim": opt.state_dict()}, tmp_path / "ck")
+    with pytest.raises(sp.LoadMismatchError) as info:
+        sp.load_into({"optim": torch.optim.AdamW(model.parameters())}, tmp_path / "ck")
+    assert str(info.value) == (
+        f"{tmp_path / 'ck'}: 'optim' was saved as a plain dict (e.g. an optimizer's state_dict() or written "
+        "through torch.distributed.checkpoint), not from an optimizer object; read it with "
+        "sp.load(...)['optim'] and pass it to the optimizer's load_state_dict (DCP: set_optimizer_state_dict), "
+        "or save the optimizer object itself")
+    fresh = torch.optim.AdamW(model.parameters())
+    fresh.load_state_dict(sp.load(tmp_path / "ck")["optim"])
+    assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])

@@ -433,7 +433,11 @@ class Planner:
             return
         if isinstance(target, torch.optim.Optimizer):
             if kind != "optimizer":
-                raise LoadMismatchError(f"{self.location}: {path!r} was not saved from an optimizer")
+                raise LoadMismatchError(
+                    f"{self.location}: {path!r} was saved as a plain dict (e.g. an optimizer's state_dict() "
+                    "or written through torch.distributed.checkpoint), not from an optimizer object; read it "
+                    f"with sp.load(...)[{path!r}] and pass it to the optimizer's load_state_dict (DCP: "
+                    "set_optimizer_state_dict), or save the optimizer object itself")
             by_name = node.get("by_name", False)
             param_names = self.param_names
             where = f"{self.location}, {path}"
