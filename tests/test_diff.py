@@ -373,3 +373,27 @@ def test_integers_beyond_float64_s_precision_are_compared_exactly(
     code, out, _ = run_cli(capsys, "diff", tmp_path / "a", tmp_path / "b")
     assert code == 1
     assert out.splitlines()[-1] == "DIFFERENT: 1 of 1 tensors differ (1 changed) (atol=0, rtol=0)"
+
+
+def test_one_component_of_a_training_checkpoint_compares_with_a_flat_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A trainer checkpoint ({"model", "optim", "step"}) against the model's own files: no
+    key in common (model/w vs w), so the summary says how; --component model compares the
+    weights, which are equal."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sp.save({"model": model, "optim": opt, "step": 7}, tmp_path / "train")
+    sp.save(model.state_dict(), tmp_path / "weights")
+    code, out, _ = run_cli(capsys, "diff", tmp_path / "train", tmp_path / "weights")
+    assert code == 1
+    assert out.splitlines()[-1] == (
+        "(no key in common: to compare one component of a nested side with a flat one, pass --component, "
+        "e.g. --component model)")
+    code, out, _ = run_cli(capsys, "diff", tmp_path / "train", tmp_path / "weights", "--component", "model")
+    assert code == 0, out
+    assert out.splitlines()[-1].startswith("equal: 2 tensors")
+    report = sp.diff(tmp_path / "weights", tmp_path / "train", component="model")
+    assert report.equal and [t.key for t in report.tensors] == ["weight", "bias"]
+    with pytest.raises(sp.InvalidArgumentError, match=r"has no component 'optimizer'; it has 'model', 'optim'"):
+        sp.diff(tmp_path / "train", tmp_path / "weights", component="optimizer")

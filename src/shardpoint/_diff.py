@@ -142,21 +142,40 @@ def _dtype_str(dtype: torch.dtype) -> str:
     return DTYPE_TO_NAME.get(dtype, str(dtype).replace("torch.", ""))
 
 
-def _keys(source: TensorSource) -> dict[str, Ref]:
+def _view(source: TensorSource, component: str | None, where: str) -> dict[str, str]:
+    """Component -> the prefix its keys take, for the components compared: every one
+    (``name/``; none in a flat checkpoint), or only ``component``, its keys bare (so one
+    component of a training checkpoint compares with a flat model's files)."""
+    names = [c.name for c in source.components]
+    if source.flat:
+        return dict.fromkeys(names, "")
+    if component is None:
+        return {n: f"{n}/" for n in names}
+    if component not in names:
+        raise InvalidArgumentError(
+            f"diff: {where} has no component {component!r}; it has {', '.join(map(repr, names[:20]))}")
+    return {component: ""}
+
+
+def _keys(source: TensorSource, view: dict[str, str]) -> dict[str, Ref]:
     """Load-style key -> (component, stored name), aliases included, in stored order."""
     out: dict[str, Ref] = {}
     for comp in source.components:
-        prefix = "" if source.flat else f"{comp.name}/"
+        if comp.name not in view:
+            continue
+        prefix = view[comp.name]
         for name in comp.tensors:
             out[prefix + name] = (comp.name, comp.aliases.get(name, name))
     return out
 
 
-def _ties(source: TensorSource) -> dict[str, list[str]]:
+def _ties(source: TensorSource, view: dict[str, str]) -> dict[str, list[str]]:
     """Load-style key -> every key of its tie (stored name first), for tied names only."""
     out: dict[str, list[str]] = {}
     for comp in source.components:
-        prefix = "" if source.flat else f"{comp.name}/"
+        if comp.name not in view:
+            continue
+        prefix = view[comp.name]
         groups: dict[str, list[str]] = {}
         for alias, stored in comp.aliases.items():
             groups.setdefault(stored, [prefix + stored]).append(prefix + alias)
@@ -166,28 +185,30 @@ def _ties(source: TensorSource) -> dict[str, list[str]]:
     return out
 
 
-def _how(key: str, refs: dict[str, Ref], source: TensorSource) -> tuple[str, str | None]:
+def _how(key: str, refs: dict[str, Ref], view: dict[str, str]) -> tuple[str, str | None]:
     """("stored" | "alias" | "absent", the stored key it aliases) of ``key`` in a source."""
     ref = refs.get(key)
     if ref is None:
         return "absent", None
     comp, stored = ref
-    prefix = "" if source.flat else f"{comp}/"
+    prefix = view[comp]
     if prefix + stored == key:
         return "stored", None
     return "alias", prefix + stored
 
 
 def _tie_notes(
-    a: TensorSource, b: TensorSource, keys_a: dict[str, Ref], keys_b: dict[str, Ref]
+    a: TensorSource, b: TensorSource, views: tuple[dict[str, str], dict[str, str]],
+    keys_a: dict[str, Ref], keys_b: dict[str, Ref],
 ) -> tuple[list[StorageNote], set[str]]:
     """Notes on names stored differently, and the one-sided keys a tie covers."""
-    ties_a, ties_b = _ties(a), _ties(b)
+    view_a, view_b = views
+    ties_a, ties_b = _ties(a, view_a), _ties(b, view_b)
     notes: list[StorageNote] = []
     covered: set[str] = set()
     for key in [*keys_a, *(k for k in keys_b if k not in keys_a)]:
-        how_a, of_a = _how(key, keys_a, a)
-        how_b, of_b = _how(key, keys_b, b)
+        how_a, of_a = _how(key, keys_a, view_a)
+        how_b, of_b = _how(key, keys_b, view_b)
         if (how_a, of_a) == (how_b, of_b):
             continue
         compared_as = None
@@ -203,7 +224,7 @@ def _tie_notes(
     return notes, covered
 
 
-def _json_leaves(source: TensorSource) -> dict[str, Any]:
+def _json_leaves(source: TensorSource, view: dict[str, str]) -> dict[str, Any]:
     """Path -> value of every non-tensor leaf of every component's tree."""
     out: dict[str, Any] = {}
 
@@ -226,7 +247,8 @@ def _json_leaves(source: TensorSource) -> dict[str, Any]:
             out[path] = typed_leaf_text(node)
 
     for comp in source.components:
-        walk(comp.tree, "" if source.flat else comp.name)
+        if comp.name in view:
+            walk(comp.tree, view[comp.name].rstrip("/"))
     return out
 
 
@@ -299,6 +321,7 @@ def diff(
     rtol: float = 0.0,
     trust_pickle: bool = False,
     cache_dir: str | os.PathLike[str] | None = None,
+    component: str | None = None,
 ) -> DiffReport:
     """Compare two checkpoints tensor by tensor, streaming (about one batch in memory).
 
@@ -313,6 +336,9 @@ def diff(
         trust_pickle: allow a full unpickle of either side (see ``convert``).
         cache_dir: the Hugging Face cache ``hf://org/name[@revision]`` sides are looked up
             in (default: ``huggingface_hub``'s); such a side is never downloaded.
+        component: compare only this component of a nested side (a training checkpoint's
+            ``model``), its keys without the ``model/`` prefix; a flat side is compared
+            whole. So a Trainer checkpoint compares with the model's own files.
 
     Returns:
         A :class:`DiffReport`; ``report.equal`` is True when the keys, shapes and dtypes
@@ -340,7 +366,8 @@ def diff(
     try:
         src_b = open_source(local_b, trust_pickle=trust_pickle)
         try:
-            return _diff_sources(src_a, src_b, os.fspath(a), os.fspath(b), atol, rtol)
+            views = _view(src_a, component, os.fspath(a)), _view(src_b, component, os.fspath(b))
+            return _diff_sources(src_a, src_b, views, os.fspath(a), os.fspath(b), atol, rtol)
         finally:
             src_b.close()
     finally:
@@ -348,10 +375,11 @@ def diff(
 
 
 def _diff_sources(
-    a: TensorSource, b: TensorSource, name_a: str, name_b: str, atol: float, rtol: float
+    a: TensorSource, b: TensorSource, views: tuple[dict[str, str], dict[str, str]], name_a: str, name_b: str,
+    atol: float, rtol: float
 ) -> DiffReport:
-    keys_a, keys_b = _keys(a), _keys(b)
-    notes, covered = _tie_notes(a, b, keys_a, keys_b)
+    keys_a, keys_b = _keys(a, views[0]), _keys(b, views[1])
+    notes, covered = _tie_notes(a, b, views, keys_a, keys_b)
     only_a = [k for k in keys_a if k not in keys_b and k not in covered]
     only_b = [k for k in keys_b if k not in keys_a and k not in covered]
     results: dict[str, TensorDiff] = {}
@@ -393,7 +421,7 @@ def _diff_sources(
             max_rel,
             bad,
         )
-    leaves_a, leaves_b = _json_leaves(a), _json_leaves(b)
+    leaves_a, leaves_b = _json_leaves(a, views[0]), _json_leaves(b, views[1])
     values = [
         ValueDiff(k, leaves_a.get(k, MISSING), leaves_b.get(k, MISSING))
         for k in [*leaves_a, *(k for k in leaves_b if k not in leaves_a)]

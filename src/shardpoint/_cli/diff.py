@@ -5,7 +5,9 @@ shards, a torch.save file read with weights_only=True, DCP with --trust-pickle),
 combination. Tensors are read one batch of pairs at a time, never whole checkpoints.
 Values are equal within tolerance when |a - b| <= atol + rtol * |b| element-wise (B is
 the reference); NaN equals NaN at the same position. Keys are the names sp.load returns
-(component/name in nested checkpoints). Non-tensor values (epoch, ...) are compared too.
+(component/name in nested checkpoints; with --component NAME only that component of a
+nested side, its keys bare, so a trainer checkpoint's model compares with the model's
+own files). Non-tensor values (epoch, ...) are compared too.
 
 Tied weights compare by value: a name stored once and recorded as an alias on one side,
 and stored separately or absent (a tie transformers' save_pretrained does not save) on the
@@ -48,6 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_cache_dir(parser)
     parser.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0)")
     parser.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
+    parser.add_argument(
+        "--component", metavar="NAME", help="compare only this component of a nested side (e.g. a trainer "
+        "checkpoint's model), its keys without the NAME/ prefix; a flat side is compared whole"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object (keys above)")
     parser.add_argument(
         "--all", action="store_true", help="list every tensor, not only those that differ"
@@ -61,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     report = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, trust_pickle=args.trust_pickle,
-                  cache_dir=args.cache_dir)
+                  cache_dir=args.cache_dir, component=args.component)
     if args.json:
         print(json.dumps(to_json(report), indent=2))
     else:
@@ -186,4 +192,9 @@ def render(report: DiffReport, *, show_all: bool = False) -> str:
             f"{len(report.values)} non-tensor value{'s' if len(report.values) != 1 else ''} differ"
         )
     lines.append(f"DIFFERENT: {', '.join(parts)} ({tol})")
+    if not report.tensors and report.only_in_a and report.only_in_b:
+        nested = {k.partition("/")[0] for k in [*report.only_in_a, *report.only_in_b] if "/" in k}
+        if nested:  # one side's keys are component/name, the other's bare: no name in common
+            lines.append(f"(no key in common: to compare one component of a nested side with a flat one, "
+                         f"pass --component, e.g. --component {sorted(nested)[0]})")
     return "\n".join(lines)
