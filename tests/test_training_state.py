@@ -229,3 +229,48 @@ def test_an_optimizer_state_dict_saved_as_a_dict_says_how_to_load_it(tmp_path: P
     fresh = torch.optim.AdamW(model.parameters())
     fresh.load_state_dict(sp.load(tmp_path / "ck")["optim"])
     assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+class _DDPLike(torch.nn.Module):
+    """What DDP (and FSDP1's ``module.``) does to names: the model under ``module``."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+
+def _wrapped(net: torch.nn.Module, how: str) -> torch.nn.Module:
+    return {"plain": lambda: net, "compile": lambda: torch.compile(net), "ddp": lambda: _DDPLike(net)}[how]()
+
+
+@pytest.mark.parametrize("saved_as", ["plain", "compile", "ddp"])
+@pytest.mark.parametrize("loaded_as", ["plain", "compile", "ddp"])
+def test_a_run_resumes_with_or_without_compile_and_ddp_wrappers(tmp_path: Path, saved_as: str, loaded_as: str) -> None:
+    """Trained under torch.compile (``_orig_mod.``) or DDP (``module.``) and resumed without
+    it, or the other way: the model's keys are matched by the prefix rule, and the
+    optimizer's state, stored by parameter name, follows the same rename (it was refused:
+    "no optimizer state for parameter(s) '0.weight', ..."). Also with a second module."""
+    def net() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+
+    torch.manual_seed(0)
+    inner, ema = net(), net()
+    model = _wrapped(inner, saved_as)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    inner(torch.randn(3, 4)).sum().backward()  # through the plain module: the same parameters
+    opt.step()
+    sp.save({"model": model, "ema": ema, "optim": opt}, tmp_path / "ck")
+
+    torch.manual_seed(1)
+    inner2, ema2 = net(), net()
+    model2 = _wrapped(inner2, loaded_as)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5)
+    result = sp.load_into({"model": model2, "ema": ema2, "optim": opt2}, tmp_path / "ck")
+    assert result.ok, result
+    prefix = {"plain": "", "compile": "_orig_mod.", "ddp": "module."}
+    assert result.prefix_mapping == ({} if saved_as == loaded_as else {"model": (prefix[saved_as], prefix[loaded_as])})
+    for a, b in zip(inner2.parameters(), inner.parameters(), strict=True):
+        assert torch.equal(a, b)
+        assert torch.equal(opt2.state[a]["exp_avg"], opt.state[b]["exp_avg"])
+        assert torch.equal(opt2.state[a]["exp_avg_sq"], opt.state[b]["exp_avg_sq"])
+    assert opt2.param_groups[0]["lr"] == 0.1

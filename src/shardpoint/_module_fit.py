@@ -39,7 +39,8 @@ def match_prefix(
     matches more than the names as they are; else None.
 
     Candidates are ``base_prefix`` and, on each side, the three leading components most
-    keys have; the rename must match strictly more keys than no rename. A saved key that matches as it is keeps its name
+    keys have (added or removed, or one side's replaced by the other's); the rename must
+    match strictly more keys than no rename. A saved key that matches as it is keeps its name
     (see :func:`rename_keys`).
 
     Example:
@@ -49,22 +50,30 @@ def match_prefix(
         ('model.', '')
         >>> match_prefix(["a.w"], ["a.w"]) is None
         True
+        >>> match_prefix(["_orig_mod.0.weight"], ["module.0.weight"])
+        ('module.', '_orig_mod.')
     """
     targets = set(target_keys)
     saved = list(saved_keys)
+    best = sum(1 for k in saved if k in targets)
+    if best == min(len(saved), len(targets)):
+        return None  # every key that can match does, as it is
     candidates: set[str] = set()
     if base_prefix:
         candidates.add(base_prefix.rstrip(".") + ".")
+    sides = []
     for keys in (targets, saved):
         heads = Counter(k.split(".", 1)[0] for k in keys if "." in k)
-        candidates.update(head + "." for head, _count in heads.most_common(3))
-    best = sum(1 for k in saved if k in targets)
+        sides.append({head + "." for head, _count in heads.most_common(3)})
+        candidates.update(sides[-1])
+    renames = [r for prefix in sorted(candidates) for r in (("", prefix), (prefix, ""))]
+    # One wrapper for another (saved under DDP's module., loaded under torch.compile's _orig_mod.).
+    renames += [(old, new) for old in sorted(sides[1]) for new in sorted(sides[0]) if old != new]
     choice: tuple[str, str] | None = None
-    for prefix in sorted(candidates):
-        for rename in (("", prefix), (prefix, "")):
-            count = len(rename_keys(targets, saved, rename))
-            if count > best:
-                best, choice = count, rename
+    for rename in renames:
+        count = len(rename_keys(targets, saved, rename))
+        if count > best:
+            best, choice = count, rename
     return choice
 
 

@@ -47,6 +47,29 @@ def parameter_names(modules: Iterable[tuple[str, torch.nn.Module]]) -> dict[int,
     return names
 
 
+def renamed_parameter_names(
+    modules: Iterable[tuple[str, torch.nn.Module]], renames: Mapping[str, tuple[str, str]]
+) -> dict[int, str]:
+    """id(parameter) -> its name as the checkpoint knows it, where a module's keys were
+    renamed to match it (``renames``: module key -> (checkpoint prefix, target prefix), as
+    ``LoadResult.prefix_mapping``; a flat checkpoint's one module under ``""``): a model
+    trained under ``torch.compile`` (``_orig_mod.``) or DDP (``module.``) and resumed
+    without it, or the other way, finds its optimizer state too. Only renamed ones listed.
+    """
+    modules = list(modules)
+    out: dict[int, str] = {}
+    for key, module in modules:
+        rename = renames.get(key) or (renames.get("") if len(modules) == 1 else None)
+        if rename is None:
+            continue
+        saved_prefix, target_prefix = rename
+        for name, param in module.named_parameters(remove_duplicate=False):
+            if name.startswith(target_prefix):
+                local = saved_prefix + name[len(target_prefix):]
+                out.setdefault(id(param), f"{key}.{local}" if len(modules) > 1 else local)
+    return out
+
+
 def find_modules(state: Any) -> list[tuple[str, torch.nn.Module]]:
     """The modules among the top-level values of a state (path, module)."""
     if isinstance(state, torch.nn.Module):
@@ -98,9 +121,12 @@ class ParamIds(list[int]):
 
 
 def optimizer_state_for(
-    optimizer: torch.optim.Optimizer, saved: Mapping[str, Any], names: Mapping[int, str], *, where: str
+    optimizer: torch.optim.Optimizer, saved: Mapping[str, Any], names: Mapping[int, str], *, where: str,
+    renamed: Mapping[int, str] | None = None,
 ) -> dict[str, Any]:
-    """Turn a saved name-keyed optimizer state into what ``optimizer.load_state_dict`` takes."""
+    """Turn a saved name-keyed optimizer state into what ``optimizer.load_state_dict`` takes
+    (``renamed``: a parameter's name in the checkpoint where its module's keys were renamed
+    to match, tried when its own name is not there)."""
     saved_groups = saved["param_groups"]
     if len(saved_groups) != len(optimizer.param_groups):
         raise LoadMismatchError(
@@ -123,6 +149,9 @@ def optimizer_state_for(
                     "in the target state, so its saved state cannot be found by name; pass the "
                     "model in the same load_into call"
                 )
+            other = (renamed or {}).get(id(param))
+            if name not in saved_state and other is not None and other in saved_state:
+                name = other
             if name in saved_state:
                 state[pid] = saved_state[name]
             elif saved_state:

@@ -218,7 +218,8 @@ def _load_into_checkpoint(target: Any, ckpt: Checkpoint, settings: IntoSettings)
     planner = Planner(ckpt.location, batch, allow_pickle=settings.allow_pickle, device=settings.device,
                       dtype=settings.dtype, device_map=settings.device_map)
     targets = _component_targets(target, ckpt)
-    planner.param_names = parameter_names(find_modules(targets))
+    planner.modules = find_modules(targets)
+    planner.param_names = parameter_names(planner.modules)
     for cname, value in targets.items():
         comp = ckpt.components.get(cname)
         if comp is None:

@@ -23,7 +23,7 @@ from .._flatten import WRAPPER_TYPES, tree_tensor_names, unflatten_state
 from .._format.manifest import ComponentRecord
 from .._prepare import storage_key
 from .._read import ReadBatch
-from .._stateful import Stateful, optimizer_state_for
+from .._stateful import Stateful, optimizer_state_for, renamed_parameter_names
 from ..errors import CheckpointError, InvalidStateError, LoadMismatchError
 from . import fusions
 from .memory import allocate
@@ -158,6 +158,8 @@ class Planner:
         self.prefix_mapping: dict[str, tuple[str, str]] = {}
         self.post: list[Callable[[], None]] = []
         self.param_names: dict[int, str] = {}
+        self.modules: list[tuple[str, torch.nn.Module]] = []
+        """The target's modules (key, module), whose parameters ``param_names`` names."""
         self.device = device
         self.dtype = dtype
         self.device_map = dict(device_map)
@@ -443,7 +445,8 @@ class Planner:
             where = f"{self.location}, {path}"
 
             def load_optimizer(value: Any, opt: torch.optim.Optimizer = target) -> None:
-                sd = optimizer_state_for(opt, value, param_names, where=where) if by_name else value
+                renamed = renamed_parameter_names(self.modules, self.prefix_mapping)  # known once planned
+                sd = optimizer_state_for(opt, value, param_names, where=where, renamed=renamed) if by_name else value
                 opt.load_state_dict(sd)
 
             self.build(comp, node, load_optimizer, path)
