@@ -274,7 +274,6 @@ def compare_values(
     for start in range(0, fa.numel(), _ELEMENTS_PER_STEP):
         xs, ys = fa[start : start + _ELEMENTS_PER_STEP], fb[start : start + _ELEMENTS_PER_STEP]
         x, y = xs.to(wide), ys.to(wide)
-        same = (x == y) | (x.isnan() & y.isnan())
         d = (x - y).abs()
         if d.is_complex():
             d = d.real
@@ -285,6 +284,8 @@ def compare_values(
             same = xs == ys
             near = (xs.to(torch.int64) - ys.to(torch.int64)).abs().to(wide)
             d = torch.where(d < 2.0**62, near, d)
+        else:
+            same = (x == y) | (x.isnan() & y.isnan())
         d = torch.where(same, torch.zeros((), dtype=d.dtype), d)
         ref = y.abs().real if y.is_complex() else y.abs()
         ok = same | (d <= atol + rtol * ref)

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ._module_fit import is_transformers_model
 from ._prepare import storage_key
 from ._printable import printable
 from .errors import LoadMismatchError
@@ -74,18 +75,6 @@ def weights_to_save(model: Any) -> tuple[dict[str, torch.Tensor], set[str], set[
     before = {id(t) for t in kept.values()}
     made = {name for name, tensor in converted.items() if id(tensor) not in before}
     return out, set(converted), made
-
-
-def is_transformers_model(module: Any) -> bool:
-    """Whether ``module`` is a ``transformers`` ``PreTrainedModel`` (without importing
-    ``transformers`` for other modules)."""
-    if getattr(module, "config", None) is None or not hasattr(module, "base_model_prefix"):
-        return False
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # pragma: no cover - transformers not installed
-        return False
-    return isinstance(module, PreTrainedModel)
 
 
 @dataclass
@@ -187,7 +176,10 @@ def plan(
     for first, sources in groups.items():
         template = by_pattern[sources[0][1]]
         fusion = Fusion(first, sources, {}, template, location)
-        metas = {k: torch.empty(stored(k)[0], dtype=stored(k)[1], device="meta") for k, _ in sources}
+        metas = {}
+        for key, _ in sources:
+            shape, dtype = stored(key)
+            metas[key] = torch.empty(shape, dtype=dtype, device="meta")
         fusion.outputs = {k: tuple(v.shape) for k, v in _convert(fusion, module, metas).items()}
         out.fusions.append(fusion)
     if not out.renamed and not out.fusions:

@@ -139,7 +139,7 @@ def ignored_on_load(module: torch.nn.Module) -> tuple[re.Pattern[str] | None, re
             if isinstance(value, (list, tuple, set, frozenset)):
                 into.update(str(v) for v in value)
     buffers = [name for name, _ in module.named_buffers()]
-    if missing or unexpected or _is_transformers(module):  # transformers' two extra rules
+    if missing or unexpected or is_transformers_model(module):  # transformers' two extra rules
         if any(b.endswith("rotary_emb.inv_freq") for b in buffers):
             unexpected.add(r"rotary_emb\.inv_freq")
         if any(b.endswith("position_ids") for b in buffers):
@@ -151,8 +151,9 @@ def ignored_on_load(module: torch.nn.Module) -> tuple[re.Pattern[str] | None, re
     return pattern(missing), pattern(unexpected)
 
 
-def _is_transformers(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is a ``transformers`` model (``transformers`` is imported if so)."""
+def is_transformers_model(module: object) -> bool:
+    """Whether ``module`` is a ``transformers`` ``PreTrainedModel`` (never importing
+    ``transformers``: where it is not imported, no model of it exists)."""
     base = getattr(sys.modules.get("transformers"), "PreTrainedModel", None)
     return isinstance(base, type) and isinstance(module, base)
 
@@ -189,7 +190,7 @@ def _built_dtypes(module: torch.nn.Module, dtype: torch.dtype) -> dict[str, torc
     under ``dtype`` as the default (empty where none, or where it cannot be built)."""
     from_config = getattr(type(module), "_from_config", None)
     config = getattr(module, "config", None)
-    if not _is_transformers(module) or not callable(from_config) or config is None:
+    if not is_transformers_model(module) or not callable(from_config) or config is None:
         return {}
     try:
         with torch.device("meta"), warnings.catch_warnings():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,14 +28,19 @@ from .pickled import PickledBatch
 Advance = Callable[[int], None] | None
 
 
+def _shape_dtype(record: Any) -> tuple[tuple[int, ...], torch.dtype]:
+    """(shape, dtype) of a stored tensor: a manifest's record names its dtype, a ``.bin``
+    file's placeholder tensor holds one."""
+    dtype = record.dtype
+    return tuple(record.shape), dtype if isinstance(dtype, torch.dtype) else NAME_TO_DTYPE[dtype]
+
+
 def stored_shapes(saved: Mapping[str, str], comp: ComponentRecord) -> Callable[[str], tuple[tuple[int, ...], torch.dtype]]:
     """Checkpoint key -> (shape, dtype) of the tensor stored for it."""
 
     def stored(key: str) -> tuple[tuple[int, ...], torch.dtype]:
         name = saved[key]
-        record = comp.tensors[comp.aliases.get(name, name)]
-        dtype = record.dtype  # a manifest's record names it; a .bin file's placeholder holds one
-        return tuple(record.shape), dtype if isinstance(dtype, torch.dtype) else NAME_TO_DTYPE[dtype]
+        return _shape_dtype(comp.tensors[comp.aliases.get(name, name)])
 
     return stored
 
@@ -59,7 +65,6 @@ def plan(batch: ReadBatch | PickledBatch, fusions: list[Fusion], saved: Mapping[
     """The fusions to run, and (key, made shape, model shape) of each output that does not
     fit the model (reported as mis-shaped, like any other; its fusion is not run). Each
     source is checked against its file here, before anything is read."""
-    stored = stored_shapes(saved, comp)
     planned: list[PlannedFusion] = []
     wrong: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
     for fusion in fusions:
@@ -70,11 +75,11 @@ def plan(batch: ReadBatch | PickledBatch, fusions: list[Fusion], saved: Mapping[
             continue
         sources = {k: comp.aliases.get(saved[k], saved[k]) for k, _ in fusion.sources}
         nbytes = 0
-        for key, name in sources.items():
+        for name in sources.values():
             if isinstance(batch, ReadBatch):
                 nbytes += batch.check(comp.tensors[name], name)  # every chunk against its file
             else:
-                shape, dtype = stored(key)
+                shape, dtype = _shape_dtype(comp.tensors[name])
                 nbytes += torch.Size(shape).numel() * dtype.itemsize
         planned.append(PlannedFusion(fusion, comp, sources, module, put, nbytes))
     return planned, wrong
@@ -86,7 +91,7 @@ def run(batch: ReadBatch | PickledBatch, planned: PlannedFusion, location: str, 
     sub = batch.sub()
     read: dict[str, torch.Tensor] = {}
     for key, name in planned.sources.items():
-        shape, dtype = stored_shapes({key: name}, comp)(key)
+        shape, dtype = _shape_dtype(comp.tensors[name])
         read[key] = allocate(shape, dtype, torch.device("cpu"), location, name)
         sub.fill(comp.tensors[name], read[key], name)
     sub.run(False, advance)

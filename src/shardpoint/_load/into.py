@@ -146,9 +146,9 @@ def load_into(
         group = resolve_group(process_group, target)
 
         def load_here() -> LoadResult:  # in the phase: a refused argument fails alike on every rank
+            cast = parse_dtype(dtype)
             settings = IntoSettings(strict, progress, resolve_verify(verify), allow_pickle, device_arg(device),
-                                    parse_dtype(dtype), device_map_arg(device_map, target, parse_dtype(dtype)),
-                                    staging_size(max_buffer_bytes),
+                                    cast, device_map_arg(device_map, target, cast), staging_size(max_buffer_bytes),
                                     ranks_here)
             return _load_into(target, path, settings, storage_options, opened)
 

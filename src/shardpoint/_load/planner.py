@@ -140,7 +140,7 @@ class _ModuleLoad:
     a buffer of them on ``meta`` is rebuilt through the model's init, like a non-persistent one."""
     fused: set[str] = field(default_factory=set)
     """Keys a ``transformers`` conversion makes from other checkpoint tensors (filled after
-    the batch, by :meth:`Planner._fuse`)."""
+    the batch, by :meth:`Planner.run_fusions`)."""
 
 
 class Planner:
@@ -183,7 +183,7 @@ class Planner:
         allow = self.allow_pickle
         self.post.append(lambda: _apply_saved(apply, unflatten_state(node, tensors, where=where, allow_pickle=allow), where))
 
-    def new_home(self, key: str, tensor: torch.Tensor, fit: _ModuleLoad | None
+    def _new_home(self, key: str, tensor: torch.Tensor, fit: _ModuleLoad | None
                   ) -> tuple[torch.device, torch.dtype] | None:
         """Where a target tensor must be replaced by a new one (device, dtype), or None to
         fill it in place: a meta tensor; a floating-point one of another dtype than
@@ -240,7 +240,7 @@ class Planner:
             else:
                 tied[key] = twin
         for key in to_tie:
-            if fit is not None and self.new_home(tied[key], targets[tied[key]], fit) is None:
+            if fit is not None and self._new_home(tied[key], targets[tied[key]], fit) is None:
                 self._assign_later(fit.module, key, targets[tied[key]])
                 fit.materialized.add(key)
         if saved_names is None:
@@ -256,7 +256,7 @@ class Planner:
             saved = names[key]
             stored = comp.aliases.get(saved, saved)
             record = comp.tensors[stored]
-            home = self.new_home(key, tensor, fit)
+            home = self._new_home(key, tensor, fit)
             if home is not None:
                 if module is None:
                     raise InvalidStateError(
@@ -341,8 +341,8 @@ class Planner:
             self.unexpected[unexpected_from:] = [
                 k for k in self.unexpected[unexpected_from:] if not ignore_unexpected.search(k[len(prefix):])]
         if ignore_missing is not None:  # kept as they are (on meta: rebuilt by the model's init, else reported)
-            ignored = [k for k in self.missing[missing_from:] if ignore_missing.search(k[len(prefix):])]
-            self.missing[missing_from:] = [k for k in self.missing[missing_from:] if k not in set(ignored)]
+            ignored = {k for k in self.missing[missing_from:] if ignore_missing.search(k[len(prefix):])}
+            self.missing[missing_from:] = [k for k in self.missing[missing_from:] if k not in ignored]
             fit.rebuild.update(k[len(prefix):] for k in ignored)
         self._finish_module(fit, targets, prefix)
 
@@ -400,7 +400,7 @@ class Planner:
         region) where it already has its home, else a new tensor where ``device`` /
         ``device_map`` / ``dtype`` put it (a real parameter keeps its identity)."""
         tensor = targets[key]
-        home = self.new_home(key, tensor, fit)
+        home = self._new_home(key, tensor, fit)
         if home is None:
             if type(tensor).__name__ == "DTensor":
                 _global_shape, offsets, local = local_chunk(tensor)

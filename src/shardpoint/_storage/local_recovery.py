@@ -42,8 +42,6 @@ from .ownership import SAVE_MARKER, manifest_components
 from .paths import read_small_file
 from .posix import _RENAME_NOREPLACE, _rename2, lock_nowait, write_small_file
 
-"""Prefix of a save's marker file, :func:`marker_name`."""
-
 _NAME_MAX = 255
 _HEX = 32
 _OLD = "old-"

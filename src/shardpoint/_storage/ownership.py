@@ -18,6 +18,7 @@ from .._format.index import index_name
 from .._format.manifest import MANIFEST_NAME
 
 SAVE_MARKER = ".shardpoint-save"
+"""Prefix of a save's marker file (``local_recovery.marker_name``)."""
 _WEIGHT_SHARD = re.compile(r"(.+)-\d{5}-of-\d{5}\.safetensors")
 _TABLE = re.compile(r"shardpoint-r\d{5}\.json")
 """A rank's chunk table (``_format.tables.table_name``): a name only shardpoint writes."""
