@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import random
 import resource
 import shutil
 import statistics
@@ -19,6 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 # ------------------------------------------------------------------- the VM's memory
 
@@ -428,6 +430,33 @@ class SectionResult:
         }
 
 
+_Case = TypeVar("_Case")
+
+
+def round_order(cases: Sequence[_Case], round_no: int) -> list[_Case]:
+    """The order of one interleaved round: as given for the warm-up (round 0), then a
+    permutation drawn per round from a generator seeded with the round's number, the same
+    in every process of a run.
+
+    Rotating one fixed order (A B C, B C A, C A B) varies who runs first but not who runs
+    right before whom: each peer followed the same one in every round. In one cold-load run
+    (2026-11-27) ``runai`` always followed ``torch-checkpointing``, a 3 s call using 2 CPUs
+    and little disk, and ``sp`` always followed ``plain``, a read of the same 2 GB, so their
+    difference carried their neighbours'.
+
+        >>> round_order("ABC", 0)
+        ['A', 'B', 'C']
+        >>> sorted(round_order("ABCDE", 3)) == list("ABCDE")
+        True
+        >>> round_order("ABCDE", 3) == round_order("ABCDE", 3)
+        True
+    """
+    order = list(cases)
+    if round_no:
+        random.Random(round_no).shuffle(order)
+    return order
+
+
 def run_interleaved(
     name: str,
     cases: Sequence[Case],
@@ -438,8 +467,8 @@ def run_interleaved(
 ) -> SectionResult:
     """Run ``cases`` interleaved for one discarded warm-up round plus ``rounds`` timed rounds.
 
-    Each round starts one peer later (A B C, B C A, C A B, ...), so that no peer always runs
-    right after the same one (after DCP's allocations, say) or always first.
+    Each round runs the peers in its own order (:func:`round_order`), so that no peer always
+    runs first, or always right after the same one (after DCP's allocations, say).
 
     Every timed call starts the same way: ``sync`` (the previous peer's writeback is done),
     then ``prepare`` (which deletes this peer's previous output), then the call at once. On
@@ -457,8 +486,7 @@ def run_interleaved(
         warmup = round_no == 0
         round_started = time.perf_counter()
         parts = []
-        shift = round_no % len(cases)
-        for case in [*cases[shift:], *cases[:shift]]:
+        for case in round_order(cases, round_no):
             # sync, then prepare, then time at once: see the docstring.
             sync()
             case.prepare()

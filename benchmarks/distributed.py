@@ -55,9 +55,11 @@ from _common import (
     drop_caches,
     files_under,
     freed_memory_held,
+    fsync_tree,
     read_direct,
     refresh_free_memory,
     remove,
+    round_order,
     start_writeback,
     write_direct,
 )
@@ -211,8 +213,7 @@ class Ranks:
             refresh_free_memory()
         for round_no in range(rounds + 1):
             parts = []
-            shift = round_no % len(cases)  # each round starts one case later: A B C, B C A, ...
-            for case in [*cases[shift:], *cases[:shift]]:
+            for case in round_order(cases, round_no):  # each round its own order
                 seconds = self.timed(case, cold_paths=cold_paths)
                 if round_no == 0:
                     case.check()
@@ -343,6 +344,11 @@ def main_section(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, Any
 
     import shardpoint as sp
 
+    try:
+        from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+    except ImportError:  # an older torch: the rows are left out
+        HuggingFaceStorageReader = HuggingFaceStorageWriter = None
+
     shapes = Shapes.for_bytes(int(args.gb * 1e9))
     mesh = init_device_mesh("cpu", (r.world,))
     state = sharded_state(shapes, mesh, blank=False)
@@ -356,7 +362,7 @@ def main_section(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, Any
     if r.rank == 0:
         os.makedirs(d, exist_ok=True)
     r.dist.barrier()
-    paths = {k: os.path.join(d, k) for k in ("sp", "sp_durable", "dcp", "dcp_durable")}
+    paths = {k: os.path.join(d, k) for k in ("sp", "sp_durable", "dcp", "dcp_durable", "dcp_hf", "dcp_hf_durable")}
     plain = os.path.join(d, f"plain-rank{r.rank}.bin")
 
     def removing(*names: str) -> Callable[[], None]:
@@ -385,6 +391,16 @@ def main_section(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, Any
     def writer(durable: bool) -> Any:
         return dcp.FileSystemWriter(paths["dcp_durable" if durable else "dcp"], sync_files=durable)
 
+    def save_dcp_hf(durable: bool) -> None:
+        """DCP with its safetensors writer: one file per rank (``save_distributed``), not
+        consolidated into the model's files (that is a second pass over every byte). It
+        does not fsync: for the durable save every rank fsyncs the directory after it,
+        inside the timed call, as ``save_load.py`` does for every peer that does not."""
+        out = paths["dcp_hf_durable" if durable else "dcp_hf"]
+        dcp.save(state, storage_writer=HuggingFaceStorageWriter(out, save_distributed=True))
+        if durable:
+            fsync_tree(out)
+
     saves = [
         Case(
             "plain",
@@ -405,6 +421,15 @@ def main_section(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, Any
             removing("dcp"),
         ),
     ]
+    if HuggingFaceStorageWriter is not None:
+        saves.append(
+            Case(
+                "dcp_hf",
+                "dcp.save, HuggingFaceStorageWriter (1 file per rank)",
+                lambda: save_dcp_hf(False),
+                removing("dcp_hf"),
+            )
+        )
     durable_saves = [
         Case(
             "plain",
@@ -425,6 +450,15 @@ def main_section(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, Any
             removing("dcp_durable"),
         ),
     ]
+    if HuggingFaceStorageWriter is not None:
+        durable_saves.append(
+            Case(
+                "dcp_hf",
+                "dcp.save, HuggingFaceStorageWriter + fsync",
+                lambda: save_dcp_hf(True),
+                removing("dcp_hf_durable"),
+            )
+        )
     # The O_DIRECT limits, where the file system takes O_DIRECT (not all do: tmpfs before
     # Linux 6.6, some network file systems).
     direct_ok = accepts_direct(d)
@@ -462,6 +496,15 @@ def main_section(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, Any
             check=check_load("dcp.load"),
         ),
     ]
+    if HuggingFaceStorageReader is not None:
+        loads.append(
+            Case(
+                "dcp_hf",
+                "dcp.load(targets), HuggingFaceStorageReader",
+                lambda: dcp.load(targets, storage_reader=HuggingFaceStorageReader(paths["dcp_hf"])),
+                check=check_load("dcp.load (HuggingFaceStorageReader)"),
+            )
+        )
     t_load = r.interleaved("load, warm", loads, args.rounds)
     t_cold = None
     direct = Case(
@@ -564,6 +607,11 @@ def reshard_save(r: Ranks, args: argparse.Namespace, work: str) -> None:
 
     import shardpoint as sp
 
+    try:
+        from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    except ImportError:  # an older torch: the row is left out
+        HuggingFaceStorageWriter = None
+
     shapes = Shapes.for_bytes(int(args.reshard_gb * 1e9))
     mesh = init_device_mesh("cpu", (r.world,))
     state = sharded_state(shapes, mesh, blank=False)
@@ -572,6 +620,9 @@ def reshard_save(r: Ranks, args: argparse.Namespace, work: str) -> None:
         state,
         storage_writer=dcp.FileSystemWriter(os.path.join(work, "reshard-dcp"), sync_files=False),
     )
+    if HuggingFaceStorageWriter is not None:
+        out = os.path.join(work, "reshard-dcp-hf")
+        dcp.save(state, storage_writer=HuggingFaceStorageWriter(out, save_distributed=True))
 
 
 def reshard_load(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, Any]:
@@ -579,6 +630,11 @@ def reshard_load(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, Any
     from torch.distributed.device_mesh import init_device_mesh
 
     import shardpoint as sp
+
+    try:
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
+    except ImportError:  # an older torch: the row is left out
+        HuggingFaceStorageReader = None
 
     shapes = Shapes.for_bytes(int(args.reshard_gb * 1e9))
     mesh = init_device_mesh("cpu", (r.world,))
@@ -639,6 +695,16 @@ def reshard_load(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, Any
         ),
         Case("dcp", "dcp.load (Shard(0) targets)", load_dcp, check=check("dcp.load")),
     ]
+    if HuggingFaceStorageReader is not None:
+        hf_path = os.path.join(work, "reshard-dcp-hf")
+        cases.append(
+            Case(
+                "dcp_hf",
+                "dcp.load, HuggingFaceStorageReader (Shard(0) targets)",
+                lambda: dcp.load(targets, storage_reader=HuggingFaceStorageReader(hf_path)),
+                check=check("dcp.load (HuggingFaceStorageReader)"),
+            )
+        )
     r.log(
         f"\n=== resharded load: {args.reshard_from} ranks saved {shapes.nbytes() / 1e9:.2f} GB Shard(0); "
         f"{r.world} ranks load it into Shard(0) targets ==="

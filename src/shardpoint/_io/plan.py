@@ -58,6 +58,42 @@ def pieces(nbytes: int, piece: int) -> list[tuple[int, int]]:
     return [(start, min(start + piece, nbytes)) for start in range(0, nbytes, piece)]
 
 
+TAPER_FLOOR_BYTES = 4 << 20
+"""Smallest piece :func:`tapered_pieces` cuts (unless the range itself is smaller)."""
+
+
+def tapered_pieces(nbytes: int, piece: int, left: int, threads: int) -> list[tuple[int, int]]:
+    """:func:`pieces` of a range that ``left`` bytes of work (this range's included) finish,
+    shrinking towards the end of the work: each piece at most ``piece`` and at most a
+    ``2 * threads``-th of the bytes left from its start (in whole MiB), but not below 4 MiB.
+
+    The threads take pieces in order; with equal pieces the last few ran on one or two
+    threads while the rest had finished (a 2.14 GB cold load, 8 threads: 3 of 8 busy over
+    its last 50 ms). Shrinking pieces let the threads finish together.
+
+    >>> tapered_pieces(64 << 20, 64 << 20, 1 << 30, 8)  # far from the end: whole
+    [(0, 67108864)]
+    >>> [(b - a) >> 20 for a, b in tapered_pieces(64 << 20, 64 << 20, 64 << 20, 2)]
+    [16, 12, 9, 6, 5, 4, 4, 4, 4]
+    >>> tapered_pieces(0, 4, 0, 2)
+    [(0, 0)]
+    >>> tapered_pieces(10, 4, 10, 1)  # one thread: as pieces()
+    [(0, 4), (4, 8), (8, 10)]
+    """
+    if threads <= 1:
+        return pieces(nbytes, piece)  # one thread: nothing to balance
+    if nbytes == 0:
+        return [(0, 0)]
+    out = []
+    start = 0
+    while start < nbytes:
+        share = (left - start) // (2 * threads) >> 20 << 20  # whole MiB: pieces stay aligned
+        size = min(piece, max(TAPER_FLOOR_BYTES, share))
+        out.append((start, min(nbytes, start + size)))
+        start += size
+    return out
+
+
 def small_runs(
     entries: Sequence[tuple[int, int]], *, tensor_max: int = SMALL_TENSOR_BYTES, run_max: int = SMALL_RUN_BYTES
 ) -> list[tuple[int, int]]:

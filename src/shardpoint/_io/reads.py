@@ -120,9 +120,10 @@ def _straight(task: ReadTask) -> bool:
     return dest is not None and dest.is_cpu and dest.dtype == task.stored_dtype
 
 
-def _plan(tasks: Sequence[ReadTask], straight_piece: int, staged_piece: int) -> list[Any]:
+def _plan(tasks: Sequence[ReadTask], straight_piece: int, staged_piece: int, threads: int = 1) -> list[Any]:
     """Work items: (first, stop) for a run of small tasks read together, (i, task, start,
-    end) for a piece of one task."""
+    end) for a piece of one task; pieces shrink towards the end of the work
+    (:func:`.plan.tapered_pieces`) so that the ``threads`` finish together."""
     # Small tasks reading neighbouring bytes of one file straight into CPU memory (or only
     # checksummed) are read together: one request into one buffer, split by the run
     # (``_read_small_run``).
@@ -139,19 +140,22 @@ def _plan(tasks: Sequence[ReadTask], straight_piece: int, staged_piece: int) -> 
     ]
     run_at = dict(plan.same_file_runs(candidates))
     work: list[Any] = []
+    left = sum(task.nbytes for task in tasks)
     i = 0
     while i < len(tasks):
         stop = run_at.get(i)
         if stop is not None:
             work.append((i, stop))
+            left -= sum(task.nbytes for task in tasks[i:stop])
             i = stop
             continue
         task = tasks[i]
         # A piece cast or copied out goes through the staging buffer in one go; one only
         # checksummed (no destination) is read a buffer at a time, a long stream per thread.
         staged = task.dest is not None and not _straight(task)
-        for start, end in plan.pieces(task.nbytes, staged_piece if staged else straight_piece):
+        for start, end in plan.tapered_pieces(task.nbytes, staged_piece if staged else straight_piece, left, threads):
             work.append((i, task, start, end))
+        left -= task.nbytes
         i += 1
     return work
 
@@ -279,7 +283,7 @@ def run_reads(
                         problems(tasks[i], exc)
 
     try:
-        run_all(run, _plan(tasks, straight_piece, staged_piece), threads)
+        run_all(run, _plan(tasks, straight_piece, staged_piece, threads), threads)
     finally:
         src.close()
         for device in used_cuda:  # every asynchronous copy has landed before we return
