@@ -251,14 +251,19 @@ class LocalFiles:
         """Files whose reads with ``O_DIRECT`` failed with EINVAL (their fds close at the end:
         another thread may be reading with one)."""
         self._bounce = threading.local()
+        self._cold = True
+        """Whether the tasks last given to :meth:`threads` were mostly not in the page cache."""
 
     def threads(self, tasks: Sequence[ReadTask]) -> int:
         """The given count, else :func:`.threads.reader_threads` for these tasks: fewer
         threads when their bytes are mostly in the page cache (copies are CPU work), more
         when they must come from the disk (more requests in flight)."""
-        if self._threads:
-            return self._threads
-        return reader_threads(self._processes_here, cached=self._mostly_cached(tasks))
+        cached = self._mostly_cached(tasks)
+        self._cold = not cached
+        return self._threads or reader_threads(self._processes_here, cached=cached)
+
+    def tapered(self) -> bool:
+        return self._cold
 
     def _mostly_cached(self, tasks: Sequence[ReadTask]) -> bool:
         """Whether at least half of up to 32 tasks, spread over the list, have their first

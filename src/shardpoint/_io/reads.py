@@ -48,6 +48,11 @@ class ByteSource(Protocol):
     def piece_bytes(self) -> int:
         """The largest piece read in one go into a destination's own memory."""
 
+    def tapered(self) -> bool:
+        """Whether the last :meth:`threads` found reads that wait (on a disk, a network):
+        their pieces then shrink towards the end, so the threads finish together. Copies
+        from the page cache keep whole pieces (each piece's mapped copy sets up windows)."""
+
     def fill(self, task: ReadTask, view: memoryview, at: int, check: bool) -> tuple[int, int]:
         """Read ``view`` from ``at`` of the task's file: (bytes read, their crc32c if ``check``)."""
 
@@ -78,6 +83,9 @@ class ObjectRanges:
 
     def piece_bytes(self) -> int:
         return current_options().remote.read_bytes
+
+    def tapered(self) -> bool:
+        return True
 
     def _get(self, task: ReadTask, at: int, nbytes: int) -> bytes:
         try:
@@ -283,7 +291,7 @@ def run_reads(
                         problems(tasks[i], exc)
 
     try:
-        run_all(run, _plan(tasks, straight_piece, staged_piece, threads), threads)
+        run_all(run, _plan(tasks, straight_piece, staged_piece, threads if src.tapered() else 1), threads)
     finally:
         src.close()
         for device in used_cuda:  # every asynchronous copy has landed before we return
