@@ -582,10 +582,12 @@ def test_reads_run_fewer_threads_over_cached_bytes_and_more_over_the_disk(tmp_pa
         source._cached_prefix = lambda *args: probes.append(args) or probe(*args)
         assert source.threads(tasks) == cached
         assert len(probes) == 4  # it stops probing once half the sample is found cached
+        assert not source.tapered()  # page-cache copies keep whole pieces
         fd = source.fd(tasks[0])
         os.fsync(fd)  # clean pages can be evicted
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         assert source.threads(tasks) == cold
+        assert source.tapered()  # reads that wait on the disk taper towards the end
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: only what is read gets cached
         os.pread(fd, 3 << 20, 0)  # 3 of the 8 sampled tasks cached: still mostly on the disk
         assert source.threads(tasks) == cold
@@ -593,6 +595,16 @@ def test_reads_run_fewer_threads_over_cached_bytes_and_more_over_the_disk(tmp_pa
         assert source.threads(tasks) == cached
     finally:
         source.close()
+    # A thread count given: used as it is, and the pieces still follow where the bytes are.
+    fixed = files.LocalFiles(threads=3)
+    try:
+        fd = fixed.fd(tasks[0])
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert fixed.threads(tasks) == 3 and fixed.tapered()
+        os.pread(fd, len(data), 0)
+        assert fixed.threads(tasks) == 3 and not fixed.tapered()
+    finally:
+        fixed.close()
     # A file that cannot be opened: counted as on the disk; the reads report it, by name.
     missing = [task._replace(path=str(tmp_path / "gone.bin"), name="gone.bin") for task in tasks]
     gone = files.LocalFiles()
