@@ -337,6 +337,16 @@ def plain_read_into(path: str, views: list[memoryview], *, threads: int, request
 # ----------------------------------------------------------------------------- the ranks
 
 
+def dcp_hf_classes() -> tuple[Any, Any]:
+    """DCP's ``HuggingFaceStorageReader`` and ``Writer``, or (None, None) on a torch without
+    them (their rows are then left out)."""
+    try:
+        from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+    except ImportError:
+        return None, None
+    return HuggingFaceStorageReader, HuggingFaceStorageWriter
+
+
 def main_section(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, Any]:
     import torch
     import torch.distributed.checkpoint as dcp
@@ -344,10 +354,7 @@ def main_section(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, Any
 
     import shardpoint as sp
 
-    try:
-        from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
-    except ImportError:  # an older torch: the rows are left out
-        HuggingFaceStorageReader = HuggingFaceStorageWriter = None
+    HuggingFaceStorageReader, HuggingFaceStorageWriter = dcp_hf_classes()
 
     shapes = Shapes.for_bytes(int(args.gb * 1e9))
     mesh = init_device_mesh("cpu", (r.world,))
@@ -607,10 +614,7 @@ def reshard_save(r: Ranks, args: argparse.Namespace, work: str) -> None:
 
     import shardpoint as sp
 
-    try:
-        from torch.distributed.checkpoint import HuggingFaceStorageWriter
-    except ImportError:  # an older torch: the row is left out
-        HuggingFaceStorageWriter = None
+    _, HuggingFaceStorageWriter = dcp_hf_classes()
 
     shapes = Shapes.for_bytes(int(args.reshard_gb * 1e9))
     mesh = init_device_mesh("cpu", (r.world,))
@@ -631,10 +635,7 @@ def reshard_load(r: Ranks, args: argparse.Namespace, work: str) -> dict[str, Any
 
     import shardpoint as sp
 
-    try:
-        from torch.distributed.checkpoint import HuggingFaceStorageReader
-    except ImportError:  # an older torch: the row is left out
-        HuggingFaceStorageReader = None
+    HuggingFaceStorageReader, _ = dcp_hf_classes()
 
     shapes = Shapes.for_bytes(int(args.reshard_gb * 1e9))
     mesh = init_device_mesh("cpu", (r.world,))

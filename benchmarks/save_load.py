@@ -578,7 +578,7 @@ def load_section(
     try:
         result = run_interleaved(name, cases, rounds=rounds, nbytes=tensor_bytes(model))
         if cold:  # "vs limit": against the fastest plain reader over the whole file
-            result.baseline = min(("plain", *LIMIT_KEYS), key=lambda k: result.median(k) if k in result.seconds else 1e9)
+            result.baseline = fastest_plain_reader(result)
         return result
     finally:
         for child in children:
@@ -677,7 +677,7 @@ def evaluate_targets(
         cold = sections["load_cold"]
         # The disk sets the pace of a cold load: the fastest plain reader is what a load at
         # the disk's speed would take in this run.
-        limit = cold_limit(cold)
+        limit = cold.median(fastest_plain_reader(cold))
         checks.append(
             TargetCheck(
                 "load cold: safe_open shards / sp (crc)",
@@ -728,10 +728,10 @@ LIMIT_KEYS = ("limit", "limit2", "limit3")
 """The cold section's rows for the read-limit sweep's three finalists."""
 
 
-def cold_limit(cold: SectionResult) -> float:
-    """The cold limit of a run: the fastest median of the plain readers (``plain`` and the
-    sweep's finalists), each timed over the whole file in the interleaved rounds."""
-    return min(cold.median(key) for key in ("plain", *LIMIT_KEYS) if key in cold.seconds)
+def fastest_plain_reader(cold: SectionResult) -> str:
+    """The cold section's limit row: the plain reader (``plain``, the sweep's finalists),
+    each timed over the whole file in the interleaved rounds, with the fastest median."""
+    return min((key for key in ("plain", *LIMIT_KEYS) if key in cold.seconds), key=cold.median)
 
 
 def informational_ratios(sections: dict[str, SectionResult]) -> list[str]:
