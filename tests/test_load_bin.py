@@ -124,3 +124,78 @@ def test_a_local_bin_path_refuses_storage_options_as_safetensors_does(tmp_path):
             sp.load(path, storage_options={"anon": True})
         with pytest.raises(sp.InvalidArgumentError, match="is a local path; they apply to fsspec URLs only"):
             sp.load_into({"w": torch.zeros(2)}, path, storage_options={"anon": True})
+
+
+def _record_start(path, suffix: str) -> int:
+    """Where the bytes of the zip record whose name ends with ``suffix`` start in the file."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith(suffix))
+    with open(path, "rb") as f:
+        f.seek(info.header_offset)
+        name_len, extra_len = struct.unpack("<26xHH", f.read(30))
+    return info.header_offset + 30 + name_len + extra_len
+
+
+@pytest.mark.parametrize("layout", ["file", "shards"])
+def test_a_flipped_bit_in_a_bin_record_is_caught_by_its_zip_crc(tmp_path, layout):
+    """torch.load(mmap=True) never checks the zip's CRC-32s: a flipped bit would load as a
+    wrong value. Every read path (load, load_into, convert) checks each storage's record."""
+    sd = {"a": torch.arange(8, dtype=torch.float32), "b": torch.ones(4, 4, dtype=torch.bfloat16)}
+    if layout == "file":
+        target = tmp_path / "model.pt"
+        torch.save(sd, target)
+        victim, record = target, "/data/1"  # "b", stored second
+    else:
+        target = tmp_path / "bin"
+        _save_bin(sd, target, shards=2)
+        victim, record = target / "pytorch_model-00002-of-00002.bin", "/data/0"  # holds "b" alone
+    at = _record_start(victim, record) + 5
+    data = bytearray(victim.read_bytes())
+    data[at] ^= 0x10
+    victim.write_bytes(bytes(data))
+
+    with pytest.raises(sp.CorruptCheckpointError) as err:
+        sp.load(target)
+    message = str(err.value)
+    assert "'b'" in message and str(victim) in message and "CRC-32" in message, message
+    assert "Restore it from a copy" in message
+    with pytest.raises(sp.CorruptCheckpointError, match="CRC-32"):
+        sp.load_into({"a": torch.zeros(8), "b": torch.zeros(4, 4, dtype=torch.bfloat16)}, target)
+    with pytest.raises(sp.CorruptCheckpointError, match="CRC-32"):
+        sp.convert(target, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    # The undamaged tensor still loads on its own.
+    assert torch.equal(sp.load(target, keys=["a"])["a"], sd["a"])
+
+
+def test_a_compressed_bin_record_is_refused_not_read_as_values(tmp_path):
+    """A zip record stored deflated is valid zip, and torch.load without mmap inflates it,
+    but a mapped load would read the deflated bytes as values: refused by name."""
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.arange(64, dtype=torch.float32)}, buf)
+    source = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    path = tmp_path / "model.pt"
+    with zipfile.ZipFile(path, "w") as out:
+        for info in source.infolist():
+            packed = (
+                zipfile.ZIP_DEFLATED if info.filename.endswith("/data/0") else zipfile.ZIP_STORED
+            )
+            out.writestr(info.filename, source.read(info.filename), compress_type=packed)
+    assert torch.equal(
+        torch.load(path, weights_only=True)["w"], torch.arange(64, dtype=torch.float32)
+    )
+    with pytest.raises(sp.CorruptCheckpointError) as err:
+        sp.load(path)
+    assert str(err.value) == (
+        f"{path}: record 'archive/data/0' of the zip archive is compressed, which torch.save never "
+        "does; its bytes cannot be read as tensor values. The file is damaged or forged: restore "
+        "it from a copy"
+    )
+    with pytest.raises(sp.CorruptCheckpointError, match="compressed"):
+        sp.convert(path, tmp_path / "out")

@@ -77,6 +77,8 @@ def verify_pickled(
                     found.problem(fname, message)
                 if not has_crc:
                     without_crc.append(where)
+                if problems:
+                    continue  # loading it would only say the same again
             obj, _ = torch_load(path, trust_pickle=False, zip_only=True)
         except (UnsafePickleError, UnsupportedFormatError):
             raise  # not damage: verify cannot judge the file without unpickling it

@@ -8,8 +8,9 @@ dropped again, so memory stays the target plus about one batch. Nothing is unpic
 what ``weights_only`` allows, and only zip-format files are read (their pickle is small
 and goes through ``weights_only``'s restricted unpickler; a legacy pre-1.6 file is one
 big pickle): anything else is refused (``sp.convert(..., trust_pickle=True)`` is the way
-for trusted files). There is no crc32c in these files, so nothing is verified beyond their
-structure.
+for trusted files). There is no crc32c in these files; each tensor's bytes are checked
+against the CRC-32 that the zip archive records for them as they are read
+(``_sources.pickled.ZipRecords``), and a record stored compressed is refused.
 """
 
 from __future__ import annotations

@@ -13,10 +13,14 @@ Used by ``convert`` / ``diff`` (through ``_sources.open.open_source``), by ``sp.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import mmap as _mmap
 import os
 import pickle
+import struct
+import zipfile
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +62,123 @@ def _file_mappings(path: str) -> list[tuple[int, int]]:
     except OSError:
         return []
     return ranges
+
+
+def _inode_mappings(inode: int) -> list[tuple[int, int, int]]:
+    """(start, end, file offset) of each range where the file with this inode number is
+    mapped into this process, sorted (Linux's ``/proc/self/maps``; else none)."""
+    found = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                parts = line.split(None, 5)
+                if len(parts) >= 5 and parts[4] == str(inode):
+                    lo, hi = parts[0].split("-")
+                    found.append((int(lo, 16), int(hi, 16), int(parts[2], 16)))
+    except (OSError, ValueError):
+        return []
+    return sorted(found)
+
+
+_LOCAL_HEADER = struct.Struct("<4s22xHH")
+"""A zip local file header: signature, then (after 22 bytes) the name and extra lengths."""
+
+
+class ZipRecords:
+    """The records of a zip-format ``torch.save`` file: where each one's bytes start, and
+    their CRC-32, checked against a mapped tensor's storage the first time it is read.
+
+    ``torch.load(mmap=True)`` maps the file and takes each storage's bytes from where the
+    archive says its record lies; it never checks them. So a flipped bit, or a record
+    stored compressed (``torch.save`` never compresses; a mapped load would read the
+    deflated bytes as values), would load as wrong values without a word. Compressed and
+    encrypted records are refused when the file is opened; every other record is checked
+    against its CRC-32 when its storage is first read (zlib, a few GB/s).
+    """
+
+    def __init__(self, fd: int, path: str) -> None:
+        self.path = path
+        self.inode = os.fstat(fd).st_ino
+        size = os.fstat(fd).st_size
+        try:
+            with zipfile.ZipFile(os.fdopen(os.dup(fd), "rb")) as archive:
+                records = archive.infolist()
+        except Exception as exc:  # zipfile raises many kinds on a damaged archive
+            raise CorruptCheckpointError(
+                f"{path} is not a readable zip archive ({type(exc).__name__}: "
+                f"{str(exc)[:200]}); the file is truncated or damaged. Restore it from a copy"
+            ) from None
+        self.starts: dict[int, tuple[str, int, int]] = {}
+        """Where each record's bytes start in the file: (name, size, CRC-32)."""
+        for record in records:
+            if record.compress_type != zipfile.ZIP_STORED or record.flag_bits & 1:
+                raise CorruptCheckpointError(
+                    f"{path}: record {record.filename!r} of the zip archive is "
+                    f"{'encrypted' if record.flag_bits & 1 else 'compressed'}, which torch.save "
+                    "never does; its bytes cannot be read as tensor values. The file is damaged "
+                    "or forged: restore it from a copy"
+                )
+            head = os.pread(fd, _LOCAL_HEADER.size, record.header_offset)
+            if len(head) < _LOCAL_HEADER.size or head[:4] != b"PK\x03\x04":
+                raise CorruptCheckpointError(
+                    f"{path}: record {record.filename!r} of the zip archive has no local header "
+                    "where the directory says; the file is damaged. Restore it from a copy"
+                )
+            name_len, extra_len = _LOCAL_HEADER.unpack(head)[1:]
+            start = record.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+            if start + record.file_size > size:
+                raise CorruptCheckpointError(
+                    f"{path}: record {record.filename!r} of the zip archive runs past the end of "
+                    "the file; the file is truncated. Restore it from a copy"
+                )
+            self.starts[start] = (record.filename, record.file_size, record.CRC)
+        # Saved with torch.serialization.set_crc32_options(False), every CRC-32 is 0.
+        self.recorded = any(crc for _, n, crc in self.starts.values() if n)
+        self._checked: set[int] = set()
+
+    def check(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Check the storage of each (name, tensor) not checked before against its record's
+        CRC-32; raise CorruptCheckpointError naming the tensor and the file where one differs.
+        Nothing is checked where the mappings cannot be read (not Linux) or no CRC is recorded."""
+        if not self.recorded:
+            return
+        todo = [
+            (k, t)
+            for k, t in named
+            if t.untyped_storage().nbytes() and t.untyped_storage().data_ptr() not in self._checked
+        ]
+        if not todo:
+            return
+        ranges = _inode_mappings(self.inode)
+        if not ranges:
+            return
+        starts = [r[0] for r in ranges]
+        for key, tensor in todo:
+            ptr = tensor.untyped_storage().data_ptr()
+            i = bisect.bisect_right(starts, ptr) - 1
+            lo, hi, offset = ranges[i] if i >= 0 else (0, 0, 0)
+            if not lo <= ptr < hi:
+                continue  # not the file's bytes: made in memory by a trusted full unpickle
+            record = self.starts.get(ptr - lo + offset)
+            if record is None:
+                raise CorruptCheckpointError(
+                    f"{self.path}: the bytes of tensor {key!r} lie in no record of the zip "
+                    "archive; the file is damaged or forged. Restore it from a copy"
+                )
+            rname, nbytes, crc = record
+            if ptr + nbytes > hi or nbytes < tensor.untyped_storage().nbytes():
+                raise CorruptCheckpointError(
+                    f"{self.path}: record {rname!r} of the zip archive is smaller than the storage "
+                    f"of tensor {key!r}; the file is damaged or forged. Restore it from a copy"
+                )
+            got = zlib.crc32((ctypes.c_char * nbytes).from_address(ptr)) if nbytes else 0
+            if got != crc:
+                raise CorruptCheckpointError(
+                    f"{self.path}: the bytes of tensor {key!r} (record {rname!r}) do not match the "
+                    f"CRC-32 the zip archive records for them ({got:08x}, recorded {crc:08x}); the "
+                    "file is damaged. Restore it from a copy"
+                )
+            self._checked.add(ptr)
 
 
 class _PageDropper:
@@ -104,19 +225,32 @@ def _refusal_reason(exc: BaseException) -> str:
     return text.strip().split("\n", 1)[0][:200]
 
 
-def torch_load(path: str, *, trust_pickle: bool, zip_only: bool = False) -> tuple[Any, bool]:
-    """Load a ``torch.save`` file mapped (zip format) or whole (legacy); (object, mapped).
+def torch_load(
+    path: str, *, trust_pickle: bool, zip_only: bool = False
+) -> tuple[Any, ZipRecords | None]:
+    """Load a ``torch.save`` file mapped (zip format) or whole (legacy); (object, the zip's
+    records to check tensors against: None for a legacy file, which is not mapped).
 
     Raises UnsafePickleError naming the file when it needs a full unpickle and
     ``trust_pickle`` is False; with ``zip_only`` a legacy file is refused before unpickling.
+    The file is opened once: what is checked is what is loaded, whatever the path names
+    meanwhile (through ``/proc/self/fd`` where there is one).
     """
     fd = open_regular(path, where=path)  # a FIFO or device would hang or never end
     try:
-        magic = os.pread(fd, 4, 0)
+        return _load_open(fd, path, trust_pickle=trust_pickle, zip_only=zip_only)
     finally:
         os.close(fd)
+
+
+def _load_open(
+    fd: int, path: str, *, trust_pickle: bool, zip_only: bool
+) -> tuple[Any, ZipRecords | None]:
+    magic = os.pread(fd, 4, 0)
+    records = None
     if magic == b"PK\x03\x04":
         mapped = True
+        records = ZipRecords(fd, path)
     elif magic[:1] == b"\x80" and zip_only:
         raise UnsupportedFormatError(
             f"{path} is not a zip-format torch.save file (a legacy pre-1.6 pickle); sp.load reads "
@@ -131,7 +265,13 @@ def torch_load(path: str, *, trust_pickle: bool, zip_only: bool = False) -> tupl
             "torch.save files, safetensors, Hugging Face .bin shards and DCP directories"
         )
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=not trust_pickle, mmap=mapped)
+        held = f"/proc/self/fd/{fd}"
+        obj = torch.load(
+            held if os.path.exists(held) else path,
+            map_location="cpu",
+            weights_only=not trust_pickle,
+            mmap=mapped,
+        )
     except pickle.UnpicklingError as exc:
         if trust_pickle or "Weights only load failed" not in str(exc):
             raise CorruptCheckpointError(
@@ -155,14 +295,15 @@ def torch_load(path: str, *, trust_pickle: bool, zip_only: bool = False) -> tupl
             f"{path} is not a readable torch.save file ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); it may be truncated"
         ) from None
-    return obj, mapped
+    return obj, records
 
 
 class TorchSaveSource(TensorSource):
     """One ``torch.save`` file, mapped; tensors read (page-faulted) one batch at a time."""
 
     def __init__(self, spec: SourceSpec, notes: list[str]) -> None:
-        obj, mapped = torch_load(spec.path, trust_pickle=spec.trust_pickle, zip_only=spec.zip_only)
+        obj, records = torch_load(spec.path, trust_pickle=spec.trust_pickle, zip_only=spec.zip_only)
+        mapped = records is not None
         real, flat = components_from_object(obj, where=spec.path, allow_pickle=spec.trust_pickle)
         if not mapped:
             notes.append(
@@ -174,11 +315,19 @@ class TorchSaveSource(TensorSource):
             (c.name, n): c.tensors[n] for c in real for n in c.stored
         }
         self._dropper = _PageDropper(spec.path) if mapped else None
+        self._records = records
         self._last: list[torch.Tensor] = []
 
     def read(self, refs: Sequence[Ref], dtype: torch.dtype | None) -> list[torch.Tensor]:
         assert self._tensors is not None, "source is closed"
         self._last = [self._tensors[r] for r in refs]
+        if self._records is not None:
+            self._records.check(
+                [
+                    (name or component, t)
+                    for (component, name), t in zip(refs, self._last, strict=True)
+                ]
+            )
         return [cast(t, dtype) for t in self._last]
 
     def release(self) -> None:
@@ -211,7 +360,7 @@ class BinShardsSource(TensorSource):
         skeleton: dict[str, torch.Tensor] = {}
         # First pass: shapes and dtypes, one shard mapped at a time (no tensor data read).
         for fname in sorted(set(index.weight_map.values())):
-            shard = self._load(fname)
+            shard = self._load(fname)[0]
             for key, tensor in shard.items():
                 if index.weight_map.get(key) != fname:
                     continue  # not this shard's according to the index (as transformers reads it)
@@ -229,13 +378,15 @@ class BinShardsSource(TensorSource):
             )
         components, flat = components_from_object(skeleton, where=directory, allow_pickle=False)
         super().__init__(spec, components, flat, notes)
-        self._current: tuple[str, dict[str, torch.Tensor], _PageDropper] | None = None
+        self._current: (
+            tuple[str, dict[str, torch.Tensor], _PageDropper, ZipRecords | None] | None
+        ) = None
         self._last: list[torch.Tensor] = []
 
     def _label(self, fname: str) -> str:
         return os.path.join(self.directory, fname)
 
-    def _load(self, fname: str) -> dict[str, torch.Tensor]:
+    def _load(self, fname: str) -> tuple[dict[str, torch.Tensor], ZipRecords | None]:
         check_file_name(fname, where=self._label("pytorch_model.bin.index.json"))
         path = member_path(self.directory, fname, where=self.directory)
         if not os.path.exists(path):  # absent, or a dangling link
@@ -243,12 +394,14 @@ class BinShardsSource(TensorSource):
                 f"{path} is missing: the index lists it but it is not there; the checkpoint is "
                 "incomplete (copy the file back or load another checkpoint)"
             )
-        obj, _ = torch_load(path, trust_pickle=self.spec.trust_pickle, zip_only=self.spec.zip_only)
+        obj, records = torch_load(
+            path, trust_pickle=self.spec.trust_pickle, zip_only=self.spec.zip_only
+        )
         if not isinstance(obj, Mapping):
             raise CorruptCheckpointError(
                 f"{path} holds a {type(obj).__name__}, not a state dict shard"
             )
-        return dict(obj)
+        return dict(obj), records
 
     def read(self, refs: Sequence[Ref], dtype: torch.dtype | None) -> list[torch.Tensor]:
         out = []
@@ -257,8 +410,11 @@ class BinShardsSource(TensorSource):
             if self._current is None or self._current[0] != fname:
                 self.release()
                 self._current = None  # unmap the previous shard before mapping the next
-                self._current = (fname, self._load(fname), _PageDropper(self._label(fname)))
+                shard, records = self._load(fname)
+                self._current = (fname, shard, _PageDropper(self._label(fname)), records)
             source = self._current[1][name]
+            if self._current[3] is not None:
+                self._current[3].check([(name, source)])
             self._last.append(source)
             out.append(cast(source, dtype))
         return out
