@@ -20,6 +20,7 @@ import pytest
 import torch
 from huggingface_hub import scan_cache_dir, try_to_load_from_cache
 from huggingface_hub.file_download import repo_folder_name
+from safetensors.torch import save_file
 
 import shardpoint as sp
 from shardpoint._cli.main import main
@@ -233,6 +234,37 @@ def test_subfolder_of_a_snapshot_and_datasets_repository(tmp_path: Path) -> None
         assert verify_checkpoint(where, storage_options=opts).ok
 
 
+def test_a_file_of_a_snapshot_named_in_the_reference(tmp_path: Path) -> None:
+    """``hf://org/name/model.safetensors``: every cached file is a link into blobs/, which is
+    followed for a named file as for a folder's files; a blob linking out is still refused."""
+    cache = tmp_path / "hub"
+    src = tmp_path / "src"
+    state = {"w": torch.arange(4.0)}
+    src.mkdir()
+    save_file(state, str(src / "model.safetensors"))
+    snapshot = _add_to_cache(cache, REPO, src)
+    assert os.path.islink(snapshot / "model.safetensors")
+    opts = {"cache_dir": str(cache)}
+    _assert_state(sp.load(f"hf://{REPO}/model.safetensors", storage_options=opts), state)
+    _assert_state(sp.load(f"hf://{REPO}@{COMMIT}/model.safetensors", storage_options=opts), state)
+    outside = tmp_path / "outside.safetensors"
+    blob = Path(os.path.realpath(snapshot / "model.safetensors"))
+    os.replace(blob, outside)
+    os.symlink(outside, blob)
+    with pytest.raises(sp.UnsafePathError, match="is a link that leaves the cached snapshot"):
+        sp.load(f"hf://{REPO}/model.safetensors", storage_options=opts)
+
+
+@pytest.mark.parametrize("cache_dir", [5, ["hub"], b"hub"])
+def test_cache_dir_that_is_not_a_path_is_refused_by_type(cache_dir: object) -> None:
+    with pytest.raises(sp.InvalidArgumentTypeError) as exc:
+        sp.load(f"hf://{REPO}", storage_options={"cache_dir": cache_dir})
+    assert str(exc.value) == (
+        "cache_dir must be a path (str or os.PathLike) naming a Hugging Face cache folder, "
+        f"not {type(cache_dir).__name__}"
+    )
+
+
 def test_cache_reached_through_symlinked_hf_home_and_symlinked_blobs(tmp_path: Path) -> None:
     """HF_HOME is a link to another disk, and blobs/ is itself a link to a third one."""
     real = tmp_path / "disk1"
@@ -360,6 +392,15 @@ def test_uncached_repository_cli_error_is_one_line(
         ("hf://org/name@", "an empty revision after '@'"),
         ("hf://org/name@..%2F..%2Fx", "the revision '../../x' is not a branch, tag or commit"),
         ("hf://org/na--me", "'org/na--me' is not a repository id"),
+        # What the Hub refuses, refused here too (was a bare HFValidationError from
+        # huggingface_hub, a traceback in the CLI): non-ASCII letters, a part that starts or
+        # ends with '-' or '.', an id over 96 characters.
+        ("hf://org/na\u00e9me", "'org/na\u00e9me' is not a repository id"),
+        ("hf://org-/name", "'org-/name' is not a repository id"),
+        ("hf://.org/name", "'.org/name' is not a repository id"),
+        ("hf://org/name.", "'org/name.' is not a repository id"),
+        ("hf://org/a..b", "'org/a..b' is not a repository id"),
+        ("hf://" + "a" * 60 + "/" + "b" * 60, f"'{'a' * 60}/{'b' * 60}' is not a repository id"),
     ],
 )
 def test_malformed_references(ref: str, why: str) -> None:

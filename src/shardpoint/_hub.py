@@ -34,14 +34,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
-from ._storage.paths import read_small_file
-from .errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError, UnsafePathError
+from ._storage.paths import cache_blobs_dir, read_small_file
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+    UnsafePathError,
+)
 
 SCHEME = "hf://"
 
 _REPO_TYPES = {"datasets": "dataset", "spaces": "space", "models": "model"}
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 _REPO_LIKE = re.compile(r"[\w.\-]+/[\w.\-]+")
+_REPO_PART = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.\-]*[A-Za-z0-9_])?", re.ASCII)
+"""One part of a repository id as the Hub allows it: ASCII letters, digits, ``_ . -``,
+starting and ending with a letter, digit or ``_`` (the whole id at most 96 characters)."""
 _REF_LIMIT = 4096
 """A refs/ file holds one commit hash; anything larger is not huggingface_hub's."""
 
@@ -98,8 +107,8 @@ def parse_hub_ref(ref: str) -> HubRef:
         segments = rest.split("/")
         repo_id, subfolder, revision = "/".join(segments[:2]), "/".join(segments[2:]), "main"
     parts = repo_id.split("/")
-    if not 1 <= len(parts) <= 2 or not all(re.fullmatch(r"[\w.\-]{1,96}", p) for p in parts) or any(
-        p in (".", "..") or "--" in p for p in parts
+    if not 1 <= len(parts) <= 2 or len(repo_id) > 96 or not all(_REPO_PART.fullmatch(p) for p in parts) or any(
+        "--" in p or ".." in p for p in parts
     ):
         raise _bad(ref, f"{repo_id!r} is not a repository id")
     subfolder = subfolder.strip("/")
@@ -117,6 +126,18 @@ def default_cache_dir() -> str:
     from huggingface_hub import constants
 
     return str(constants.HF_HUB_CACHE)
+
+
+def _cache_root(cache_dir: object) -> str:
+    """The cache folder to look in: ``cache_dir`` (a path), else the default."""
+    if cache_dir is None:
+        return default_cache_dir()
+    if not isinstance(cache_dir, (str, os.PathLike)):
+        raise InvalidArgumentTypeError(
+            f"cache_dir must be a path (str or os.PathLike) naming a Hugging Face cache folder, "
+            f"not {type(cache_dir).__name__}"
+        )
+    return os.fspath(cache_dir)
 
 
 def _fetch_hint(hub: HubRef) -> str:
@@ -138,8 +159,12 @@ def resolve_hub_ref(ref: str, cache_dir: str | os.PathLike[str] | None = None) -
     from huggingface_hub.file_download import repo_folder_name
 
     hub = parse_hub_ref(ref)
-    cache = os.fspath(cache_dir) if cache_dir is not None else default_cache_dir()
-    repo = os.path.join(cache, repo_folder_name(repo_id=hub.repo_id, repo_type=hub.repo_type))
+    cache = _cache_root(cache_dir)
+    try:
+        folder = repo_folder_name(repo_id=hub.repo_id, repo_type=hub.repo_type)
+    except ValueError as exc:  # huggingface_hub's HFValidationError: its rules may grow
+        raise _bad(ref, f"{hub.repo_id!r} is not a repository id: {str(exc).splitlines()[0][:200]}") from None
+    repo = os.path.join(cache, folder)
     label = f"{hub.repo_type} repository {hub.repo_id}"
     if not os.path.isdir(repo):
         raise CheckpointNotFoundError(
@@ -171,7 +196,11 @@ def resolve_hub_ref(ref: str, cache_dir: str | os.PathLike[str] | None = None) -
         return snapshot
     target = os.path.join(snapshot, *hub.subfolder.split("/"))
     inside = os.path.realpath(snapshot) + os.sep
-    if os.path.lexists(target) and not os.path.realpath(target).startswith(inside):
+    real = os.path.realpath(target)
+    # A file of the snapshot is a link into the repository's blobs/, as every cached file is.
+    blobs = cache_blobs_dir(os.path.realpath(snapshot))
+    blob = os.path.isfile(target) and blobs is not None and os.path.dirname(real) in (blobs, os.path.realpath(blobs))
+    if os.path.lexists(target) and not real.startswith(inside) and not blob:
         raise UnsafePathError(
             f"{ref}: {target} is a link that leaves the cached snapshot (to "
             f"{os.path.realpath(target)}); refusing to follow it: the cache entry is damaged or forged"
@@ -196,7 +225,7 @@ def local_path(path: Any, cache_dir: str | os.PathLike[str] | None = None) -> An
         try:
             from huggingface_hub.file_download import repo_folder_name
 
-            cache = os.fspath(cache_dir) if cache_dir is not None else default_cache_dir()
+            cache = _cache_root(cache_dir)
             cached = os.path.isdir(os.path.join(cache, repo_folder_name(repo_id=path, repo_type="model")))
         except (ImportError, ValueError):
             cached = False
