@@ -397,3 +397,27 @@ def test_one_component_of_a_training_checkpoint_compares_with_a_flat_model(
     assert report.equal and [t.key for t in report.tensors] == ["weight", "bias"]
     with pytest.raises(sp.InvalidArgumentError, match=r"has no component 'optimizer'; it has 'model', 'optim'"):
         sp.diff(tmp_path / "train", tmp_path / "weights", component="optimizer")
+
+
+def test_top_level_tensors_beside_plain_values_are_keyed_as_load_keys_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``{"w": t, "b": t, "step": 3}`` stores each tensor as a component of its own; diff and
+    inspect name them ``w`` and ``b`` as sp.load does (they were ``w/`` and ``b/``, and the
+    same tensors in a flat file compared as "only in A" / "only in B")."""
+    w, b = torch.arange(6.0).reshape(2, 3), torch.zeros(3)
+    sp.save({"w": w, "b": b, "step": 3, "opt": {"m": torch.ones(2)}}, tmp_path / "a")
+    assert sorted(sp.load(tmp_path / "a")) == ["b", "opt", "step", "w"]
+    torch.save({"w": w, "b": b}, tmp_path / "b.pt")
+    code, out, _ = run_cli(capsys, "diff", tmp_path / "a", tmp_path / "b.pt", "--json")
+    report = json.loads(out)
+    assert code == 1
+    assert [(t["key"], t["status"]) for t in report["tensors"]] == [("w", "equal"), ("b", "equal")]
+    assert (report["only_in_a"], report["only_in_b"]) == (["opt/m"], [])
+    assert report["values"] == [{"key": "step", "a": 3, "b": "<absent>"}]
+    code, out, _ = run_cli(capsys, "inspect", tmp_path / "a")
+    assert code == 0
+    rows = [line.split()[0] for line in out.splitlines()[out.splitlines().index("  NAME   DTYPE  SHAPE   SIZE  FILE") + 1:]]
+    assert rows == ["w", "b", "opt/m"]
+    code, out, _ = run_cli(capsys, "inspect", tmp_path / "a", "--filter", "^w$")
+    assert "tensors: 1 of 1 matching '^w$' (3 in all)" in out

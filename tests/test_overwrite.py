@@ -718,3 +718,28 @@ def test_overwrite_keeps_the_folders_permission_bits(tmp_path: Path) -> None:
     sp.save({"w": torch.zeros(2)}, folder, overwrite=True)
     assert oct(os.stat(folder).st_mode & 0o7777) == oct(0o2750)
     assert sp.load(folder)["w"].tolist() == [0.0, 0.0]
+
+
+def test_a_link_or_file_named_like_a_step_is_the_users_never_a_step(tmp_path: Path) -> None:
+    """A symlink ``step-000001`` to the user's own checkpoint elsewhere is not a step this
+    manager wrote: it is not listed, not restored, never renamed away by retention; saving
+    that step is refused naming it, as a file of that name is."""
+    users = tmp_path / "elsewhere" / "ckpt"
+    sp.save({"w": torch.ones(2)}, users)
+    root = tmp_path / "run"
+    root.mkdir()
+    (root / "step-000001").symlink_to(users)
+    (root / "step-000003").write_text("notes")
+    mgr = sp.CheckpointManager(root, keep_last=1)
+    assert mgr.steps() == [] and mgr.latest_step() is None and mgr.restore({"w": torch.zeros(2)}) is None
+    mgr.save(2, {"w": torch.zeros(2)})
+    mgr.save(4, {"w": torch.zeros(2)})
+    assert mgr.steps() == [4]
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000001", "step-000003", "step-000004"]
+    assert os.readlink(root / "step-000001") == str(users)
+    assert (root / "step-000003").read_text() == "notes"
+    for step in (1, 3):
+        with pytest.raises(sp.CheckpointExistsError) as exc:
+            mgr.save(step, {"w": torch.zeros(2)})
+        assert str(exc.value).startswith(f"{root / f'step-{step:06d}'} exists and is not a shardpoint checkpoint")
+    assert torch.equal(sp.load(users)["w"], torch.ones(2))

@@ -201,3 +201,24 @@ def test_a_forged_class_name_is_not_a_way_to_run_code(tmp_path) -> None:
     with pytest.raises(sp.LoadMismatchError, match=r"dataclass .*:Optim has fields \['betas', 'lr', 'name', 'root', 'steps'\] but the checkpoint stores \['name'\]"):
         sp.load(path)
 
+
+
+def test_a_forged_class_name_never_runs_a_modules_lazy_getattr(tmp_path) -> None:
+    """torch and transformers import submodules from a module-level ``__getattr__``: a class
+    name such as ``torch:onnx.Foo`` must not make a load import ``torch.onnx``."""
+    module = types.ModuleType("sp_lazy_tmp_module")
+    asked: list[str] = []
+
+    def lazy(name: str) -> Any:
+        asked.append(name)
+        raise AttributeError(name)
+
+    module.__getattr__ = lazy  # type: ignore[attr-defined]
+    sys.modules[module.__name__] = module
+    try:
+        path = _forge(tmp_path, {"type": "enum", "class": "sp_lazy_tmp_module:sub.Foo", "member": "A"})
+        with pytest.raises(sp.LoadMismatchError, match=r"module 'sp_lazy_tmp_module' has no class 'sub\.Foo'"):
+            sp.load(path)
+    finally:
+        del sys.modules[module.__name__]
+    assert asked == []

@@ -157,6 +157,13 @@ def _view(source: TensorSource, component: str | None, where: str) -> dict[str, 
     return {component: ""}
 
 
+def _key(prefix: str, name: str) -> str:
+    """The load-style key of stored tensor ``name`` under a component's ``prefix``: a
+    component that is one tensor (its name ``""``) is keyed by the component's name alone,
+    as ``sp.load`` returns it (``{"w": tensor, "step": 3}`` -> ``w``, not ``w/``)."""
+    return prefix + name if name or not prefix.endswith("/") else prefix[:-1]
+
+
 def _keys(source: TensorSource, view: dict[str, str]) -> dict[str, Ref]:
     """Load-style key -> (component, stored name), aliases included, in stored order."""
     out: dict[str, Ref] = {}
@@ -165,7 +172,7 @@ def _keys(source: TensorSource, view: dict[str, str]) -> dict[str, Ref]:
             continue
         prefix = view[comp.name]
         for name in comp.tensors:
-            out[prefix + name] = (comp.name, comp.aliases.get(name, name))
+            out[_key(prefix, name)] = (comp.name, comp.aliases.get(name, name))
     return out
 
 
@@ -178,7 +185,7 @@ def _ties(source: TensorSource, view: dict[str, str]) -> dict[str, list[str]]:
         prefix = view[comp.name]
         groups: dict[str, list[str]] = {}
         for alias, stored in comp.aliases.items():
-            groups.setdefault(stored, [prefix + stored]).append(prefix + alias)
+            groups.setdefault(stored, [_key(prefix, stored)]).append(_key(prefix, alias))
         for members in groups.values():
             for key in members:
                 out[key] = members
@@ -191,10 +198,10 @@ def _how(key: str, refs: dict[str, Ref], view: dict[str, str]) -> tuple[str, str
     if ref is None:
         return "absent", None
     comp, stored = ref
-    prefix = view[comp]
-    if prefix + stored == key:
+    stored_key = _key(view[comp], stored)
+    if stored_key == key:
         return "stored", None
-    return "alias", prefix + stored
+    return "alias", stored_key
 
 
 def _tie_notes(

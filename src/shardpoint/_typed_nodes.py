@@ -15,6 +15,7 @@ import datetime
 import enum
 import pathlib
 import sys
+import types
 from typing import Any
 
 from .errors import LoadMismatchError
@@ -57,7 +58,9 @@ def _resolve_class(name: str) -> type:
         raise LookupError(f"module {module_name!r} is not imported")
     obj: Any = module
     for part in qual.split("."):
-        obj = getattr(obj, part, None)
+        # What the module or class itself defines: getattr would run a module's
+        # ``__getattr__`` (torch's and transformers' lazy imports) or a descriptor.
+        obj = vars(obj).get(part) if isinstance(obj, (type, types.ModuleType)) else None
         if obj is None:
             raise LookupError(f"module {module_name!r} has no class {qual!r}")
     if not isinstance(obj, type):

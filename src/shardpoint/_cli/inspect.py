@@ -245,7 +245,18 @@ def _matching_rows(
     for alias, target in aliases.items():
         rows[alias] = {**rows[target], "name": alias, "alias_of": target}
     return [row for tname, row in rows.items()
-            if name_matches(tname if component is None else f"{component}/{tname}", pattern)]
+            if name_matches(tname if component is None else key_name(component, tname), pattern)]
+
+
+def key_name(component: str, name: str) -> str:
+    """How a tensor is named across components: ``component/name``, or the component's
+    name alone for a component that is one tensor (stored name ``""``), as ``sp.load``
+    keys it.
+
+    >>> key_name("optimizer", "state.0.exp_avg"), key_name("w", "")
+    ('optimizer/state.0.exp_avg', 'w')
+    """
+    return f"{component}/{name}" if name else component
 
 
 def name_matches(name: str, pattern: str | None) -> bool:
@@ -447,7 +458,7 @@ def render(doc: dict[str, Any], *, pattern: str | None = None) -> list[str]:
     if doc["tensors"]:
         rows = [["NAME", "DTYPE", "SHAPE", "SIZE", "FILE"]]
         for t in doc["tensors"]:
-            name = t["name"] if doc["flat"] else f"{t['component']}/{t['name']}"
+            name = t["name"] if doc["flat"] else key_name(t["component"], t["name"])
             if t["alias_of"] is not None:
                 where = f"= {t['alias_of']} (tied)"
             elif t["chunks"] > 1:

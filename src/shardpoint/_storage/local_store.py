@@ -59,7 +59,7 @@ class LocalStore:
         return {
             e.name: os.path.isfile(os.path.join(e.path, MANIFEST_NAME))
             for e in os.scandir(self.location)
-            if e.is_dir()
+            if e.is_dir(follow_symlinks=False)  # a link is the user's, never a step of ours
         }
 
     def read_small(self, name: str, *, limit: int) -> bytes:
