@@ -233,6 +233,16 @@ def test_errors_name_what_to_do(tmp_path: Path) -> None:
     accelerator.register_for_checkpointing(Counter())
     with pytest.raises(sp.LoadMismatchError, match="custom_checkpoint_1"):
         load_state(accelerator, tmp_path / "one")
+    # No project_dir at all: nowhere to list checkpoints (was a bare TypeError).
+    AcceleratorState._reset_state(True)
+    bare = Accelerator(cpu=True)
+    with pytest.raises(sp.InvalidArgumentError) as exc:
+        checkpoint_dirs(bare)
+    assert str(exc.value) == (
+        "this Accelerator has no project_dir, so there is no <project_dir>/checkpoints to look in: "
+        "create it with project_config=ProjectConfiguration(project_dir=..., "
+        "automatic_checkpoint_naming=True), or pass the checkpoint directory itself"
+    )
 
 
 def test_readme_accelerate_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -678,3 +678,18 @@ def test_convert_memory_stays_bounded(tmp_path: Path) -> None:
     assert len(os.listdir(tmp_path / "out")) == 7
     half = sp.load(tmp_path / "out-bf16", keys=["layer.3.weight"])["layer.3.weight"]
     assert half.dtype == torch.bfloat16 and bool((half == 3.0).all())
+
+
+def test_cli_refusals_name_the_flag_not_the_python_argument(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    torch.save({"w": torch.ones(3)}, tmp_path / "m.pt")
+    assert run_cli(capsys, "convert", tmp_path / "m.pt", tmp_path / "out")[0] == 0
+    code, _, err = run_cli(capsys, "convert", tmp_path / "m.pt", tmp_path / "out")
+    assert code == 2
+    assert err == (
+        f"shardpoint: error: {tmp_path / 'out'} already exists; pass --overwrite to replace it, "
+        "or save to a new path\n"
+    )
+    (tmp_path / "f.txt").write_text("x")
+    code, _, err = run_cli(capsys, "convert", tmp_path / "m.pt", tmp_path / "f.txt", "--overwrite")
+    assert code == 2 and "refusing to replace it even with --overwrite." in err
+    assert (tmp_path / "f.txt").read_text() == "x"

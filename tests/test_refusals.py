@@ -303,3 +303,34 @@ def test_a_socket_in_place_of_a_data_file_is_refused(tmp_path: Path) -> None:
         with _raises(CorruptCheckpointError, f"{path / 'model.safetensors'} is not a regular file (a FIFO, "
                      "device, socket or directory); the checkpoint is damaged or forged"):
             sp.load(path)
+
+
+def test_manager_warns_when_a_save_can_never_count(tmp_path) -> None:
+    """Two saves that succeed but cannot do what the user meant get a warning each: a step
+    older than every step keep_last keeps (removed at once), and metrics without the metric
+    keep_best ranks by (a typo would otherwise leave best_steps() empty without a word)."""
+    import warnings
+
+    mgr = sp.CheckpointManager(tmp_path / "run", keep_last=2)
+    mgr.save(10, {"w": torch.ones(2)})
+    mgr.save(20, {"w": torch.ones(2)})
+    with pytest.warns(UserWarning) as seen:
+        info = mgr.save(5, {"w": torch.ones(2)})
+    assert [str(w.message) for w in seen] == [
+        f"step 5 was saved to {tmp_path / 'run' / 'step-000005'} and at once removed by retention: "
+        "keep_last=2 keeps the newest steps, and 20 is newer. To train on from an earlier step, "
+        "remove the later ones first (or raise keep_last)"
+    ]
+    assert not os.path.exists(info.path) and mgr.steps() == [10, 20]
+
+    ranked = sp.CheckpointManager(tmp_path / "ranked", keep_last=1, keep_best=1, metric="val_loss")
+    with pytest.warns(UserWarning) as seen:
+        ranked.save(1, {"w": torch.ones(2)}, metrics={"val_los": 0.1})
+    assert [str(w.message) for w in seen] == [
+        "CheckpointManager.save(step 1): metrics holds no 'val_loss', the metric keep_best ranks "
+        "steps by (given: 'val_los'); this step can never be kept as a best step"
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ranked.save(2, {"w": torch.ones(2)}, metrics={"val_loss": 0.5})
+    assert ranked.best_steps() == [2]

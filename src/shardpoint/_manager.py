@@ -283,6 +283,13 @@ class CheckpointManager:
         """
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise InvalidArgumentError(f"CheckpointManager.save: step must be a non-negative int, not {step!r}")
+        if self.keep_best and self.metric not in (metrics or {}):
+            given = ", ".join(repr(k) for k in list(metrics or {})[:10]) or "none"
+            warnings.warn(
+                f"CheckpointManager.save(step {step}): metrics holds no {self.metric!r}, the metric "
+                f"keep_best ranks steps by (given: {given}); this step can never be kept as a best step",
+                UserWarning, stacklevel=2,
+            )
         group = resolve_group(self.process_group, state)
         coordinator = group.is_coordinator  # the group's rank 0 manages the root
 
@@ -456,6 +463,13 @@ class CheckpointManager:
             newest = max(steps) if steps else step
             self._store.replace_small(LATEST_NAME, (step_dir_name(newest) + "\n").encode())
             self._apply_retention(newest)
+            if step in steps and step not in self.steps():
+                warnings.warn(
+                    f"step {step} was saved to {self.step_path(step)} and at once removed by retention: "
+                    f"keep_last={self.keep_last} keeps the newest steps, and {newest} is newer. To train "
+                    "on from an earlier step, remove the later ones first (or raise keep_last)",
+                    UserWarning, stacklevel=2,
+                )
 
     def _finish_interrupted_retention(self) -> None:
         """Apply retention to the committed steps (a crash may have cut the last one short)."""

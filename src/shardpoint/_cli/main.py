@@ -212,6 +212,8 @@ def fail(args: argparse.Namespace, exc: BaseException, code: int) -> int:
     """Report a failure that stopped a command: one line on stderr, and with ``--json`` the
     JSON object on stdout (see the module docstring); return ``code``."""
     doc = json_error(exc, None)
+    if hasattr(args, "overwrite"):  # the message of the Python API, told in the command's terms
+        doc["message"] = str(doc["message"]).replace("overwrite=True", "--overwrite")
     if doc["path"] is None:
         doc["path"] = _error_path(args, str(doc["message"]))
     if getattr(args, "json", False):

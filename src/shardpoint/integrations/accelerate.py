@@ -90,6 +90,13 @@ def _process_group(accelerator: Any) -> Any:
 
 
 def _checkpoints_root(accelerator: Any) -> Path:
+    """``<project_dir>/checkpoints``, where automatic naming puts every checkpoint."""
+    if accelerator.project_dir is None:
+        raise InvalidArgumentError(
+            "this Accelerator has no project_dir, so there is no <project_dir>/checkpoints to "
+            "look in: create it with project_config=ProjectConfiguration(project_dir=..., "
+            "automatic_checkpoint_naming=True), or pass the checkpoint directory itself"
+        )
     return Path(accelerator.project_dir) / "checkpoints"
 
 
