@@ -223,8 +223,9 @@ def test_a_dcp_directory_is_named_by_every_reader(dcp_dir: Path, read: Any) -> N
     """Before: "not a checkpoint: no shardpoint.json ..." (a DCP directory is one, of a
     format only convert reads). Now each reader names it and says how to convert it."""
     expected = (
-        f"{dcp_dir} is a torch.distributed.checkpoint (DCP) directory, which is read only by convert "
-        "(its .metadata is a pickle): `shardpoint convert SRC DST --trust-pickle`"
+        f"{dcp_dir} is a torch.distributed.checkpoint (DCP) directory, which shardpoint reads only "
+        "through convert and diff with --trust-pickle (its .metadata is a pickle): `shardpoint "
+        "convert SRC DST --trust-pickle`"
     )
     with pytest.raises(sp.UnsupportedFormatError, match=re.escape(expected)):
         read(dcp_dir)

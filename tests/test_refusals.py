@@ -334,3 +334,24 @@ def test_manager_warns_when_a_save_can_never_count(tmp_path) -> None:
         warnings.simplefilter("error")
         ranked.save(2, {"w": torch.ones(2)}, metrics={"val_loss": 0.5})
     assert ranked.best_steps() == [2]
+
+
+def test_a_folder_of_checkpoints_is_named_as_such(tmp_path) -> None:
+    """A CheckpointManager root (or a Trainer output_dir) is not a checkpoint; the error
+    lists the checkpoints inside it (in step order) and names the newest to use."""
+    mgr = sp.CheckpointManager(tmp_path / "run", keep_last=5)
+    for step in (1, 2, 10, 11):
+        mgr.save(step, {"w": torch.ones(2)})
+    (tmp_path / "run" / "notes").mkdir()
+    with pytest.raises(sp.CheckpointNotFoundError) as exc:
+        sp.load(tmp_path / "run")
+    assert str(exc.value).endswith(
+        ". It holds checkpoints in subfolders (step-000001, step-000002, step-000010 and 1 more; a "
+        "CheckpointManager root or a Trainer output_dir): name one of them, e.g. "
+        f"{tmp_path / 'run' / 'step-000011'}"
+    )
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(sp.CheckpointNotFoundError) as exc:
+        sp.load(empty)
+    assert "subfolders" not in str(exc.value)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -327,9 +328,9 @@ def not_readable(location: str, found: Detected, *, remote: bool = False) -> Che
         )
     if found.kind == DCP:
         return UnsupportedFormatError(
-            f"{location} is a torch.distributed.checkpoint (DCP) directory, which is read only by "
-            "convert (its .metadata is a pickle): `shardpoint convert SRC DST --trust-pickle` if "
-            "you trust whoever wrote it, then use DST"
+            f"{location} is a torch.distributed.checkpoint (DCP) directory, which shardpoint reads "
+            "only through convert and diff with --trust-pickle (its .metadata is a pickle): "
+            "`shardpoint convert SRC DST --trust-pickle` if you trust whoever wrote it, then use DST"
         )
     if found.kind in (HF_BIN, TORCH_SAVE) or found.instead_of is not None:
         what = "Hugging Face .bin shards" if found.kind == HF_BIN else "a torch.save (.bin/.pt) weights file"
@@ -342,7 +343,34 @@ def not_readable(location: str, found: Detected, *, remote: bool = False) -> Che
         )
     if found.named_file:
         return UnsupportedFormatError(f"{location} {found.reason}")
-    return CheckpointNotFoundError(f"{location} {found.reason}")
+    inside = [] if remote else nested_checkpoints(location)
+    hint = ""
+    if inside:
+        more = f" and {len(inside) - 3} more" if len(inside) > 3 else ""
+        hint = (
+            f". It holds checkpoints in subfolders ({', '.join(inside[:3])}{more}; a CheckpointManager "
+            f"root or a Trainer output_dir): name one of them, e.g. {os.path.join(location, inside[-1])}"
+        )
+    return CheckpointNotFoundError(f"{location} {found.reason}{hint}")
+
+
+_CHECKPOINT_MARKERS = (
+    MANIFEST_NAME, "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+    "pytorch_model.bin.index.json", ".metadata",
+)
+"""A file whose presence makes a folder a checkpoint (for the hint of :func:`not_readable`)."""
+
+
+def nested_checkpoints(location: str, limit: int = 10_000) -> list[str]:
+    """The subfolders of ``location`` that hold a checkpoint, by name in natural order
+    (``step-9`` before ``step-10``); at most ``limit`` entries are looked at."""
+    try:
+        with os.scandir(location) as entries:
+            names = [e.name for _, e in zip(range(limit), entries, strict=False) if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []
+    found = [n for n in names if any(os.path.isfile(os.path.join(location, n, m)) for m in _CHECKPOINT_MARKERS)]
+    return sorted(found, key=lambda n: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", n)])
 
 
 def remote_listing(store: RemoteStore, doing: str) -> tuple[RemoteStore, dict[str, int], str | None]:
