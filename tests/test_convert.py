@@ -693,3 +693,26 @@ def test_cli_refusals_name_the_flag_not_the_python_argument(tmp_path: Path, caps
     code, _, err = run_cli(capsys, "convert", tmp_path / "m.pt", tmp_path / "f.txt", "--overwrite")
     assert code == 2 and "refusing to replace it even with --overwrite." in err
     assert (tmp_path / "f.txt").read_text() == "x"
+
+
+def test_convert_json_output_on_success_and_failure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    torch.save({"w": torch.ones(3), "b": torch.zeros(2, dtype=torch.bfloat16)}, tmp_path / "m.pt")
+    code, out, err = run_cli(capsys, "convert", tmp_path / "m.pt", tmp_path / "out", "--json")
+    assert (code, err) == (0, "")
+    doc = json.loads(out)
+    assert doc["seconds"] >= 0
+    del doc["seconds"]
+    files = {name: os.path.getsize(tmp_path / "out" / name) for name in os.listdir(tmp_path / "out")
+             if name.endswith(".safetensors")}
+    assert doc == {
+        "source": str(tmp_path / "m.pt"), "source_format": "torch.save file",
+        "destination": str(tmp_path / "out"), "components": ["model"], "tensors": 2,
+        "tensor_bytes": 16, "files": files, "notes": [],
+    }
+    code, out, _ = run_cli(capsys, "convert", tmp_path / "m.pt", tmp_path / "out", "--json")
+    assert code == 2
+    assert json.loads(out) == {
+        "error": "CheckpointExistsError",
+        "message": f"{tmp_path / 'out'} already exists; pass --overwrite to replace it, or save to a new path",
+        "path": str(tmp_path / "out"),
+    }

@@ -1,9 +1,9 @@
-"""``load_into`` gives the model ``from_pretrained`` gives, on ten ``transformers`` families.
+"""``load_into`` gives the model ``from_pretrained`` gives, on fourteen ``transformers`` families.
 
 Each family is built from a tiny config (no download), saved three ways (``sp.save`` of the
 state dict, ``shardpoint.integrations.transformers.save_pretrained``, ``model.save_pretrained``)
 and loaded into models built three empty ways (``sp.empty_model``, ``torch.device("meta")``,
-``accelerate.init_empty_weights``), in float32 and with ``dtype=torch.bfloat16``: the
+``accelerate.init_empty_weights``) and into a model built whole, in float32 and with ``dtype=torch.bfloat16``: the
 logits must equal ``from_pretrained(..., dtype=...)``'s exactly, and no tensor may be left
 on ``meta``. Also: base-model prefixes mapped in both directions, a load that matches no
 key refused, and a meta tensor nothing can rebuild reported.
@@ -51,6 +51,21 @@ def _families() -> dict[str, tuple[Any, Any]]:
                                                                 encoder_attention_heads=2, decoder_attention_heads=2,
                                                                 encoder_ffn_dim=64, decoder_ffn_dim=64,
                                                                 max_position_embeddings=64)),
+        # Sinusoidal position tables: Marian's are parameters its files leave out
+        # (_keys_to_ignore_on_save), rebuilt through _init_weights; M2M100's and XGLM's are
+        # non-persistent buffers built in the default dtype, so bf16 under dtype=bf16.
+        "marian": (tf.MarianMTModel, tf.MarianConfig(**small, d_model=32, encoder_layers=1, decoder_layers=1,
+                                                     encoder_attention_heads=2, decoder_attention_heads=2,
+                                                     encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+                                                     pad_token_id=V - 1, decoder_start_token_id=V - 1)),
+        "m2m100": (tf.M2M100ForConditionalGeneration, tf.M2M100Config(**small, d_model=32, encoder_layers=1,
+                                                                      decoder_layers=1, encoder_attention_heads=2,
+                                                                      decoder_attention_heads=2, encoder_ffn_dim=64,
+                                                                      decoder_ffn_dim=64, max_position_embeddings=64)),
+        "xglm": (tf.XGLMForCausalLM, tf.XGLMConfig(**small, d_model=32, num_layers=2, attention_heads=2, ffn_dim=64,
+                                                   max_position_embeddings=64)),
+        # embed_scale: a non-persistent float buffer, bf16 under dtype=bf16 as from_pretrained makes it.
+        "gemma": (tf.GemmaForCausalLM, tf.GemmaConfig(**decoder, head_dim=16)),
         "resnet": (tf.ResNetForImageClassification, tf.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16],
                                                                     depths=[1, 1], num_labels=3)),
     }
@@ -67,7 +82,7 @@ def _inputs(name: str) -> dict[str, torch.Tensor]:
     if name == "resnet":
         return {"pixel_values": torch.linspace(-2, 2, 3 * 16 * 16).reshape(1, 3, 16, 16)}
     ids = torch.tensor([[1, 7, 42, 3, 63, 0, 17, 9]])
-    if name in ("t5", "bart"):
+    if name in ("t5", "bart", "marian", "m2m100"):
         return {"input_ids": ids, "decoder_input_ids": torch.tensor([[0, 5, 11, 2]])}
     return {"input_ids": ids}
 
@@ -90,6 +105,9 @@ def _trained(cls: Any, config: Any) -> torch.nn.Module:
 
 
 def _build_empty(how: str, cls: Any, config: Any) -> torch.nn.Module:
+    if how == "built":  # an ordinary model, weights and all, loaded over
+        torch.manual_seed(1)
+        return cls(config)
     if how == "empty_model":
         return sp.empty_model(cls, config)
     if how == "meta_device":
@@ -118,7 +136,8 @@ def test_empty_model_loads_give_from_pretrained_logits(family: str, tmp_path: Pa
         reference = cls.from_pretrained(folders["save_pretrained"], dtype=dtype).eval()
         expected = _logits(reference, family, dtype)
         ref_dtypes = {k: v.dtype for k, v in reference.state_dict().items()}
-        for how in ("empty_model", "meta_device", "init_empty_weights"):
+        ref_buffers = {k: v.dtype for k, v in reference.named_buffers()}  # non-persistent ones too
+        for how in ("empty_model", "meta_device", "init_empty_weights", "built"):
             for writer, folder in folders.items():
                 case = f"{family}: {how} + load_into({writer}, dtype={dtype})"
                 model = _build_empty(how, cls, config).eval()
@@ -128,6 +147,7 @@ def test_empty_model_loads_give_from_pretrained_logits(family: str, tmp_path: Pa
                 left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
                 assert left == [], (case, left)
                 assert {k: v.dtype for k, v in model.state_dict().items()} == ref_dtypes, case
+                assert {k: v.dtype for k, v in model.named_buffers()} == ref_buffers, case
                 got = _logits(model, family, dtype)
                 assert got.dtype == expected.dtype and torch.equal(got, expected), case
 

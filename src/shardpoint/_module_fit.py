@@ -158,48 +158,58 @@ def is_transformers_model(module: object) -> bool:
     return isinstance(base, type) and isinstance(module, base)
 
 
-def float_dtypes(module: torch.nn.Module, dtype: torch.dtype | None) -> Callable[[str], torch.dtype] | None:
+def float_dtypes(
+    module: torch.nn.Module, dtype: torch.dtype | None
+) -> tuple[Callable[[str], torch.dtype] | None, dict[str, torch.dtype] | None]:
     """The dtype ``from_pretrained(dtype=dtype)`` gives each floating-point key, as a function
-    of the key; None where that is ``dtype`` for every key.
+    of the key (None where that is ``dtype`` for every key); and the dtype it gives each
+    floating-point non-persistent buffer (None where that is not known: the buffers then
+    keep the dtype the module built them in).
 
     ``from_pretrained`` builds the model under ``dtype`` as the default dtype, so a tensor
     the model builds in a dtype of its own (a router kept in float32 with
-    ``nn.Linear(..., dtype=torch.float32)``) keeps it; and it keeps the keys of
-    :func:`keep_fp32_pattern` in float32. The first is found by building the model's class
-    again on ``meta`` (no memory, no init) under that default; where that cannot be done
-    (not a ``transformers`` model, or its class cannot be built from its config alone),
-    every key takes ``dtype``.
+    ``nn.Linear(..., dtype=torch.float32)``, rotary ``inv_freq`` computed in float32) keeps
+    it, and one built in the default dtype (a sinusoidal position table) takes ``dtype``;
+    and it keeps the keys of :func:`keep_fp32_pattern` in float32. Both are found by
+    building the model's class again on ``meta`` (no memory, no init) under that default;
+    where that cannot be done (not a ``transformers`` model, or its class cannot be built
+    from its config alone), every key takes ``dtype``.
     """
     if dtype is None:
-        return None
+        return None, None
     keep = keep_fp32_pattern(module, dtype)
-    built = _built_dtypes(module, dtype)
+    twin = _built_dtypes(module, dtype)
+    built, buffers = twin if twin is not None else ({}, None)
     if keep is None and not built:
-        return None
+        return None, buffers
 
     def float_dtype(key: str) -> torch.dtype:
         if keep is not None and keep.search(key):
             return torch.float32
         return built.get(key, dtype)
 
-    return float_dtype
+    return float_dtype, buffers
 
 
-def _built_dtypes(module: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
-    """Key -> the floating-point dtype other than ``dtype`` the model's class builds it in
-    under ``dtype`` as the default (empty where none, or where it cannot be built)."""
+def _built_dtypes(
+    module: torch.nn.Module, dtype: torch.dtype
+) -> tuple[dict[str, torch.dtype], dict[str, torch.dtype]] | None:
+    """(key -> the floating-point dtype other than ``dtype`` the model's class builds it in
+    under ``dtype`` as the default; non-persistent buffer -> the dtype it is built in, for
+    every floating-point one), or None where the class cannot be built so."""
     from_config = getattr(type(module), "_from_config", None)
     config = getattr(module, "config", None)
     if not is_transformers_model(module) or not callable(from_config) or config is None:
-        return {}
+        return None
     try:
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             twin = from_config(copy.deepcopy(config), dtype=dtype)  # it sets the config's dtype
         tensors = dict(twin.state_dict())
+        buffers = {full: b.dtype for full, _, _, b in non_persistent_buffers(twin) if b.dtype.is_floating_point}
     except Exception:  # a class that needs more than its config: every key takes dtype
-        return {}
-    return {k: t.dtype for k, t in tensors.items() if t.dtype.is_floating_point and t.dtype != dtype}
+        return None
+    return {k: t.dtype for k, t in tensors.items() if t.dtype.is_floating_point and t.dtype != dtype}, buffers
 
 
 def declared_ties(module: torch.nn.Module) -> dict[str, str]:
@@ -211,15 +221,23 @@ def declared_ties(module: torch.nn.Module) -> dict[str, str]:
     return {k: v for k, v in ties.items() if isinstance(k, str) and isinstance(v, str)}
 
 
-def buffer_of(module: torch.nn.Module, key: str) -> tuple[torch.nn.Module, str, torch.Tensor] | None:
-    """(owner, name in it, buffer) of buffer ``key`` of ``module``; None for a parameter."""
+def tensor_of(module: torch.nn.Module, key: str) -> tuple[torch.nn.Module, str, torch.Tensor] | None:
+    """(owner, name in it, tensor) of parameter or buffer ``key`` of ``module``; None where
+    there is no such tensor."""
     owner_path, _, name = key.rpartition(".")
     try:
         owner = module.get_submodule(owner_path) if owner_path else module
     except AttributeError:
         return None
-    buffer = owner._buffers.get(name)
-    return None if buffer is None else (owner, name, buffer)
+    tensor: torch.Tensor | None = owner._parameters.get(name)
+    if tensor is None:
+        tensor = owner._buffers.get(name)
+    return None if tensor is None else (owner, name, tensor)
+
+
+def _slot(owner: torch.nn.Module, name: str) -> dict[str, Any]:
+    """The dict of ``owner`` that holds its tensor ``name``: its parameters or its buffers."""
+    return owner._parameters if name in owner._parameters else owner._buffers
 
 
 def non_persistent_buffers(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, str, torch.Tensor]]:
@@ -259,7 +277,9 @@ def rebuild_buffers(
     root: torch.nn.Module, owner_path: str, owner: torch.nn.Module, names: list[str]
 ) -> dict[str, torch.Tensor]:
     """Recompute the meta non-persistent buffers ``names`` of ``owner`` on the CPU, through
-    the model's own ``_init_weights(owner)``; the ones it rebuilt, by name.
+    the model's own ``_init_weights(owner)``; the ones it rebuilt, by name. Parameters the
+    model leaves out of its files (``_keys_to_ignore_on_save``: Marian's sinusoidal
+    position tables) are rebuilt the same way.
 
     Every other tensor of ``owner`` is marked ``_is_hf_initialized`` for the call (so the
     initializer leaves loaded weights alone, as in ``from_pretrained``), and the call runs
@@ -272,11 +292,11 @@ def rebuild_buffers(
         return {}
     originals: dict[str, torch.Tensor] = {}
     for name in names:
-        buffer = owner._buffers[name]
-        assert buffer is not None
-        originals[name] = buffer
+        tensor = _slot(owner, name)[name]
+        assert tensor is not None
+        originals[name] = tensor
     marked: list[torch.Tensor] = []
-    others = [*owner._parameters.values(), *(b for n, b in owner._buffers.items() if n not in originals)]
+    others = [t for n, t in [*owner._parameters.items(), *owner._buffers.items()] if n not in originals]
     for tensor in others:
         if tensor is not None and not getattr(tensor, "_is_hf_initialized", False):
             tensor._is_hf_initialized = True  # type: ignore[attr-defined]
@@ -285,15 +305,17 @@ def rebuild_buffers(
     try:
         for fill in (0, 1):
             for name, meta in originals.items():
-                owner._buffers[name] = torch.full(meta.shape, fill, dtype=meta.dtype)
+                value = torch.full(meta.shape, fill, dtype=meta.dtype)
+                is_param = isinstance(meta, torch.nn.Parameter)
+                _slot(owner, name)[name] = torch.nn.Parameter(value, requires_grad=False) if is_param else value
             with torch.no_grad(), _init_guard():
                 init(owner)
-            runs.append({n: b for n in names if (b := owner._buffers[n]) is not None})
+            runs.append({n: t.detach() for n in names if (t := _slot(owner, n)[n]) is not None})
     except Exception:  # an initializer that cannot run on this module rebuilds nothing
         runs = []
     finally:
         for name, meta in originals.items():
-            owner._buffers[name] = meta
+            _slot(owner, name)[name] = meta
         for tensor in marked:
             del tensor._is_hf_initialized  # type: ignore[attr-defined]
     if len(runs) != 2:

@@ -17,7 +17,12 @@ torch.load(weights_only=True), and a file that needs more (custom classes) is re
 is DCP (its .metadata is a pickle). A torch.save file with a .safetensors sibling of the
 same stem (model.pt beside model.safetensors) is read from the sibling; a note says so.
 
-Exit status: 0 converted, 2 usage error or unreadable / refused input.
+Exit status: 0 converted, 2 usage error or unreadable / refused input. With --json a
+failure prints {"error", "message", "path"} instead.
+
+The --json object has the keys: source (the file or directory read), source_format (as the
+human line describes it), destination, components [name], tensors, tensor_bytes, files
+{name: bytes}, seconds, notes [str].
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import os
 from .._convert import run_convert
 from .._sizes import human_size
 from .main import EXIT_OK, add_cache_dir
-from .output import emit, note
+from .output import emit, emit_json, note
 
 HELP = "convert torch.save / HF .bin / DCP / safetensors checkpoints to sharded safetensors"
 
@@ -81,6 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="processes writing output files in parallel (default 1)",
     )
+    parser.add_argument("--json", action="store_true", help="print one JSON object (keys above)")
     bar = parser.add_mutually_exclusive_group()
     bar.add_argument(
         "--progress", dest="progress", action="store_true", default=None, help="show a progress bar"
@@ -101,10 +107,23 @@ def run(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir,
         components=args.components,
     )
-    for message in source.notes:
-        note(message)
     tensors = sum(len(c.stored) for c in source.components)
     files = len(info.files)
+    if args.json:
+        emit_json({
+            "source": source.spec.path,
+            "source_format": source.describe(),
+            "destination": os.fspath(args.dst),
+            "components": [c.name for c in source.components],
+            "tensors": tensors,
+            "tensor_bytes": info.tensor_bytes,
+            "files": dict(info.files),
+            "seconds": round(info.seconds, 3),
+            "notes": list(source.notes),
+        })
+        return EXIT_OK
+    for message in source.notes:
+        note(message)
     emit([
         f"converted {source.spec.path} ({source.describe()}) -> {os.fspath(args.dst)}: "
         f"{tensors} tensor{'s' if tensors != 1 else ''}, {human_size(info.tensor_bytes)} in "

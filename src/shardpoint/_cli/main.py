@@ -87,7 +87,7 @@ def json_error(exc: BaseException, path: str | None) -> dict[str, object]:
 
 def _error_path(args: argparse.Namespace, message: str) -> str | None:
     """The path argument a failure is about: the command's only one, or the one it names."""
-    paths = [p for p in (getattr(args, name, None) for name in ("path", "a", "b", "src")) if p]
+    paths = [p for p in (getattr(args, name, None) for name in ("path", "a", "b", "src", "dst")) if p]
     if len(paths) == 1:
         return str(paths[0])
     named = [str(p) for p in paths if str(p) in message]

@@ -109,7 +109,9 @@ def load_into(
             move there too. Real parameters stay where they are.
         dtype: the floating-point dtype of every loaded parameter and persistent buffer,
             as ``from_pretrained(dtype=...)``: integer and bool tensors keep theirs,
-            non-persistent buffers keep the dtype their module built them in, and keys of a
+            a ``transformers`` model's non-persistent buffers take the dtype its class
+            builds them in under ``dtype`` (rotary ``inv_freq`` stays float32; other
+            models' non-persistent buffers keep theirs), and keys of a
             ``transformers`` model's ``_keep_in_fp32_modules`` (float16) /
             ``_keep_in_fp32_modules_strict`` (float16, bfloat16) stay float32. A real
             parameter of another dtype keeps its ``Parameter`` object (new ``.data``).

@@ -130,6 +130,10 @@ class _ModuleLoad:
     float_dtype: Callable[[str], torch.dtype] | None = None
     """The dtype ``dtype=`` gives each floating-point key of this model (see
     :func:`_module_fit.float_dtypes`); None: ``dtype`` itself."""
+    buffer_dtypes: dict[str, torch.dtype] | None = None
+    """The dtype ``dtype=`` gives each floating-point non-persistent buffer (the one the
+    model's class builds it in under that default dtype, as ``from_pretrained`` builds it);
+    None: each keeps the dtype it was built in."""
     declared_ties: dict[str, str] = field(default_factory=dict)
     """Target key -> the key it is tied to, as the model declares (``transformers``'
     ``all_tied_weights_keys``): one absent from the checkpoint gets its twin's tensor."""
@@ -311,10 +315,12 @@ class Planner:
         prefix = f"{path}/" if path else ""
         targets = target.state_dict(keep_vars=True)
         everything = _module_fit.module_tensors(target)
+        float_dtype, buffer_dtypes = _module_fit.float_dtypes(target, self.dtype)
         fit = _ModuleLoad(
             target,
             empty=any(t.device.type == "meta" for t in everything.values()),
-            float_dtype=_module_fit.float_dtypes(target, self.dtype),
+            float_dtype=float_dtype,
+            buffer_dtypes=buffer_dtypes,
             declared_ties=_module_fit.declared_ties(target),
         )
         conversions = _hf_conversions.plan(target, saved, targets, fusions.stored_shapes(saved, comp), self.location)
@@ -347,35 +353,55 @@ class Planner:
         self._finish_module(fit, targets, prefix)
 
     def _finish_module(self, fit: _ModuleLoad, targets: Mapping[str, torch.Tensor], prefix: str) -> None:
-        """Non-persistent buffers of an empty model placed (rebuilt where on ``meta``), and
+        """Non-persistent buffers placed and given the dtype ``dtype=`` gives them (rebuilt
+        where on ``meta``, as are the meta tensors the model leaves out of its files), and
         every tensor that will still be on ``meta`` after the load listed."""
-        buffers = {full: (owner, name, b) for full, owner, name, b in _module_fit.non_persistent_buffers(fit.module)}
+        found = {full: (owner, name, b) for full, owner, name, b in _module_fit.non_persistent_buffers(fit.module)}
         for key, tensor in targets.items():
             off = isinstance(tensor, torch.Tensor) and tensor.device.type == "meta" and key not in fit.materialized
-            if off and key in fit.rebuild and (found := _module_fit.buffer_of(fit.module, key)) is not None:
-                buffers[key] = found  # rebuilt below, or reported there
+            if key in fit.rebuild and key not in fit.materialized and (there := _module_fit.tensor_of(fit.module, key)):
+                found[key] = there  # rebuilt below (or reported there), or given the dtype dtype= asks
             elif off and self.placement(key, tensor)[0].type != "meta":
                 self.meta_left.append(prefix + key)
         rebuild: dict[str, tuple[torch.nn.Module, list[str]]] = {}
-        for full, (owner, name, buffer) in buffers.items():
-            device = self.placement(full, buffer)[0] if fit.empty else buffer.device
-            if buffer.device.type == "meta":
+        for full, (owner, name, tensor) in found.items():
+            device, want = self._finish_home(fit, full, owner, name, tensor)
+            if tensor.device.type == "meta":
                 if device.type != "meta":
                     owner_path = full.rpartition(".")[0]
                     rebuild.setdefault(owner_path, (owner, []))[1].append(name)
-            elif device.type != "meta" and device != buffer.device:
-                self._assign_later(fit.module, full, buffer.to(device))
-        for owner_path, (owner, buffer_names) in rebuild.items():
-            values = _module_fit.rebuild_buffers(fit.module, owner_path, owner, buffer_names)
-            rest = [n for n in buffer_names if n not in values]
+            elif device.type != "meta" and (device != tensor.device or want != tensor.dtype):
+                self._assign_later(fit.module, full, tensor.to(device=device, dtype=want))
+        for owner_path, (owner, names) in rebuild.items():
+            values = _module_fit.rebuild_buffers(fit.module, owner_path, owner, names)
+            rest = [n for n in names if n not in values and n in owner._buffers]
             if rest:
                 values.update(_module_fit.rebuild_by_constructor(owner, rest))
-            for name in buffer_names:
+            for name in names:
                 full = f"{owner_path}.{name}" if owner_path else name
-                if name in values:
-                    self._assign_later(fit.module, full, values[name].to(self.placement(full, values[name])[0]))
-                else:
+                if name not in values:
                     self.meta_left.append(prefix + full)
+                    continue
+                device, want = self._finish_home(fit, full, owner, name, values[name])
+                value = values[name].to(device=device, dtype=want)
+                meta = owner._parameters.get(name)
+                if meta is not None:
+                    value = torch.nn.Parameter(value, requires_grad=meta.requires_grad)
+                self._assign_later(fit.module, full, value)
+
+    def _finish_home(self, fit: _ModuleLoad, full: str, owner: torch.nn.Module, name: str, tensor: torch.Tensor
+                     ) -> tuple[torch.device, torch.dtype]:
+        """(device, dtype) of a tensor :meth:`_finish_module` places: an empty model's go
+        where ``device`` / ``device_map`` say, a built model's stay where they are; a
+        non-persistent buffer takes the dtype of :attr:`_ModuleLoad.buffer_dtypes` (else
+        keeps its own), any other tensor the dtype ``dtype=`` gives its key."""
+        device, want = self.placement(full, tensor, fit.float_dtype)
+        if not fit.empty:
+            device = tensor.device
+        if name in owner._non_persistent_buffers_set:
+            known = fit.buffer_dtypes is not None and tensor.dtype.is_floating_point
+            want = fit.buffer_dtypes.get(full, tensor.dtype) if known else tensor.dtype  # type: ignore[union-attr]
+        return device, want
 
     def _assign_later(self, module: torch.nn.Module, key: str, value: torch.Tensor) -> None:
         self.post.append(functools.partial(self.assign_now, module, key, value))
