@@ -390,3 +390,49 @@ def test_save_pretrained_defaults_to_transformers_shard_size(models: dict[str, A
 
     assert _default_shard_size(models["gpt2"]) == "50GB"  # transformers 5's save_pretrained default
     assert _default_shard_size(torch.nn.Linear(2, 2)) == "50GB"  # no save_pretrained: the same
+
+
+CONVERTED: dict[str, Callable[[], Any]] = {
+    # transformers 5 renames these on load (embed_out -> lm_head) ...
+    "gpt_neox": lambda: transformers.GPTNeoXForCausalLM(
+        transformers.GPTNeoXConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                   max_position_embeddings=32, **COMMON)
+    ),
+    # ... fuses per-expert weights into experts.gate_up_proj / down_proj ...
+    "qwen2_moe": lambda: transformers.Qwen2MoeForCausalLM(
+        transformers.Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                    shared_expert_intermediate_size=32, **LLAMA_LIKE)
+    ),
+    # ... and leaves _keys_to_ignore_on_save out of its files (sinusoidal position tables).
+    "marian": lambda: transformers.MarianMTModel(
+        transformers.MarianConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                                  decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                  max_position_embeddings=32, decoder_start_token_id=0, **COMMON)
+    ),
+}
+
+
+@pytest.mark.parametrize("family", list(CONVERTED))
+def test_save_pretrained_writes_the_hubs_names_where_transformers_converts(family: str, tmp_path: Path) -> None:
+    """Where transformers' save_pretrained stores other names than the model holds (or
+    leaves tensors out), the integration's save_pretrained writes what it writes, byte for
+    byte; sp.save(model) stores the model's own state dict, which load_into and
+    from_pretrained read back the same."""
+    torch.manual_seed(0)
+    model = CONVERTED[family]().eval()
+    model.save_pretrained(tmp_path / "ref", max_shard_size=LIMIT)
+    save_pretrained(model, tmp_path / "ours", max_shard_size=LIMIT)
+    assert _layout(tmp_path / "ours") == _layout(tmp_path / "ref")
+    assert (tmp_path / "ours" / INDEX).read_bytes() == (tmp_path / "ref" / INDEX).read_bytes()
+    sp.save(model, tmp_path / "module", max_shard_size=LIMIT)
+    own = model.state_dict()
+    stored = sp.load(tmp_path / "module")  # tied names included, as aliases
+    assert set(stored) == set(own)
+    assert _layout(tmp_path / "module") != _layout(tmp_path / "ref")  # renamed, fused or left out there
+    for key, value in type(model).from_pretrained(tmp_path / "ours").state_dict().items():
+        assert torch.equal(value, own[key]), key
+    torch.manual_seed(1)
+    again = CONVERTED[family]().eval()
+    assert sp.load_into(again, tmp_path / "module").ok
+    for key, value in again.state_dict().items():
+        assert torch.equal(value, own[key]), key
