@@ -716,3 +716,43 @@ def test_convert_json_output_on_success_and_failure(tmp_path: Path, capsys: pyte
         "message": f"{tmp_path / 'out'} already exists; pass --overwrite to replace it, or save to a new path",
         "path": str(tmp_path / "out"),
     }
+
+
+def test_convert_of_a_model_folder_keeps_what_from_pretrained_needs(tmp_path: Path) -> None:
+    """config.json, generation config, tokenizer files and the model card travel with the
+    weights, so the output loads with from_pretrained as the source did; the Trainer's
+    training state does not; with dtype= the config names the new dtype."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    (src / "tokenizer.json").write_text('{"version": "1.0"}')
+    (src / "README.md").write_text("# tiny llama\n")
+    for name in ("training_args.bin", "optimizer.pt", "rng_state.pth", "trainer_state.json"):
+        (src / name).write_bytes(b"not for the output")
+    outside = tmp_path / "secret.txt"
+    outside.write_text("outside")
+    (src / "notes.txt").symlink_to(outside)
+
+    sp.convert(src, tmp_path / "out")
+    assert sorted(os.listdir(tmp_path / "out")) == [
+        "README.md", "config.json", "generation_config.json", "model.safetensors", "shardpoint.json", "tokenizer.json"]
+    for name in ("config.json", "generation_config.json", "README.md", "tokenizer.json"):
+        assert (tmp_path / "out" / name).read_bytes() == (src / name).read_bytes(), name
+    ids = torch.tensor([[1, 5, 9, 2]])
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+    _, source = run_convert(src, tmp_path / "bf16", dtype="bf16")
+    config_out = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert config_out["dtype"] == "bfloat16"
+    assert {k: v for k, v in config_out.items() if k != "dtype"} == {
+        k: v for k, v in json.loads((src / "config.json").read_text()).items() if k != "dtype"}
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
+    assert source.notes[0] == (
+        f"copied from {src} beside the weights: README.md, config.json, generation_config.json, tokenizer.json")
+    assert source.notes[1].startswith(f"not copied: notes.txt ({src}: 'notes.txt' is a symlink that leaves")

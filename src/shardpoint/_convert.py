@@ -9,6 +9,7 @@ writes each planned file's tensors a batch at a time from the source. Peak memor
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 from collections.abc import Callable, Sequence
@@ -19,15 +20,18 @@ from typing import Any
 
 import torch
 
+from ._format.companions import travels_with_weights
 from ._format.dtypes import parse_dtype
 from ._hub import local_path
 from ._io.writes import FileWrite, write_files
 from ._prepare import Component, PreparedState
 from ._sizes import parse_size
+from ._source import list_directory
 from ._sources.contract import BATCH_BYTES, Ref, SourceSpec, TensorSource, batches, meta_like
 from ._sources.open import open_source, open_spec
+from ._storage.paths import member_path, read_small_file
 from ._write import SaveInfo, json_metadata, write_checkpoint
-from .errors import CorruptCheckpointError, InvalidArgumentError
+from .errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError
 
 
 @dataclass(frozen=True)
@@ -242,6 +246,72 @@ def run_convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], **kwar
     return info, opened[0]
 
 
+COMPANION_LIMIT = 256 << 20
+"""Largest file :func:`companion_files` copies (a big tokenizer is tens of MB)."""
+
+
+def companion_files(src: str, dtype: torch.dtype | None, notes: list[str]) -> dict[str, bytes]:
+    """The files of the model folder ``src`` that belong beside its converted weights
+    (``companions.travels_with_weights``: config, tokenizer, processor files, model card),
+    by name, so the output loads with ``from_pretrained`` as the source did; a note in
+    ``notes`` lists them. Empty for a file or a folder without them.
+
+    With ``dtype``, the ``dtype`` / ``torch_dtype`` entries of ``config.json`` (and of the
+    sub-configs in it) name the new dtype: ``from_pretrained(dtype="auto")`` then loads the
+    weights in the dtype they are stored in. Each file is read as the checkpoint's own
+    files are (:func:`member_path`: links into an HF cache's blobs followed, others out of
+    the folder refused; a regular file, at most :data:`COMPANION_LIMIT` bytes).
+    """
+    if not os.path.isdir(src):
+        return {}
+    out: dict[str, bytes] = {}
+    skipped = []
+    for name in sorted(list_directory(src, "convert")):
+        if not travels_with_weights(name) or not os.path.isfile(os.path.join(src, name)):
+            continue
+        try:
+            path = member_path(src, name, where=src)
+            data = read_small_file(path, where=path, limit=COMPANION_LIMIT)
+        except CheckpointError as exc:
+            skipped.append(f"{name} ({exc})")
+            continue
+        if name == "config.json" and dtype is not None:
+            data = _config_in_dtype(data, dtype)
+        out[name] = data
+    if out:
+        notes.append(f"copied from {src} beside the weights: {', '.join(out)}")
+    if skipped:
+        notes.append(f"not copied: {'; '.join(skipped)}")
+    return out
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def _config_in_dtype(data: bytes, dtype: torch.dtype) -> bytes:
+    """``config.json`` with its ``dtype`` / ``torch_dtype`` entries naming ``dtype`` (its
+    sub-configs' too); unchanged where it is not a JSON object or names none."""
+    try:
+        config = json.loads(data)
+    except ValueError:
+        return data
+    changed = False
+
+    def rename(node: Any, depth: int) -> None:
+        nonlocal changed
+        if not isinstance(node, dict) or depth > 8:
+            return
+        for key, value in node.items():
+            if key in ("dtype", "torch_dtype") and isinstance(value, str) and value != _DTYPE_NAMES[dtype]:
+                node[key] = _DTYPE_NAMES[dtype]
+                changed = True
+            else:
+                rename(value, depth + 1)
+
+    rename(config, 0)
+    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode() if changed else data
+
+
 def convert(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -278,7 +348,10 @@ def convert(
 
     The output is written through the normal atomic commit (temporary directory, fsync,
     indexes, manifest, rename): the ``model`` component is exactly what
-    ``transformers.from_pretrained`` reads.
+    ``transformers.from_pretrained`` reads. From a model folder, the files that describe
+    the model (``config.json``, generation config, tokenizer and processor files, custom
+    code, README, license; not a ``Trainer``'s training state) are copied beside the
+    weights in the same commit, ``config.json`` naming the new ``dtype`` where one is given.
 
     Args:
         src: file or directory to read, or ``hf://org/name[@revision][/subfolder]``: a
@@ -332,6 +405,7 @@ def convert(
         opened.append(source)
     try:
         select_components(source, components)
+        companions = companion_files(os.fspath(src), want, source.notes)
         prepared, refs = output_state(source, want)
         info = write_checkpoint(
             prepared,
@@ -342,6 +416,7 @@ def convert(
             durable=True,
             progress=progress,
             produce=_StreamingWrite(source, refs, want, workers),
+            extra_files=companions,
         )
     finally:
         source.close()

@@ -57,6 +57,32 @@ def role(name: str, family: str) -> str:
     return "other"
 
 
+_DESCRIBES_MODEL = re.compile(
+    r"^(.*\.(json|txt|md|model|jinja|yaml|yml|py|tiktoken|vocab|spm)|LICENSE.*|NOTICE.*)$"
+)
+"""Configs, tokenizer and processor files, custom code, model card and license."""
+_NOT_THE_MODELS = re.compile(
+    r"^(\..*|shardpoint(-r\d+)?\.json|.*\.index\.json|trainer_state\.json)$"
+)
+"""Hidden files, shardpoint's manifests, weights indexes, the Trainer's progress record."""
+
+
+def travels_with_weights(name: str) -> bool:
+    """Whether a file beside a model's weights describes the model and so belongs beside
+    its converted weights too: config, generation config, tokenizer and processor files,
+    custom modeling code, the model card and license. Never weights of any format, indexes,
+    shardpoint's manifests, DCP files, hidden files, nor the training state a ``Trainer``
+    leaves (``training_args.bin``, ``trainer_state.json``, optimizer...).
+
+    >>> [n for n in ["config.json", "tokenizer.json", "model.safetensors", "trainer_state.json",
+    ...              "optimizer.pt", "README.md", "shardpoint.json", "shardpoint-r00001.json",
+    ...              ".gitattributes", "merges.txt", "__0_0.distcp", "model.safetensors.index.json"]
+    ...  if travels_with_weights(n)]
+    ['config.json', 'tokenizer.json', 'README.md', 'merges.txt']
+    """
+    return bool(_DESCRIBES_MODEL.match(name)) and not _NOT_THE_MODELS.match(name)
+
+
 def torch_weights_file(names: list[str]) -> tuple[str | None, list[str]]:
     """The one ``torch.save`` weights file of a directory without safetensors or an index:
     ``pytorch_model.bin`` when present, else the only ``.bin/.pt/.pth/.ckpt`` file that is
