@@ -743,3 +743,26 @@ def test_a_link_or_file_named_like_a_step_is_the_users_never_a_step(tmp_path: Pa
             mgr.save(step, {"w": torch.zeros(2)})
         assert str(exc.value).startswith(f"{root / f'step-{step:06d}'} exists and is not a shardpoint checkpoint")
     assert torch.equal(sp.load(users)["w"], torch.ones(2))
+
+
+def test_an_existing_empty_directory_is_written_into_without_overwrite(tmp_path: Path) -> None:
+    """A folder made ahead (mkdtemp, makedirs) holds nothing to lose: save writes into it,
+    as save_pretrained does; a folder holding anything still needs overwrite=True."""
+    target = tmp_path / "made-ahead"
+    target.mkdir()
+    sp.save({"w": torch.ones(2)}, target)
+    assert sorted(os.listdir(target)) == ["model.safetensors", "shardpoint.json"]
+    assert torch.equal(sp.load(target)["w"], torch.ones(2))
+    with pytest.raises(sp.CheckpointExistsError, match="already exists; pass overwrite=True"):
+        sp.save({"w": torch.zeros(2)}, target)
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("mine")
+    with pytest.raises(sp.CheckpointExistsError, match="already exists; pass overwrite=True"):
+        sp.save({"w": torch.zeros(2)}, notes)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (tmp_path / "elsewhere").mkdir()
+    with pytest.raises(sp.CheckpointExistsError):
+        sp.save({"w": torch.zeros(2)}, link)
+    assert os.listdir(tmp_path / "elsewhere") == []

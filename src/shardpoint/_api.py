@@ -79,7 +79,9 @@ def save(
             default for collective saves).
         process_group: save collectively: every rank of the group calls ``save`` with its
             own shards. Without it, a state holding DTensors is saved over the default group.
-        overwrite: replace an existing checkpoint at ``path`` (atomically).
+        overwrite: replace an existing checkpoint at ``path`` (atomically; files in it
+            that the checkpoint does not own are kept). An existing empty directory is
+            written into without it.
         metadata: JSON values stored in the manifest.
         storage_options: options of the URL's fsspec filesystem, e.g. for S3 ``{"key": …,
             "secret": …, "client_kwargs": {"endpoint_url": "http://127.0.0.1:8333"}}``.

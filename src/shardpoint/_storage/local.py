@@ -73,6 +73,17 @@ __all__ = [
 # ------------------------------------------------------------------ the transaction
 
 
+def _empty_directory(path: Path) -> bool:
+    """Whether ``path`` is a directory (not a link to one) with nothing in it."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    try:
+        with os.scandir(path) as entries:
+            return next(entries, None) is None
+    except OSError:
+        return False
+
+
 class LocalTransaction(Transaction):
     """One save into ``final``: write files into ``.directory``, then ``commit()``."""
 
@@ -91,6 +102,10 @@ class LocalTransaction(Transaction):
     def _check_target(self) -> None:
         if not os.path.lexists(self.final):
             return
+        if not self.overwrite and _empty_directory(self.final):
+            # Made ahead (mkdtemp, makedirs): nothing to lose, as save_pretrained writes
+            # into it. Replaced as an overwrite, which keeps whatever appears meanwhile.
+            self.overwrite = True
         if not self.overwrite:
             raise CheckpointExistsError(
                 f"{self.final} already exists; pass overwrite=True to replace it, "
