@@ -355,3 +355,33 @@ def test_a_folder_of_checkpoints_is_named_as_such(tmp_path) -> None:
     with pytest.raises(sp.CheckpointNotFoundError) as exc:
         sp.load(empty)
     assert "subfolders" not in str(exc.value)
+
+
+def test_load_into_refuses_a_copy_that_would_drop_part_of_each_value(tmp_path) -> None:
+    """Fractions into an integer or bool tensor, an imaginary part into a real one: refused
+    before anything is read (sp.load(dtype=int) is refused too). A module's buffers keep
+    torch's copy rules (a mask stored as float32 loads into a bool buffer)."""
+    sp.save({"a": torch.tensor([1.5, -2.5]), "c": torch.tensor([1 + 2j]), "n": torch.tensor([3, 4])}, tmp_path / "ck")
+    target = {"a": torch.zeros(2, dtype=torch.int64), "c": torch.zeros(1), "n": torch.zeros(2)}
+    with pytest.raises(sp.LoadMismatchError) as exc:
+        sp.load_into(target, tmp_path / "ck")
+    assert str(exc.value) == (
+        f"{tmp_path / 'ck'}: 'a' (F32 -> int64), 'c' (C64 -> float32): stored as floating-point or "
+        "complex values, and the target tensor is of an integer, bool or real dtype; copying would "
+        "drop the fraction or the imaginary part. Make the target that dtype, or read the values "
+        "with sp.load and convert them yourself; nothing was loaded"
+    )
+    assert torch.equal(target["n"], torch.zeros(2))  # nothing was loaded
+    ok = {"a": torch.zeros(2, dtype=torch.bfloat16), "c": torch.zeros(1, dtype=torch.complex128),
+          "n": torch.zeros(2)}
+    assert sp.load_into(ok, tmp_path / "ck").ok and torch.equal(ok["n"], torch.tensor([3.0, 4.0]))
+
+    class Masked(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("mask", torch.zeros(2, dtype=torch.bool))
+
+    sp.save({"mask": torch.tensor([1.0, 0.0])}, tmp_path / "mask")
+    module = Masked()
+    assert sp.load_into(module, tmp_path / "mask").ok
+    assert module.mask.tolist() == [True, False]

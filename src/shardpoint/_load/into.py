@@ -96,7 +96,9 @@ def load_into(
             cache, never downloaded (``storage_options={"cache_dir": ...}`` names another cache).
         strict: raise :class:`LoadMismatchError` (before changing anything) when keys are
             missing, unexpected or mis-shaped, or a tensor would be left on ``meta``. A load
-            where no key at all matches raises even with ``strict=False``.
+            where no key at all matches raises even with ``strict=False``, and so does one
+            that would copy fractions into an integer or bool parameter or tensor (or complex
+            values into a real one): that drops part of each value.
         progress: show a progress bar (default: when stderr is a terminal).
         verify: check crc32c (default on).
         allow_pickle: unpickle values saved with ``allow_pickle=True``.

@@ -119,6 +119,29 @@ def _placement(
     return device, want
 
 
+_FRACTIONAL = ("F", "BF", "C")
+"""Safetensors dtype codes of floating-point (F16, F32, BF16, F8_E4M3, ...) and complex values."""
+
+
+def _drops_values(stored: str | torch.dtype, target: torch.dtype) -> bool:
+    """Whether copying values stored as ``stored`` (a safetensors dtype code, or the dtype
+    of a ``.bin`` file's tensor) into a tensor of dtype ``target`` drops part of each value:
+    a fraction into an integer or bool, an imaginary part into a real dtype.
+
+    >>> _drops_values("F32", torch.int64), _drops_values("BF16", torch.bool), _drops_values("C64", torch.float32)
+    (True, True, True)
+    >>> _drops_values("I64", torch.float32), _drops_values("F32", torch.bfloat16), _drops_values("BOOL", torch.int8)
+    (False, False, False)
+    """
+    if isinstance(stored, torch.dtype):
+        complex_, fractional = stored.is_complex, stored.is_floating_point or stored.is_complex
+    else:
+        complex_, fractional = stored.startswith("C"), stored.startswith(_FRACTIONAL)
+    if complex_:
+        return not target.is_complex
+    return fractional and not (target.is_floating_point or target.is_complex)
+
+
 @dataclass
 class _ModuleLoad:
     """What the planner knows about the module it is filling."""
@@ -223,6 +246,21 @@ class Planner:
                 self.mismatched.append((prefix + key, record.shape, tuple(tensor.shape)))
             else:
                 matched.append(key)
+        # A module's buffers are left to torch's copy rules: a mask saved as float32 loads into
+        # a bool buffer, as load_state_dict and from_pretrained load it.
+        lossy = [(k, stored, targets[k].dtype) for k in matched
+                 if (module is None or isinstance(targets[k], torch.nn.Parameter))
+                 and _drops_values(stored := comp.tensors[comp.aliases.get(names[k], names[k])].dtype, targets[k].dtype)]
+        if lossy:
+            shown = ", ".join(f"{prefix + k!r} ({str(stored).removeprefix('torch.')} -> {str(want).removeprefix('torch.')})"
+                              for k, stored, want in lossy[:5])
+            more = f" and {len(lossy) - 5} more" if len(lossy) > 5 else ""
+            raise LoadMismatchError(
+                f"{self.location}: {shown}{more}: stored as floating-point or complex values, and the "
+                "target tensor is of an integer, bool or real dtype; copying would drop the fraction "
+                "or the imaginary part. Make the target that dtype, or read the values with sp.load "
+                "and convert them yourself; nothing was loaded"
+            )
         first_with: dict[Any, str] = {}
         ids = identity_table(targets)  # asked again below: once each
         for m in matched:
