@@ -385,3 +385,27 @@ def test_load_into_refuses_a_copy_that_would_drop_part_of_each_value(tmp_path) -
     module = Masked()
     assert sp.load_into(module, tmp_path / "mask").ok
     assert module.mask.tolist() == [True, False]
+
+
+def test_unstorable_dtypes_get_advice_that_keeps_their_values(tmp_path) -> None:
+    with pytest.raises(sp.InvalidStateError) as exc:
+        sp.save({"c": torch.tensor([1 + 2j, 3 - 4j]).to(torch.complex32)}, tmp_path / "c")
+    assert str(exc.value) == (
+        "tensor 'c' has dtype torch.complex32, which safetensors cannot store; convert it with "
+        "`.to(torch.complex64)` (complex values in float32 parts) before saving"
+    )
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_device_map_key_that_names_nothing_is_refused(tmp_path) -> None:
+    """A typo or a trailing dot in a device_map key would place nothing where it says."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    sp.save(model.state_dict(), tmp_path / "ck")
+    empty = sp.empty_model(torch.nn.Sequential, torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    with pytest.raises(sp.InvalidArgumentError) as exc:
+        sp.load_into(empty, tmp_path / "ck", device_map={"": "cpu", "1.": "meta"})
+    assert str(exc.value) == (
+        "device_map['1.'] names no module, parameter or buffer of the Sequential being loaded (keys "
+        "are module names as in named_modules(), '' for the whole model); did you mean '1'?"
+    )
+    assert sp.load_into(empty, tmp_path / "ck", device_map={"0": "cpu", "1.weight": "cpu", "1.bias": "cpu"}).ok

@@ -54,9 +54,25 @@ def dtype_name(dtype: torch.dtype, *, key: str) -> str:
         return DTYPE_TO_NAME[dtype]
     except KeyError:
         raise InvalidStateError(
-            f"tensor {key!r} has dtype {dtype}, which safetensors cannot store; "
-            f"convert it (e.g. `.to(torch.float32)`) before saving"
+            f"tensor {key!r} has dtype {dtype}, which safetensors cannot store; {_storable_hint(dtype)}"
         ) from None
+
+
+def _storable_hint(dtype: torch.dtype) -> str:
+    """How to turn a tensor of ``dtype`` into one safetensors stores, keeping its values.
+
+    >>> _storable_hint(torch.complex32)
+    'convert it with `.to(torch.complex64)` (complex values in float32 parts) before saving'
+    >>> _storable_hint(torch.qint8)
+    'store `.dequantize()` (float32 values), or its `.int_repr()` with its scale and zero point, instead'
+    """
+    if dtype.is_complex:
+        return "convert it with `.to(torch.complex64)` (complex values in float32 parts) before saving"
+    if dtype in (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4):
+        return "store `.dequantize()` (float32 values), or its `.int_repr()` with its scale and zero point, instead"
+    if dtype.is_floating_point:
+        return "convert it with `.to(torch.float32)` before saving"
+    return "convert it to a dtype safetensors stores (int64, int32, int16, int8, uint8, bool, a float) before saving"
 
 
 def itemsize(dtype: torch.dtype) -> int:

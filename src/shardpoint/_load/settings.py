@@ -3,6 +3,7 @@ the options in effect."""
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -79,7 +80,25 @@ def device_map_arg(device_map: object, target: object, dtype: torch.dtype | None
                 f"device_map[{prefix[:60]!r}] = 'disk': offloading to disk is not supported by load_into; "
                 "map those modules to 'cpu' (or to 'meta' to leave them unloaded)")
         out[prefix] = torch.device("meta") if device == "meta" else device_arg(device)
+    if isinstance(target, torch.nn.Module):
+        _check_map_names(out, target)
     return out
+
+
+def _check_map_names(device_map: Mapping[str, torch.device], module: torch.nn.Module) -> None:
+    """Refuse a ``device_map`` key that names no module, parameter or buffer of ``module``
+    (a typo or a trailing dot would otherwise place nothing, without a word)."""
+    names = {n for n, _ in module.named_modules()}
+    names.update(n for n, _ in module.named_parameters(remove_duplicate=False))
+    names.update(n for n, _ in module.named_buffers(remove_duplicate=False))
+    for prefix in device_map:
+        if prefix and prefix not in names:
+            close = difflib.get_close_matches(prefix, sorted(names), n=3)
+            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise InvalidArgumentError(
+                f"device_map[{prefix[:80]!r}] names no module, parameter or buffer of the "
+                f"{type(module).__name__} being loaded (keys are module names as in "
+                f"named_modules(), '' for the whole model){hint}")
 
 
 def _planned(kind: str, target: object, dtype: torch.dtype | None) -> dict[str, torch.device]:
