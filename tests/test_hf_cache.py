@@ -453,3 +453,21 @@ def test_docstring_examples() -> None:
     for module in (shardpoint._hub, shardpoint._storage.paths):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted >= 3, module.__name__
+
+
+def test_a_snapshot_missing_a_shard_says_to_download_it_again(tmp_path: Path) -> None:
+    """An interrupted download leaves part of a snapshot: the error says how to fetch it."""
+    cache = tmp_path / "hub"
+    src = tmp_path / "src"
+    state = {f"w{i}": torch.full((64,), float(i)) for i in range(4)}
+    sp.save(state, src, max_shard_size=300)
+    snapshot = _add_to_cache(cache, REPO, src)
+    shards = sorted(p.name for p in snapshot.iterdir() if p.name.endswith(".safetensors"))
+    assert len(shards) > 1
+    (snapshot / shards[-1]).unlink()
+    with pytest.raises(sp.MissingShardError) as exc:
+        sp.load(f"hf://{REPO}", storage_options={"cache_dir": str(cache)})
+    assert str(exc.value).endswith(
+        "the checkpoint is incomplete (the Hugging Face cache holds only part of this snapshot (an "
+        f"interrupted download?): fetch it again with `hf download {REPO} --revision {COMMIT}`)"
+    )

@@ -34,7 +34,7 @@ from ._io.reads import ByteSource, ObjectRanges, header_reader
 from ._options import current_options
 from ._printable import printable
 from ._rule_chunks import RuleChunks
-from ._storage.paths import member_path, open_regular, read_small_file
+from ._storage.paths import member_path, missing_file_advice, open_regular, read_small_file
 from ._storage.remote_store import RemoteStore
 from .errors import (
     CheckpointError,
@@ -207,7 +207,7 @@ class Checkpoint:
     def _missing(self, name: str) -> MissingShardError:
         return MissingShardError(
             f"{self.file_label(name)} is missing: the checkpoint lists it but it is not there; "
-            "the checkpoint is incomplete (copy the file back or load another checkpoint)"
+            f"the checkpoint is incomplete ({missing_file_advice(os.path.dirname(self.file_label(name)))})"
         )
 
     def open_all(self, names: list[str]) -> None:

@@ -31,7 +31,7 @@ from .._format.detect import detect
 from .._format.index import parse_index
 from .._format.names import check_file_name
 from .._source import list_directory
-from .._storage.paths import member_path, open_regular
+from .._storage.paths import member_path, missing_file_advice, open_regular
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -392,7 +392,7 @@ class BinShardsSource(TensorSource):
         if not os.path.exists(path):  # absent, or a dangling link
             raise MissingShardError(
                 f"{path} is missing: the index lists it but it is not there; the checkpoint is "
-                "incomplete (copy the file back or load another checkpoint)"
+                f"incomplete ({missing_file_advice(self.directory)})"
             )
         obj, records = torch_load(
             path, trust_pickle=self.spec.trust_pickle, zip_only=self.spec.zip_only

@@ -46,6 +46,30 @@ def cache_blobs_dir(real_directory: str) -> str | None:
     return None
 
 
+def missing_file_advice(directory: str) -> str:
+    """What to do about a file a checkpoint lists that is not there: in a Hugging Face cache
+    snapshot, download it again (an interrupted download leaves part of a snapshot); else
+    copy it back.
+
+    >>> missing_file_advice("/data/ckpt/step-100")
+    'copy the file back or load another checkpoint'
+    >>> missing_file_advice("/hub/models--org--name/snapshots/0123abc")
+    'the Hugging Face cache holds only part of this snapshot (an interrupted download?): fetch it again with `hf download org/name --revision 0123abc`'
+    """
+    real = os.path.realpath(directory)
+    blobs = cache_blobs_dir(real)
+    if blobs is None:
+        return "copy the file back or load another checkpoint"
+    repo = os.path.basename(os.path.dirname(blobs))
+    kind, _, name = repo.partition("--")
+    revision = real[len(os.path.dirname(blobs)) :].split(os.sep)[2]
+    flag = "" if kind == "models" else f" --repo-type {kind[:-1]}"
+    return (
+        "the Hugging Face cache holds only part of this snapshot (an interrupted download?): fetch "
+        f"it again with `hf download {name.replace('--', '/')}{flag} --revision {revision}`"
+    )
+
+
 def member_path(directory: str, name: str, *, where: str) -> str:
     """The path to open for file ``name`` of the checkpoint in ``directory``.
 
