@@ -315,3 +315,67 @@ def test_a_hanging_rank_is_given_up_on_after_the_collective_timeout(tmp_path: Pa
         assert doc["seconds"] < BOUND_S, doc
     assert not (tmp_path / "ckpt").exists()
     assert tmp_entries(tmp_path) == []
+
+
+# ------------------------------------------------------------------ ranks out of step
+
+
+class Unsaveable:
+    """An object whose state_dict() fails on one rank only: before the ranks meet."""
+
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.fail:
+            raise Injected("state_dict failed on this rank")
+        return {"x": 1}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def out_of_step_worker(rank: int, world: int, root_str: str) -> None:
+    import torch.distributed as dist
+
+    root = Path(root_str)
+    group = dist.group.WORLD
+    with sp.using(collective=sp.CollectiveOptions(timeout_s=60)):
+        # Collecting the state fails on rank 1 before any exchange: every rank raises it.
+        record(root, "collect", rank, lambda: sp.save(
+            {**sharded(1), "obj": Unsaveable(rank == 1)}, root / "s1", process_group=group))
+        # The same through a manager (its own phases come first).
+        mgr = sp.CheckpointManager(root / "run", process_group=group)
+        record(root, "collect-mgr", rank, lambda: mgr.save(1, {**sharded(1), "obj": Unsaveable(rank == 1)}))
+        dist.barrier()
+        # Ranks given different paths: refused on every rank, nothing written anywhere.
+        record(root, "paths", rank, lambda: sp.save(sharded(2), root / f"p{rank}", process_group=group))
+        dist.barrier()
+        # The group is still in step: the next saves work and hold exactly their version.
+        sp.save(sharded(3), root / "s2", process_group=group)
+        mgr.save(2, sharded(3))
+
+
+def test_ranks_out_of_step_fail_together_and_save_nothing(tmp_path: Path) -> None:
+    """A rank whose state cannot be collected used to raise alone: the others waited in the
+    save, met that rank's next save and committed a mix of the two (rows of rank 0 from the
+    first, of rank 1 from the second; verify passed). Different paths on different ranks
+    went, silently, all to rank 0's."""
+    run_ranks(out_of_step_worker, WORLD, str(tmp_path), timeout=240)
+    ranks = list(range(WORLD))
+    for name in ("collect", "collect-mgr"):
+        docs = outcomes(tmp_path, name, ranks)
+        assert_same_error(docs, 1, "Injected: state_dict failed on this rank", name)
+        assert all(doc["message"].startswith("planning the save failed on rank 1") for doc in docs), docs
+    assert not (tmp_path / "s1").exists()
+    for doc in outcomes(tmp_path, "paths", ranks):
+        assert doc["ok"] is False and doc["type"] == "DistributedCheckpointError", doc
+        assert doc["message"].startswith(
+            f"planning the save failed on rank 0 (rank 0: DistributedCheckpointError: the ranks are out of "
+            f"step (rank 0: 'saving to {tmp_path / 'p0'}'; rank 1: 'saving to {tmp_path / 'p1'}'; rank 2: "
+            f"'saving to {tmp_path / 'p2'}'): every rank must make the same call (the same path)"), doc
+    assert not any((tmp_path / f"p{r}").exists() for r in ranks)
+    load_exact(tmp_path / "s2", 3, "s2")
+    assert sp.CheckpointManager(tmp_path / "run").steps() == [2]
+    load_exact(tmp_path / "run" / "step-000002", 3, "step 2")
+    assert tmp_entries(tmp_path) == [] and tmp_entries(tmp_path / "run") == []

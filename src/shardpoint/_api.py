@@ -118,7 +118,7 @@ def save(
     max_bytes = parse_size(max_shard_size)
     check_options(layout, storage_options)
     with applied(options), collector_paused():
-        prepared = prepare_state(state, allow_pickle=allow_pickle)
+        prepared = _prepared_together(state, allow_pickle, process_group)
         group = resolve_group(process_group, prepared.all_tensors())
         return write_prepared(
             prepared,
@@ -132,6 +132,25 @@ def save(
             progress=progress,
             storage_options=storage_options,
         )
+
+
+def _prepared_together(state: Any, allow_pickle: bool, process_group: Any) -> Any:
+    """``prepare_state(state)``; where it fails in a save over a given process group, the
+    failure goes through the save's first exchange, so every rank raises it (naming this
+    rank) instead of the others waiting and meeting this rank's next call."""
+    try:
+        return prepare_state(state, allow_pickle=allow_pickle)
+    except Exception as exc:
+        error = exc
+        group = resolve_group(process_group, []) if process_group is not None else None
+        if group is None or not group.distributed:
+            raise
+
+        def failed() -> tuple[None, None]:
+            raise error
+
+        group.exchange("planning the save", failed)
+        raise  # not reached: the exchange raised on every rank
 
 
 _manager_call: ContextVar[bool] = ContextVar("shardpoint_manager_call", default=False)

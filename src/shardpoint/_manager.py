@@ -303,7 +303,7 @@ class CheckpointManager:
                         self._remove_stale_temps()
                         self._finish_interrupted_retention()
 
-        group.phase(f"preparing to save step {step} under {self.root}", prepare)
+        group.phase(f"preparing to save step {step} under {self.root}", prepare, identity=f"saving step {step}")
         metadata = {"step": step, "metrics": metrics_json(metrics)}
         kwargs = {"overwrite": True, "progress": False, **self.save_kwargs, "metadata": metadata}
         if self.storage_options is not None:

@@ -234,7 +234,8 @@ def write_checkpoint(
     try:
         for _attempt in range(2):
             local_state, answer = group.exchange(
-                "planning the save", plan, assign, deciding="creating the checkpoint directory"
+                "planning the save", plan, assign, deciding="creating the checkpoint directory",
+                identity=f"saving to {store.location}",
             )
             if answer != RESEND:
                 break

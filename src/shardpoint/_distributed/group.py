@@ -100,6 +100,10 @@ def resolve_group(process_group: Any, state: Any) -> Group:
     return Group(None)
 
 
+OUT_OF_STEP = "the ranks are out of step"
+"""How :meth:`Group.exchange` begins the error of ranks that sent different identities."""
+
+
 class Group:
     """Process-group operations, or their single-process equivalents when ``pg`` is None."""
 
@@ -254,9 +258,10 @@ class Group:
                 self._send_bytes(rank, message, datetime.timedelta(seconds=limit))
         return _Verdict(failed, answers[0], deciding)
 
-    def phase(self, name: str, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on every rank; if any rank fails, all raise one error naming them."""
-        return self.exchange(name, lambda: (fn(), None))[0]
+    def phase(self, name: str, fn: Callable[[], T], identity: str | None = None) -> T:
+        """Run ``fn`` on every rank; if any rank fails, all raise one error naming them
+        (``identity``: see :meth:`exchange`)."""
+        return self.exchange(name, lambda: (fn(), None), identity=identity)[0]
 
     def exchange(
         self,
@@ -264,6 +269,7 @@ class Group:
         fn: Callable[[], tuple[T, Any]],
         decide: Callable[[list[Any]], list[Any]] | None = None,
         deciding: str = "",
+        identity: str | None = None,
     ) -> tuple[T, Any]:
         """A phase whose outcomes the coordinator acts on, in one round trip.
 
@@ -273,7 +279,31 @@ class Group:
         ``decide`` fails, every rank raises one :class:`DistributedCheckpointError`; it
         names the phase ``name``, or ``deciding`` for a failed ``decide``. Without a
         process group ``decide`` runs in the calling process.
+
+        With ``identity`` (the same on every rank for the same call: the path being saved,
+        a step; not a local path that may differ between hosts), every report carries it
+        and the coordinator checks that every rank sent the same one: ranks out of step
+        (one rank's call failed before the ranks met, so its next call meets the others'
+        earlier one) all fail, naming what each rank was doing, instead of mixing two
+        calls' work.
         """
+        key = identity
+        inner_decide = decide
+
+        def decide_in_step(tagged: list[Any]) -> list[Any]:
+            keys = [t[0] if isinstance(t, tuple) and len(t) == 2 else None for t in tagged]
+            odd = [r for r, k in enumerate(keys) if k != keys[0]]
+            if odd:
+                shown = "; ".join(f"rank {r}: {keys[r]!r}" for r in [0, *odd[:3]])
+                raise DistributedCheckpointError(
+                    f"{OUT_OF_STEP} ({shown}{' ...' if len(odd) > 3 else ''}): every rank "
+                    "must make the same call (the same path) in the same order, and an earlier call "
+                    "that failed on some ranks before they met leaves the others waiting in it. "
+                    "Nothing was saved by this call"
+                )
+            reports = [t[1] for t in tagged]
+            return inner_decide(reports) if inner_decide is not None else [None] * len(reports)
+
         result: Any = None
         report: Any = None
         error: str | None = None
@@ -287,6 +317,8 @@ class Group:
             if exc is not None:
                 raise exc
             return result, None if decide is None else decide([report])[0]
+        if key is not None:
+            report, decide = (key, report), decide_in_step
 
         decide_exc: list[BaseException] = []
 
@@ -306,7 +338,8 @@ class Group:
             failed = verdict.failed
             lines = "; ".join(f"rank {r}: {t}" for r, t in sorted(failed.items()))
             ranks = ", ".join(map(str, sorted(failed)))
-            stage = deciding if verdict.deciding else name
+            out_of_step = any(OUT_OF_STEP in str(text) for text in failed.values())
+            stage = deciding if verdict.deciding and deciding and not out_of_step else name
             message = f"{stage} failed on rank{'s' if len(failed) > 1 else ''} {ranks} ({lines})"
             cause = exc if exc is not None else decide_exc[0] if decide_exc else None
             if cause is not None and not isinstance(cause, CheckpointError):
