@@ -105,6 +105,29 @@ def test_resume_from_path_equals_uninterrupted_run(tmp_path) -> None:
         _assert_bitwise_equal(got, want)
 
 
+def test_resume_true_skips_a_newer_folder_that_is_not_a_whole_checkpoint(tmp_path) -> None:
+    """get_last_checkpoint picks the highest number; a newer folder a save left unfinished
+    (only config.json, as a crashed plain Trainer may leave) is skipped, with a warning, and
+    the run resumes from the newest whole one."""
+    reference = trainer(str(tmp_path / "ref"), 6)
+    reference.train()
+    out = str(tmp_path / "run")
+    trainer(out, 6, stop_at=4).train()  # checkpoint-2 and checkpoint-4
+    stale = os.path.join(out, "checkpoint-6")
+    os.makedirs(stale)
+    with open(os.path.join(stale, "config.json"), "w") as f:
+        f.write("{}")
+    resumed = trainer(out, 6)
+    with pytest.warns(UserWarning) as seen:
+        resumed.train(resume_from_checkpoint=True)
+    assert [str(w.message) for w in seen if "resume_from_checkpoint" in str(w.message)] == [
+        f"resume_from_checkpoint=True: skipping {stale} (no whole checkpoint: a save that did not "
+        f"finish?); resuming from {os.path.join(out, 'checkpoint-4')}"
+    ]
+    for got, want in zip(_final_state(resumed), _final_state(reference), strict=True):
+        _assert_bitwise_equal(got, want)
+
+
 def test_plain_trainer_checkpoint_loads_and_resumes(tmp_path) -> None:
     out = str(tmp_path / "plain")
     plain = trainer(out, 4, plain=True, stop_at=2)

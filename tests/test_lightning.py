@@ -220,6 +220,14 @@ def test_round_trip_structure_and_types(tmp_path) -> None:
     # The model component is a plain safetensors file of the LightningModule's weights.
     assert sorted(sp.load(path, keys=["model"])["model"]) == ["net.bias", "net.weight"]
     assert cli_main(["verify", str(path)]) == 0
+    # Its manifest lost (committed last: a copy cut short), the folder is not a whole
+    # checkpoint; plain sp.load would read model.safetensors alone (was a bare KeyError in
+    # Lightning's restore).
+    (path / "shardpoint.json").unlink()
+    with pytest.raises(sp.IncompleteCheckpointError) as exc:
+        io.load_checkpoint(path)
+    assert str(exc.value).startswith(
+        f"{path} has no shardpoint.json, which every checkpoint ShardpointCheckpointIO writes holds")
 
 
 class Color(enum.Enum):

@@ -37,6 +37,7 @@ import json
 import os
 import tempfile
 import time
+import warnings
 from typing import Any
 
 import transformers
@@ -64,6 +65,22 @@ TESTED_TRANSFORMERS = "5.24.0"
 """The ``transformers`` version this integration is tested on (a test pins it)."""
 TRAINER_STATE_NAME = "trainer_state.json"
 TRAINING_ARGS_JSON = "training_args.json"
+
+
+_PLAIN_WEIGHTS = (
+    "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
+    "adapter_model.safetensors", "adapter_model.bin",
+)
+
+
+def _whole_checkpoint(path: str) -> bool:
+    """A ``checkpoint-<step>`` folder to resume from: a committed shardpoint checkpoint, or
+    the plain ``Trainer``'s (weights and ``trainer_state.json``)."""
+    if is_shardpoint_checkpoint(path):
+        return True
+    return os.path.isfile(os.path.join(path, "trainer_state.json")) and any(
+        os.path.isfile(os.path.join(path, n)) for n in _PLAIN_WEIGHTS
+    )
 
 
 def is_shardpoint_checkpoint(path: str | os.PathLike[str] | None) -> bool:
@@ -213,6 +230,10 @@ class ShardpointTrainerMixin:
                 ) from exc
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("resume_from_checkpoint") is True:
+            kwargs["resume_from_checkpoint"] = self._newest_whole_checkpoint()
+        elif args and args[0] is True:
+            args = (self._newest_whole_checkpoint(), *args[1:])
         try:
             output = super().train(*args, **kwargs)  # type: ignore[misc]
         except BaseException:
@@ -225,6 +246,36 @@ class ShardpointTrainerMixin:
         return output
 
     # ---- loading ----
+
+    def _newest_whole_checkpoint(self) -> Any:
+        """For ``resume_from_checkpoint=True``: the newest ``checkpoint-<step>`` of
+        ``output_dir`` that holds a whole checkpoint (a shardpoint manifest, or the plain
+        ``Trainer``'s weights and ``trainer_state.json``), skipping newer folders a save
+        that did not finish left behind, with a warning naming them; ``True`` (the
+        ``Trainer``'s own choice and error) when there is none."""
+        root = self.args.output_dir
+        try:
+            names = os.listdir(root)
+        except OSError:
+            return True
+        steps = sorted(
+            (int(n[len(PREFIX_CHECKPOINT_DIR) + 1:]), n) for n in names
+            if n.startswith(PREFIX_CHECKPOINT_DIR + "-") and n[len(PREFIX_CHECKPOINT_DIR) + 1:].isdigit()
+            and os.path.isdir(os.path.join(root, n))
+        )
+        skipped: list[str] = []
+        for _, name in reversed(steps):
+            path = os.path.join(root, name)
+            if _whole_checkpoint(path):
+                if skipped:
+                    warnings.warn(
+                        f"resume_from_checkpoint=True: skipping {', '.join(skipped)} (no whole "
+                        f"checkpoint: a save that did not finish?); resuming from {path}",
+                        UserWarning, stacklevel=3,
+                    )
+                return path
+            skipped.append(path)
+        return True
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         if not is_shardpoint_checkpoint(resume_from_checkpoint):

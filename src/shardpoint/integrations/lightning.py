@@ -69,7 +69,12 @@ from .._reuse import link_unchanged
 from .._sizes import parse_size
 from .._source import open_checkpoint
 from .._write import json_metadata, write_checkpoint
-from ..errors import InvalidArgumentTypeError, InvalidStateError, UnsupportedFormatError
+from ..errors import (
+    IncompleteCheckpointError,
+    InvalidArgumentTypeError,
+    InvalidStateError,
+    UnsupportedFormatError,
+)
 from ._lightning_paths import (
     clear_non_directory,
     is_lightning_distributed_checkpoint,
@@ -297,7 +302,14 @@ class ShardpointCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
             )
         allow = self.allow_pickle and weights_only is not True
         ckpt = open_checkpoint(location)
-        metadata = ckpt.manifest.metadata if ckpt.manifest is not None else {}
+        if ckpt.manifest is None:
+            raise IncompleteCheckpointError(
+                f"{location} has no shardpoint.json, which every checkpoint ShardpointCheckpointIO "
+                "writes holds (it is committed last): this folder is not a whole Lightning checkpoint "
+                "of this plugin (its manifest was lost, or it holds only plain weights). Resume from "
+                "another checkpoint; `shardpoint verify` says what is there"
+            )
+        metadata = ckpt.manifest.metadata
         loaded = load(location, device=device, allow_pickle=allow, progress=False)
         return from_shardpoint_state(loaded, metadata, flat=ckpt.flat)
 
