@@ -409,3 +409,31 @@ def test_a_device_map_key_that_names_nothing_is_refused(tmp_path) -> None:
         "are module names as in named_modules(), '' for the whole model); did you mean '1'?"
     )
     assert sp.load_into(empty, tmp_path / "ck", device_map={"0": "cpu", "1.weight": "cpu", "1.bias": "cpu"}).ok
+
+
+@pytest.mark.parametrize("value", ["no", "False", 0, 1, None, [True]])
+def test_switches_take_only_true_or_false(tmp_path, value) -> None:
+    """A switch given "no" read as true: trust_pickle="no" ran a pickle's code, and
+    overwrite="no" replaced a checkpoint. Every switch of a public call takes a bool."""
+    sp.save({"w": torch.ones(2)}, tmp_path / "ck")
+    torch.save({"w": torch.ones(2)}, tmp_path / "m.pt")
+    calls = {
+        "save(overwrite": lambda: sp.save({"w": torch.zeros(2)}, tmp_path / "ck", overwrite=value),
+        "save(allow_pickle": lambda: sp.save({"w": torch.zeros(2)}, tmp_path / "new", allow_pickle=value),
+        "save(durable": lambda: sp.save({"w": torch.zeros(2)}, tmp_path / "new", durable=value),
+        "async_save(overwrite": lambda: sp.async_save({"w": torch.zeros(2)}, tmp_path / "ck", overwrite=value),
+        "load(allow_pickle": lambda: sp.load(tmp_path / "ck", allow_pickle=value),
+        "load(mmap": lambda: sp.load(tmp_path / "ck", mmap=value),
+        "load_into(strict": lambda: sp.load_into({"w": torch.zeros(2)}, tmp_path / "ck", strict=value),
+        "convert(trust_pickle": lambda: sp.convert(tmp_path / "m.pt", tmp_path / "out", trust_pickle=value),
+        "convert(overwrite": lambda: sp.convert(tmp_path / "m.pt", tmp_path / "ck", overwrite=value),
+        "CheckpointManager(async_save": lambda: sp.CheckpointManager(tmp_path / "run", async_save=value),
+    }
+    for call, run in calls.items():
+        with pytest.raises(sp.InvalidArgumentTypeError) as exc:
+            run()
+        assert str(exc.value).startswith(f"{call}={value!r}): pass True or False"), (call, str(exc.value))
+    assert torch.equal(sp.load(tmp_path / "ck")["w"], torch.ones(2))
+    assert not (tmp_path / "new").exists() and not (tmp_path / "out").exists()
+    # Optional switches still take None (their default: decided from the terminal / options).
+    assert sp.load(tmp_path / "ck", progress=None, verify=None)["w"].tolist() == [1.0, 1.0]

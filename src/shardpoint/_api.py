@@ -10,6 +10,7 @@ from typing import Any
 
 from ._async import AsyncQueue, AsyncSave, default_queue, raise_unobserved_failure
 from ._distributed.group import Group, resolve_group
+from ._flags import check_flags
 from ._gc import collector_paused
 from ._load.into import load_into
 from ._load.new import load
@@ -113,6 +114,8 @@ def save(
         >>> sp.load("memory://doc/ckpt")["w"].tolist()
         [1.0, 1.0]
     """
+    check_flags("save", overwrite=overwrite, durable=durable, allow_pickle=allow_pickle, progress=progress,
+                optional=("progress",))
     if not _manager_call.get():
         raise_unobserved_failure()
     max_bytes = parse_size(max_shard_size)
@@ -220,6 +223,10 @@ def async_save(
         12
     """
     started = time.perf_counter()
+    check_flags("async_save", overwrite=overwrite, durable=durable, allow_pickle=allow_pickle, progress=progress,
+                optional=("progress",))
+    if on_commit is not None and not callable(on_commit):
+        raise InvalidArgumentTypeError(f"async_save(on_commit=...) must be callable, not a {type(on_commit).__name__}")
     queue = _queue_in_effect.get() or default_queue()
     chosen = merged(options)  # the background thread writes under the options of this call
     max_bytes = parse_size(max_shard_size)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ._flags import check_flags
 from ._format.companions import travels_with_weights
 from ._format.dtypes import parse_dtype
 from ._hub import local_path
@@ -31,7 +32,12 @@ from ._sources.contract import BATCH_BYTES, Ref, SourceSpec, TensorSource, batch
 from ._sources.open import open_source, open_spec
 from ._storage.paths import member_path, read_small_file
 from ._write import SaveInfo, json_metadata, write_checkpoint
-from .errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError
+from .errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+)
 
 
 @dataclass(frozen=True)
@@ -392,6 +398,9 @@ def convert(
         >>> sp.load(os.path.join(d, "out"))["w"].dtype
         torch.bfloat16
     """
+    check_flags("convert", trust_pickle=trust_pickle, overwrite=overwrite, progress=progress, optional=("progress",))
+    if isinstance(workers, bool) or not isinstance(workers, int):
+        raise InvalidArgumentTypeError(f"convert(workers={workers!r}): pass a whole number of processes (1 or more)")
     src = local_path(src, cache_dir)
     max_bytes = parse_size(max_shard_size)
     want = parse_dtype(dtype)

@@ -36,6 +36,7 @@ from typing import Any
 from ._api import async_save_on, save_now
 from ._async import AsyncQueue, AsyncSave
 from ._distributed.group import Group, resolve_group
+from ._flags import check_flags
 from ._format.manifest import MANIFEST_NAME
 from ._load.into import load_into
 from ._manager_steps import (
@@ -136,6 +137,7 @@ class CheckpointManager:
         self.keep_best = keep_best
         self.metric = metric
         self.mode = mode
+        check_flags("CheckpointManager", async_save=async_save)
         self.async_save = async_save
         self.save_kwargs = save_kwargs
         self.process_group = process_group

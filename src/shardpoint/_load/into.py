@@ -18,6 +18,7 @@ import torch
 
 from .._checkpoint import Checkpoint
 from .._distributed.group import Group, resolve_group
+from .._flags import check_flags
 from .._format.dtypes import parse_dtype
 from .._gc import collector_paused
 from .._hub import resolve_hub
@@ -146,6 +147,8 @@ def load_into(
         >>> sp.load_into(torch.nn.Linear(2, 2), d).ok
         True
     """
+    check_flags("load_into", strict=strict, allow_pickle=allow_pickle, progress=progress, verify=verify,
+                optional=("progress", "verify"))
     with applied(options):
         group = resolve_group(process_group, target)
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .._checkpoint import Checkpoint
+from .._flags import check_flags
 from .._flatten import unflatten_state
 from .._format.dtypes import parse_dtype
 from .._format.manifest import TensorRecord
@@ -130,6 +131,8 @@ def load(
         >>> sp.load(d)["w"].tolist()
         [0.0, 1.0, 2.0, 3.0]
     """
+    check_flags("load", mmap=mmap, allow_pickle=allow_pickle, progress=progress, verify=verify,
+                optional=("progress", "verify"))
     with applied(options):
         keys, device, dtype = keys_arg(keys), device_arg(device), parse_dtype(dtype)
         path, storage_options = resolve_hub(path, storage_options)

@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._flags import check_flags
 from .._load.new import load
 from .._prepare import prepare_state
 from .._reuse import link_unchanged
@@ -166,6 +167,8 @@ class ShardpointCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         durable: bool = True,
     ) -> None:
         super().__init__()
+        check_flags("ShardpointCheckpointIO", allow_pickle=allow_pickle, link_unchanged=link_unchanged,
+                    durable=durable)
         self.max_shard_bytes = parse_size(max_shard_size)
         self.allow_pickle = allow_pickle
         self.link_unchanged = link_unchanged

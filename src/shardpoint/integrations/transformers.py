@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .._flags import check_flags
 from .._hf_conversions import weights_to_save
 from .._prepare import hf_storage, prepare_state
 from .._sizes import parse_size
@@ -125,6 +126,8 @@ def save_pretrained(
     if callable(num_parameters):
         prepared.components[0].parameters = int(num_parameters())
     overwrite = save_kwargs.get("overwrite")
+    check_flags("save_pretrained", overwrite=overwrite, durable=save_kwargs.get("durable", True),
+                progress=save_kwargs.get("progress"), optional=("overwrite", "progress"))
     if overwrite is None:  # not given: write into a folder holding no weights, as transformers does
         overwrite = _holds_no_weights(path)
     return write_checkpoint(
