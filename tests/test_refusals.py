@@ -437,3 +437,18 @@ def test_switches_take_only_true_or_false(tmp_path, value) -> None:
     assert not (tmp_path / "new").exists() and not (tmp_path / "out").exists()
     # Optional switches still take None (their default: decided from the terminal / options).
     assert sp.load(tmp_path / "ck", progress=None, verify=None)["w"].tolist() == [1.0, 1.0]
+
+
+def test_a_step_whose_manifest_is_json_but_not_a_manifest_is_damaged_not_whole(tmp_path) -> None:
+    """'{}' parses: it used to count as a whole step, and with keep_last=2 retention kept it
+    and deleted a real step. It is skipped as damaged: never counted, never deleted."""
+    root = tmp_path / "run"
+    mgr = sp.CheckpointManager(root, keep_last=2)
+    for step in (1, 2):
+        mgr.save(step, {"w": torch.full((2,), float(step))})
+    (root / "step-000003").mkdir()
+    (root / "step-000003" / "shardpoint.json").write_text("{}")
+    with pytest.warns(UserWarning, match=r"step 3 under .* is damaged and is skipped .*it is not a shardpoint manifest"):
+        mgr.save(4, {"w": torch.full((2,), 4.0)})
+        mgr.save(5, {"w": torch.full((2,), 5.0)})
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000003", "step-000004", "step-000005"]

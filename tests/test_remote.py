@@ -424,6 +424,24 @@ def test_manager_on_s3_lists_restores_and_applies_retention(url: str, opts: dict
     assert again.steps() == [20, 40, 50] and again.latest_step() == 50
 
 
+def test_retention_on_s3_keeps_a_damaged_step(url: str, opts: dict[str, Any], fs: Any) -> None:
+    """A step whose manifest is damaged is never deleted as if it were whole (locally that
+    was so; on S3 retention deleted it and the objects beside it)."""
+    root = url.removeprefix("s3://")
+    mgr = sp.CheckpointManager(url, keep_last=2, storage_options=opts)
+    mgr.save(1, {"w": torch.ones(3)})
+    mgr.save(2, {"w": torch.ones(3)})
+    fs.pipe_file(f"{root}/step-000003/shardpoint.json", b"{garbage")
+    fs.pipe_file(f"{root}/step-000003/model.safetensors", b"the user's bytes")
+    with pytest.warns(UserWarning, match=r"step 3 under .* is damaged and is skipped"):
+        mgr.save(4, {"w": torch.ones(3)})
+        mgr.save(5, {"w": torch.ones(3)})
+    fs.invalidate_cache()
+    assert fs.cat_file(f"{root}/step-000003/model.safetensors") == b"the user's bytes"
+    assert sorted({k.split("/")[0] for k in keys_under(fs, url)}) == [
+        "latest", "step-000003", "step-000004", "step-000005"]
+
+
 def test_manager_async_saves_to_s3(url: str, opts: dict[str, Any]) -> None:
     model = nn.Linear(3, 3)
     mgr = sp.CheckpointManager(url, keep_last=1, async_save=True, storage_options=opts)

@@ -493,8 +493,13 @@ class CheckpointManager:
         if self.keep_best:
             keep |= set(self.best_steps()[: self.keep_best])
         for step in steps:
-            if step not in keep:
-                self._delete(step)
+            if step in keep:
+                continue
+            # Where reads cost a request (an object store) only the steps to delete are read:
+            # a damaged one is kept (a warning names it), never deleted as if it were whole.
+            if not self._store.small_reads_are_cheap and self._readable_metrics(step) is None:
+                continue
+            self._delete(step)
 
     def _delete(self, step: int) -> None:
         self._store.child(step_dir_name(step)).delete_tree()

@@ -68,6 +68,8 @@ def metrics_of_manifest(raw: bytes, *, where: str) -> dict[str, Any]:
     """
     try:
         doc = json.loads(raw)
+        if not isinstance(doc, dict) or doc.get("format") != "shardpoint" or not isinstance(doc.get("components"), dict):
+            raise ValueError("it is not a shardpoint manifest (no 'format': 'shardpoint' and 'components')")
         stored = dict(doc.get("metadata", {}).get("metrics", {}))
     except (ValueError, TypeError, AttributeError, RecursionError) as exc:
         reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
