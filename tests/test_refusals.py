@@ -452,3 +452,25 @@ def test_a_step_whose_manifest_is_json_but_not_a_manifest_is_damaged_not_whole(t
         mgr.save(4, {"w": torch.full((2,), 4.0)})
         mgr.save(5, {"w": torch.full((2,), 5.0)})
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000003", "step-000004", "step-000005"]
+
+
+def test_arguments_that_failed_deep_inside_are_refused_at_the_call(tmp_path) -> None:
+    """Each used to pass the call's checks and fail later with a bare error: an option over
+    what C sizes hold (OverflowError), a device of a backend this torch lacks (a bare
+    AssertionError for 'xpu', an out-of-memory error for 'mps'), metadata nested past
+    the recursion limit (RecursionError)."""
+    sp.save({"w": torch.ones(2)}, tmp_path / "ck")
+    with pytest.raises(sp.InvalidArgumentError, match=r"^IOOptions.segment_bytes must be at most 2\*\*48, not 1180591620717411303424$"):
+        sp.IOOptions(segment_bytes=2**70)
+    for device in ("xpu", "mps"):
+        if getattr(torch, device, None) is not None and torch.__dict__[device].is_available():
+            continue
+        with pytest.raises(sp.InvalidArgumentError) as exc:
+            sp.load(tmp_path / "ck", device=device)
+        assert str(exc.value) == f"device {device!r}: torch has no {device} device on this machine; load to 'cpu' (or check the torch build)"
+    deep: Any = 1
+    for _ in range(3000):
+        deep = [deep]
+    with pytest.raises(sp.InvalidStateError, match=r"^metadata nests too deeply to store as JSON; flatten it$"):
+        sp.save({"w": torch.ones(2)}, tmp_path / "deep", metadata={"d": deep})
+    assert not (tmp_path / "deep").exists()

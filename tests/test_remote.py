@@ -442,6 +442,21 @@ def test_retention_on_s3_keeps_a_damaged_step(url: str, opts: dict[str, Any], fs
         "latest", "step-000003", "step-000004", "step-000005"]
 
 
+@pytest.mark.parametrize("bad", [{"bogus": 1}, {"client_kwargs": "x"}, {"key": 5}])
+def test_storage_options_the_client_refuses_are_a_storage_error(url: str, opts: dict[str, Any], bad: dict) -> None:
+    """The S3 client refuses these only when it is made, on the first request: that was a
+    bare TypeError / AttributeError from inside aiobotocore."""
+    options = {**opts, **bad}
+    if "client_kwargs" in bad:
+        options["client_kwargs"] = bad["client_kwargs"]
+    for call in (lambda: sp.save({"w": torch.ones(2)}, url, storage_options=options),
+                 lambda: sp.load(url, storage_options=options)):
+        with pytest.raises(sp.StorageError) as exc:
+            call()
+        assert str(exc.value).startswith(f"listing {url} failed: ") or url in str(exc.value), str(exc.value)
+        assert str(exc.value).endswith("check the URL, the bucket and storage_options"), str(exc.value)
+
+
 def test_manager_async_saves_to_s3(url: str, opts: dict[str, Any]) -> None:
     model = nn.Linear(3, 3)
     mgr = sp.CheckpointManager(url, keep_last=1, async_save=True, storage_options=opts)

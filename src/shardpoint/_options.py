@@ -114,6 +114,10 @@ _BOOL_FIELDS = {
 }
 
 
+_MAXIMUM = 1 << 48
+"""Above any sensible count, size (256 TiB) or time: larger values overflowed in C later."""
+
+
 def _check(options: object, group: str, minimum: dict[str, int]) -> None:
     """Type- and range-check every field of ``options``, naming its environment variable
     when the value came from there."""
@@ -133,6 +137,8 @@ def _check(options: object, group: str, minimum: dict[str, int]) -> None:
         if value < low:
             rule = "a positive integer" if low == 1 else f"an integer >= {low}"
             raise InvalidArgumentError(f"{where}{source} must be {rule}, not {value!r}")
+        if value > _MAXIMUM:
+            raise InvalidArgumentError(f"{where}{source} must be at most 2**48, not {value!r}")
 
 
 # ------------------------------------------------------------------ the option groups

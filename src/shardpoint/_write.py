@@ -65,6 +65,8 @@ def json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
         raise InvalidStateError(f"metadata must be a dict of JSON values, not {type(metadata).__name__}")
     try:
         return json.loads(json.dumps(dict(metadata), allow_nan=False))
+    except RecursionError:
+        raise InvalidStateError("metadata nests too deeply to store as JSON; flatten it") from None
     except (TypeError, ValueError) as exc:
         raise InvalidStateError(f"metadata must hold only JSON values (no nan/inf): {exc}") from None
 

@@ -49,6 +49,18 @@ def _available(found: torch.device, given: object) -> torch.device:
             f"device {str(given)[:40]!r} is a CUDA device, and torch sees none on this machine; "
             "load to 'cpu' (or check CUDA_VISIBLE_DEVICES and the torch build)"
         )
+    if found.type not in ("cpu", "cuda", "meta"):
+        backend = getattr(torch, found.type, None)  # torch.xpu, torch.mps, torch.mtia, ...
+        is_available = getattr(backend, "is_available", None)
+        try:
+            available = bool(is_available()) if callable(is_available) else False
+        except Exception:  # a backend that cannot even say
+            available = False
+        if not available:
+            raise InvalidArgumentError(
+                f"device {str(given)[:40]!r}: torch has no {found.type} device on this machine; load to "
+                "'cpu' (or check the torch build)"
+            )
     return found
 
 

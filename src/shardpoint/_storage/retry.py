@@ -100,8 +100,16 @@ _STORAGE_MODULES = {"botocore", "aiobotocore", "aiohttp", "s3fs", "fsspec", "gcs
 
 
 def _from_storage(exc: BaseException) -> bool:
-    """Whether ``exc`` came from the filesystem or its client library (not from our code)."""
-    return isinstance(exc, OSError) or type(exc).__module__.split(".")[0] in _STORAGE_MODULES
+    """Whether ``exc`` came from the filesystem or its client library (not from our code):
+    an ``OSError``, an error class of such a library, or any error raised inside one (a
+    ``TypeError`` from the client refusing a ``storage_options`` entry it was given)."""
+    if isinstance(exc, OSError) or type(exc).__module__.split(".")[0] in _STORAGE_MODULES:
+        return True
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    deepest = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
+    return str(deepest).split(".")[0] in _STORAGE_MODULES
 
 
 def _describe(exc: BaseException) -> str:
