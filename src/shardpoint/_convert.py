@@ -373,7 +373,10 @@ def convert(
         overwrite: replace an existing checkpoint at ``dst`` (atomically).
         progress: show a progress bar (default: when stderr is a terminal).
         workers: processes writing output files in parallel (each opens the source and
-            holds one batch; worth it for many output files on fast storage).
+            holds one batch; worth it for many output files on fast storage). They are
+            started with ``spawn``, which imports the calling script again in each: call
+            ``convert`` from under ``if __name__ == "__main__":`` in a script, as
+            ``multiprocessing`` requires, or the script's top level runs again in each worker.
         cache_dir: the Hugging Face cache an ``hf://`` source is looked up in (default:
             ``huggingface_hub``'s, from ``HF_HUB_CACHE`` / ``HF_HOME``).
         components: convert only these components (e.g. ``["model"]`` to publish the
