@@ -455,6 +455,12 @@ def test_remove_and_replace_files_and_links(tmp_path) -> None:
     assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "old.ckpt"]
     with pytest.raises(FileNotFoundError):
         io.load_checkpoint(tmp_path / "epoch=0-step=1.ckpt")
+    # A directory this plugin did not write is the user's: left alone, with a warning.
+    (tmp_path / "mine.ckpt").mkdir()
+    (tmp_path / "mine.ckpt" / "notes.txt").write_text("mine")
+    with pytest.warns(UserWarning, match=r"mine\.ckpt is a directory this plugin did not write"):
+        io.remove_checkpoint(tmp_path / "mine.ckpt")
+    assert (tmp_path / "mine.ckpt" / "notes.txt").read_text() == "mine"
 
 
 def test_storage_options_refused(tmp_path) -> None:

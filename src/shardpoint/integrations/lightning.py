@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -318,7 +319,9 @@ class ShardpointCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the checkpoint at ``path``: renamed aside first (loaders ignore ``.tmp-``
-        names, so it disappears in one step), then deleted; a file or link is unlinked.
+        names, so it disappears in one step), then deleted; a file or link is unlinked. A
+        directory that holds no shardpoint manifest (and is no Lightning distributed
+        checkpoint) was not written by this plugin: it is left alone, with a warning.
 
         Under ``AsyncCheckpointIO`` Lightning may ask to remove a checkpoint whose save is
         still queued or running: when ``path`` does not exist yet and saves run on another
@@ -331,6 +334,17 @@ class ShardpointCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
                 if self._saving or any(t != me for t in self._save_threads):
                     self._removal_pending.add(path_key(location))
                 return
+        if (
+            os.path.isdir(location) and not os.path.islink(location)
+            and not os.path.isfile(os.path.join(location, "shardpoint.json"))
+            and not is_lightning_distributed_checkpoint(location)
+        ):
+            warnings.warn(
+                f"{location} is a directory this plugin did not write (no shardpoint.json), so it is "
+                "not removed: remove it yourself if it is a checkpoint you no longer need",
+                UserWarning, stacklevel=2,
+            )
+            return
         remove_path(location)
 
 
