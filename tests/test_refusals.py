@@ -474,3 +474,19 @@ def test_arguments_that_failed_deep_inside_are_refused_at_the_call(tmp_path) -> 
     with pytest.raises(sp.InvalidStateError, match=r"^metadata nests too deeply to store as JSON; flatten it$"):
         sp.save({"w": torch.ones(2)}, tmp_path / "deep", metadata={"d": deep})
     assert not (tmp_path / "deep").exists()
+
+
+@pytest.mark.parametrize("value", ["abc", "inf", [1], True, None])
+def test_metrics_are_numbers(tmp_path, value) -> None:
+    """A string metric was stored as it was, and "inf" / "nan" came back as floats (the
+    encoding of non-finite numbers); a bool ranked as 0/1. Metrics are numbers."""
+    mgr = sp.CheckpointManager(tmp_path / "run", keep_last=1)
+    with pytest.raises(sp.InvalidStateError) as exc:
+        mgr.save(1, {"w": torch.ones(2)}, metrics={"note": value})
+    assert str(exc.value) == (
+        f"metrics['note'] = {str(value)!r}: metrics are JSON numbers by name (floats, ints, one-element "
+        "tensors), what keep_best ranks steps by; put other values in the state"
+    )
+    assert mgr.steps() == []
+    mgr.save(1, {"w": torch.ones(2)}, metrics={"loss": float("inf"), "n": 3, "t": torch.tensor(0.5)})
+    assert mgr.metrics(1) == {"loss": float("inf"), "n": 3, "t": 0.5}

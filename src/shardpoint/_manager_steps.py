@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidStateError
 
 STEP_RE = re.compile(r"^step-([0-9]{6,})$")
 """A step's directory (prefix) name; the group is the step (ASCII digits only)."""
@@ -54,6 +54,11 @@ def metrics_json(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
             # torch / numpy scalars; anything that is not one number is refused as not JSON
             with contextlib.suppress(ValueError, RuntimeError):
                 value = value.item()
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not isinstance(name, str):
+            raise InvalidStateError(
+                f"metrics[{name!r}] = {str(value)[:40]!r}: metrics are JSON numbers by name (floats, ints, "
+                "one-element tensors), what keep_best ranks steps by; put other values in the state"
+            )
         if isinstance(value, float) and not math.isfinite(value):
             value = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
         out[name] = value
