@@ -48,36 +48,33 @@ if TYPE_CHECKING:
 _MADV_DONTNEED = 4
 
 
-def _file_mappings(path: str) -> list[tuple[int, int]]:
-    """Address ranges where ``path`` is mapped into this process (Linux; else none)."""
-    real = os.path.realpath(path)
-    ranges = []
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                parts = line.split(None, 5)
-                if len(parts) == 6 and parts[5].rstrip("\n") == real:
-                    lo, hi = parts[0].split("-")
-                    ranges.append((int(lo, 16), int(hi, 16)))
-    except OSError:
-        return []
-    return ranges
-
-
-def _inode_mappings(inode: int) -> list[tuple[int, int, int]]:
-    """(start, end, file offset) of each range where the file with this inode number is
-    mapped into this process, sorted (Linux's ``/proc/self/maps``; else none)."""
+def _mappings() -> list[tuple[int, int, int, str, str]]:
+    """(start, end, file offset, inode, path) of each range mapped into this process
+    (Linux's ``/proc/self/maps``; else none)."""
     found = []
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
                 parts = line.split(None, 5)
-                if len(parts) >= 5 and parts[4] == str(inode):
+                if len(parts) >= 5:
                     lo, hi = parts[0].split("-")
-                    found.append((int(lo, 16), int(hi, 16), int(parts[2], 16)))
+                    path = parts[5].rstrip("\n") if len(parts) == 6 else ""
+                    found.append((int(lo, 16), int(hi, 16), int(parts[2], 16), parts[4], path))
     except (OSError, ValueError):
         return []
-    return sorted(found)
+    return found
+
+
+def _file_mappings(path: str) -> list[tuple[int, int]]:
+    """Address ranges where ``path`` is mapped into this process (Linux; else none)."""
+    real = os.path.realpath(path)
+    return [(lo, hi) for lo, hi, _, _, mapped in _mappings() if mapped == real]
+
+
+def _inode_mappings(inode: int) -> list[tuple[int, int, int]]:
+    """(start, end, file offset) of each range where the file with this inode number is
+    mapped into this process, sorted (Linux; else none)."""
+    return sorted((lo, hi, offset) for lo, hi, offset, ino, _ in _mappings() if ino == str(inode))
 
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")
@@ -135,6 +132,9 @@ class ZipRecords:
         # Saved with torch.serialization.set_crc32_options(False), every CRC-32 is 0.
         self.recorded = any(crc for _, n, crc in self.starts.values() if n)
         self._checked: set[int] = set()
+        self._ranges: list[tuple[int, int, int]] | None = None
+        """This file's mappings, read once at the first check (the load that mapped it ran
+        before; a shard's tensors are checked one call each)."""
 
     def check(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Check the storage of each (name, tensor) not checked before against its record's
@@ -149,7 +149,9 @@ class ZipRecords:
         ]
         if not todo:
             return
-        ranges = _inode_mappings(self.inode)
+        if self._ranges is None:
+            self._ranges = _inode_mappings(self.inode)
+        ranges = self._ranges
         if not ranges:
             return
         starts = [r[0] for r in ranges]
