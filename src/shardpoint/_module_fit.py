@@ -229,9 +229,7 @@ def tensor_of(module: torch.nn.Module, key: str) -> tuple[torch.nn.Module, str, 
         owner = module.get_submodule(owner_path) if owner_path else module
     except AttributeError:
         return None
-    tensor: torch.Tensor | None = owner._parameters.get(name)
-    if tensor is None:
-        tensor = owner._buffers.get(name)
+    tensor: torch.Tensor | None = _slot(owner, name).get(name)
     return None if tensor is None else (owner, name, tensor)
 
 

@@ -237,6 +237,7 @@ class Planner:
         the unexpected keys when ``names`` was renamed; by default they are ``names``' keys.
         """
         matched = []
+        lossy: list[tuple[str, str | torch.dtype, torch.dtype]] = []
         for key, tensor in targets.items():
             saved = names.get(key)
             if saved is None:
@@ -244,13 +245,12 @@ class Planner:
             record = comp.tensors[comp.aliases.get(saved, saved)]
             if tensor.shape != record.shape:
                 self.mismatched.append((prefix + key, record.shape, tuple(tensor.shape)))
-            else:
-                matched.append(key)
-        # A module's buffers are left to torch's copy rules: a mask saved as float32 loads into
-        # a bool buffer, as load_state_dict and from_pretrained load it.
-        lossy = [(k, stored, targets[k].dtype) for k in matched
-                 if (module is None or isinstance(targets[k], torch.nn.Parameter))
-                 and _drops_values(stored := comp.tensors[comp.aliases.get(names[k], names[k])].dtype, targets[k].dtype)]
+                continue
+            matched.append(key)
+            # A module's buffers are left to torch's copy rules: a mask saved as float32 loads
+            # into a bool buffer, as load_state_dict and from_pretrained load it.
+            if (module is None or isinstance(tensor, torch.nn.Parameter)) and _drops_values(record.dtype, tensor.dtype):
+                lossy.append((key, record.dtype, tensor.dtype))
         if lossy:
             shown = ", ".join(f"{prefix + k!r} ({str(stored).removeprefix('torch.')} -> {str(want).removeprefix('torch.')})"
                               for k, stored, want in lossy[:5])
