@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
-from ._storage.paths import cache_blobs_dir, read_small_file
+from ._storage.paths import cache_blobs_dir, hf_download_command, read_small_file
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -141,10 +141,8 @@ def _cache_root(cache_dir: object) -> str:
 
 
 def _fetch_hint(hub: HubRef) -> str:
-    kind = "" if hub.repo_type == "model" else f" --repo-type {hub.repo_type}"
-    rev = "" if hub.revision == "main" else f" --revision {hub.revision}"
     return (
-        f"shardpoint never downloads; fetch it first with `hf download {hub.repo_id}{kind}{rev}` "
+        f"shardpoint never downloads; fetch it first with `{hf_download_command(hub.repo_id, hub.repo_type, hub.revision)}` "
         f"(or huggingface_hub.snapshot_download({hub.repo_id!r})), or name the cache folder that "
         "holds it (cache_dir / --cache-dir)"
     )

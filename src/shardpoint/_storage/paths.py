@@ -46,6 +46,17 @@ def cache_blobs_dir(real_directory: str) -> str | None:
     return None
 
 
+def hf_download_command(repo_id: str, repo_type: str = "model", revision: str = "main") -> str:
+    """The ``hf download`` command that fetches a repository (a revision other than ``main``).
+
+    >>> hf_download_command("org/data", "dataset", "v2")
+    'hf download org/data --repo-type dataset --revision v2'
+    """
+    kind = "" if repo_type == "model" else f" --repo-type {repo_type}"
+    rev = "" if revision == "main" else f" --revision {revision}"
+    return f"hf download {repo_id}{kind}{rev}"
+
+
 def missing_file_advice(directory: str) -> str:
     """What to do about a file a checkpoint lists that is not there: in a Hugging Face cache
     snapshot, download it again (an interrupted download leaves part of a snapshot); else
@@ -61,12 +72,12 @@ def missing_file_advice(directory: str) -> str:
     if blobs is None:
         return "copy the file back or load another checkpoint"
     repo = os.path.basename(os.path.dirname(blobs))
-    kind, _, name = repo.partition("--")
+    kind, _, name = repo.partition("--")  # models--org--name, datasets--, spaces--
     revision = real[len(os.path.dirname(blobs)) :].split(os.sep)[2]
-    flag = "" if kind == "models" else f" --repo-type {kind[:-1]}"
+    command = hf_download_command(name.replace("--", "/"), kind[:-1], revision)
     return (
         "the Hugging Face cache holds only part of this snapshot (an interrupted download?): fetch "
-        f"it again with `hf download {name.replace('--', '/')}{flag} --revision {revision}`"
+        f"it again with `{command}`"
     )
 
 
