@@ -38,6 +38,7 @@ from ._format.detect import (
     SHARDPOINT,
     TORCH_SAVE,
     UNCOMMITTED,
+    UNKNOWN,
     Detected,
     detect,
 )
@@ -354,11 +355,14 @@ def not_readable(location: str, found: Detected, *, remote: bool = False) -> Che
     return CheckpointNotFoundError(f"{location} {found.reason}{hint}")
 
 
-_CHECKPOINT_MARKERS = (
-    MANIFEST_NAME, "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-    "pytorch_model.bin.index.json", ".metadata",
-)
-"""A file whose presence makes a folder a checkpoint (for the hint of :func:`not_readable`)."""
+def holds_checkpoint(location: str) -> bool:
+    """Whether the directory ``location`` holds a checkpoint a reader would read, by the
+    rules of ``_format.detect`` (False where it cannot be listed)."""
+    try:
+        names = os.listdir(location)
+    except OSError:
+        return False
+    return detect(names).kind not in (UNKNOWN, UNCOMMITTED)
 
 
 def nested_checkpoints(location: str, limit: int = 10_000) -> list[str]:
@@ -369,7 +373,7 @@ def nested_checkpoints(location: str, limit: int = 10_000) -> list[str]:
             names = [e.name for _, e in zip(range(limit), entries, strict=False) if e.is_dir(follow_symlinks=False)]
     except OSError:
         return []
-    found = [n for n in names if any(os.path.isfile(os.path.join(location, n, m)) for m in _CHECKPOINT_MARKERS)]
+    found = [n for n in names if holds_checkpoint(os.path.join(location, n))]
     return sorted(found, key=lambda n: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", n)])
 
 

@@ -49,6 +49,7 @@ from .._format.manifest import MANIFEST_NAME
 from .._load.into import load_into
 from .._prepare import PreparedState, prepare_state
 from .._sizes import parse_size
+from .._source import holds_checkpoint
 from .._stateful import RNGState
 from .._write import SaveInfo, write_checkpoint
 from ..errors import (
@@ -67,20 +68,12 @@ TRAINER_STATE_NAME = "trainer_state.json"
 TRAINING_ARGS_JSON = "training_args.json"
 
 
-_PLAIN_WEIGHTS = (
-    "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
-    "adapter_model.safetensors", "adapter_model.bin",
-)
-
-
 def _whole_checkpoint(path: str) -> bool:
     """A ``checkpoint-<step>`` folder to resume from: a committed shardpoint checkpoint, or
-    the plain ``Trainer``'s (weights and ``trainer_state.json``)."""
+    the plain ``Trainer``'s (weights a loader reads, and ``trainer_state.json``)."""
     if is_shardpoint_checkpoint(path):
         return True
-    return os.path.isfile(os.path.join(path, "trainer_state.json")) and any(
-        os.path.isfile(os.path.join(path, n)) for n in _PLAIN_WEIGHTS
-    )
+    return os.path.isfile(os.path.join(path, "trainer_state.json")) and holds_checkpoint(path)
 
 
 def is_shardpoint_checkpoint(path: str | os.PathLike[str] | None) -> bool:

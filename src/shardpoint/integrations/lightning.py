@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._flags import check_flags
+from .._format.manifest import MANIFEST_NAME
 from .._load.new import load
 from .._prepare import prepare_state
 from .._reuse import link_unchanged
@@ -336,7 +337,7 @@ class ShardpointCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
                 return
         if (
             os.path.isdir(location) and not os.path.islink(location)
-            and not os.path.isfile(os.path.join(location, "shardpoint.json"))
+            and not os.path.isfile(os.path.join(location, MANIFEST_NAME))
             and not is_lightning_distributed_checkpoint(location)
         ):
             warnings.warn(
