@@ -155,10 +155,16 @@ def _owned(store: RemoteStore, existing: dict[str, int]) -> set[str]:
     :func:`.ownership.owned_names` (each listed data object's header read for its save id).
     After a killed save (a marker, no manifest): its data objects and indexes, named as
     only a save names them; a killed save may have written any of them."""
+    after_a_kill = {PENDING_NAME} | {n for n in existing if n.endswith(_OURS_AFTER_A_KILL)}
     if MANIFEST_NAME not in existing:
-        return {PENDING_NAME} | {n for n in existing if n.endswith(_OURS_AFTER_A_KILL)}
+        return after_a_kill
     try:
         doc = json.loads(store.get(MANIFEST_NAME, limit=current_options().io.max_json_bytes))
+    except FileNotFoundError:
+        # Deleted since the listing: another save is replacing this prefix (it was a bare
+        # FileNotFoundError). As after a killed save; that save finds its marker replaced by
+        # this one before its index and manifest, and stops.
+        return after_a_kill
     except (CheckpointError, ValueError, RecursionError):
         doc = None  # damaged: it names nothing, so only the components' weight files go
 
