@@ -47,7 +47,7 @@ def test_literal_defaults_without_the_environment() -> None:
             "max_json_bytes": 256 << 20,
         },
         "remote": {"threads": 8, "block_bytes": 16 << 20, "read_bytes": 16 << 20, "retries": 4,
-                   "backoff_ms": 200},
+                   "backoff_ms": 200, "timeout_s": 30},
         "collective": {"timeout_s": 1800, "segment_bytes": 256 << 10},
     }
 

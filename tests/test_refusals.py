@@ -490,3 +490,56 @@ def test_metrics_are_numbers(tmp_path, value) -> None:
     assert mgr.steps() == []
     mgr.save(1, {"w": torch.ones(2)}, metrics={"loss": float("inf"), "n": 3, "t": torch.tensor(0.5)})
     assert mgr.metrics(1) == {"loss": float("inf"), "n": 3, "t": 0.5}
+
+
+def test_manager_save_arguments_are_checked_when_it_is_made(tmp_path) -> None:
+    """A misspelled save argument (keep= for keep_last=) was kept and failed at the first
+    save, possibly hours into training, with a bare TypeError from inside save()."""
+    with pytest.raises(sp.InvalidArgumentTypeError) as exc:
+        sp.CheckpointManager(tmp_path / "run", keep=3)
+    assert str(exc.value) == (
+        "CheckpointManager() got unsupported argument(s) keep (did you mean keep_last?); it takes "
+        "keep_last, keep_best, metric, mode, async_save, storage_options, process_group, options and, "
+        "for every save, max_shard_size, layout, durable, allow_pickle, progress, overwrite"
+    )
+    with pytest.raises(sp.InvalidArgumentTypeError, match=r"^CheckpointManager\(\) got unsupported argument\(s\) "
+                       r"metadata \(did you mean metrics= of CheckpointManager.save\?\)"):
+        sp.CheckpointManager(tmp_path / "run", metadata={"run": "a"})  # the manager writes it: was dropped
+    with pytest.raises(sp.InvalidArgumentTypeError, match=r"^CheckpointManager\(durable='no'\): pass True or False"):
+        sp.CheckpointManager(tmp_path / "run", durable="no")
+    with pytest.raises(sp.InvalidSizeError, match=r"^CheckpointManager\(max_shard_size=\.\.\.\): cannot parse size '5XB'"):
+        sp.CheckpointManager(tmp_path / "run", max_shard_size="5XB")
+    mgr = sp.CheckpointManager(tmp_path / "run", max_shard_size="1KB", durable=False, progress=None)
+    assert len(mgr.save(1, {"a": torch.ones(500), "b": torch.ones(500)}).files) == 2
+
+
+@pytest.mark.parametrize("damage", ["manifest", "bytes", "file"])
+def test_restore_of_a_damaged_newest_step_names_the_older_one(tmp_path, damage) -> None:
+    """restore() never falls back to an older step by itself (that silently repeats
+    training); the error names the newest older step and how to restore it, and says the
+    target may hold part of the damaged step."""
+    root = tmp_path / "run"
+    mgr = sp.CheckpointManager(root, keep_last=3)
+    for step in (1, 2, 3):
+        mgr.save(step, {"w": torch.full((4,), float(step))})
+    newest = root / "step-000003"
+    if damage == "manifest":
+        (newest / "shardpoint.json").write_text("{garbage")
+        cls, first = CorruptCheckpointError, f"{newest / 'shardpoint.json'} is not valid JSON"
+    elif damage == "bytes":
+        with open(newest / "model.safetensors", "r+b") as f:
+            f.seek(-4, 2)
+            f.write(b"XXXX")
+        cls, first = sp.ChecksumMismatchError, f"{newest / 'model.safetensors'}, tensor 'w': crc32c"
+    else:
+        (newest / "model.safetensors").unlink()
+        cls, first = sp.MissingShardError, f"{newest / 'model.safetensors'} is missing"
+    target = {"w": torch.zeros(4)}
+    with pytest.raises(cls) as exc:
+        mgr.restore(target)
+    message = str(exc.value)
+    assert message.startswith(first), message
+    assert message.endswith(f"Step 3 is the newest under {root}; restore(state, step=2) restores the newest "
+                            "older step (committed: [1, 2])"), message
+    assert ("The target may now hold part of this checkpoint's values" in message) == (damage == "bytes")
+    assert mgr.restore(target, step=2) == 2 and target["w"].tolist() == [2.0] * 4

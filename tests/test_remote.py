@@ -614,3 +614,50 @@ def test_a_write_under_a_missing_local_parent_is_a_storage_error(tmp_path: Any) 
                                               r"failed: .*its parent does not exist") as info:
         sp.save({"w": torch.ones(2)}, url)
     assert info.value.errno == 2
+
+
+def test_an_endpoint_that_never_answers_fails_within_the_timeout() -> None:
+    """A server that accepts connections and never answers: botocore's 5 attempts inside
+    s3fs's 5, inside each of shardpoint's, at botocore's 60 s read timeout, blocked a load
+    for hours. The client's own retries are now off and each attempt waits
+    ``RemoteOptions.timeout_s``: (retries + 1) attempts, one connection each."""
+    import socket
+    import threading
+    import time
+    import warnings
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                accepted.append(server.accept()[0])
+            except OSError:  # closed: the test is over
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.getsockname()[1]}"
+    options = {"endpoint_url": endpoint, "key": "k", "secret": "s"}
+    try:
+        start = time.monotonic()
+        with warnings.catch_warnings(record=True) as seen, pytest.raises(sp.StorageError) as exc:
+            warnings.simplefilter("always")
+            sp.load("s3://silent/ckpt", storage_options=options,
+                    options=sp.RemoteOptions(timeout_s=1, retries=1, backoff_ms=1))
+        elapsed = time.monotonic() - start
+    finally:
+        server.close()
+        for conn in accepted:
+            conn.close()
+    assert str(exc.value).startswith(
+        f'listing s3://silent/ckpt failed after 2 attempts: ReadTimeoutError: Read timeout on endpoint URL: "{endpoint}/silent?'
+    ), str(exc.value)
+    assert "(no answer within 1 s each time: RemoteOptions.timeout_s); the store is unreachable or overloaded" in str(exc.value)
+    assert [str(w.message) for w in seen if "no answer" in str(w.message)] == [
+        "listing s3://silent/ckpt: the store gave no answer within 1 s; retrying 1 more time(s), so the call "
+        "may wait up to about 1 s more (sp.RemoteOptions(timeout_s=..., retries=...) set this)"
+    ]
+    assert len(accepted) == 2 and elapsed < 20, (len(accepted), elapsed)

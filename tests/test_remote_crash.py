@@ -41,12 +41,12 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any, NoReturn
 
-import fsspec
 import pytest
 import torch
 
 import shardpoint as sp
 from _helper_process import HelperProcess
+from shardpoint._storage.store import open_store
 from test_manager_crash import SMALL, build, mismatch
 from test_remote import keys_under, tensors_equal
 from test_remote_faults import A, B, S3Faults, _weights, keys_of, no_open_multipart_uploads
@@ -761,7 +761,7 @@ def _connect(url: str, options: dict[str, Any]) -> None:
     """Start the client (the cached s3fs instance shardpoint gets) before the clock starts:
     a listing, and a first PUT (a client's first waits ~0.2 s here) of an object beside the
     prefix (not under it: no step of the save), deleted again."""
-    fs = fsspec.core.url_to_fs(url, **options)[0]
+    fs = open_store(url, options).fs
     root = url.removeprefix("s3://").rstrip("/")
     with suppress(FileNotFoundError):
         fs.ls(root, refresh=True)

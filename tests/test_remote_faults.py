@@ -34,12 +34,12 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import fsspec
 import pytest
 import torch
 
 import shardpoint as sp
 from shardpoint import _async as sp_async
+from shardpoint._storage.store import open_store
 from test_remote import keys_under, tensors_equal
 
 pytest.importorskip("s3fs", reason="s3fs is not installed (pip install 'shardpoint[s3]')")
@@ -67,7 +67,7 @@ class S3Faults:
         log: Callable[[str], None] | None = None,
         on_pause: Callable[[str], None] | None = None,
     ) -> None:
-        self.fs = fsspec.core.url_to_fs(url, **options)[0]  # the cached instance shardpoint gets
+        self.fs = open_store(url, options).fs  # the cached instance shardpoint gets
         self.root = url.removeprefix("s3://").rstrip("/")
         self.at = at
         self.action = action
@@ -280,7 +280,7 @@ def test_a_manifest_put_that_succeeds_but_reports_an_error_commits_nothing(
 ) -> None:
     """The manifest reached the server but the client saw an error (a lost response): the
     save raises, and its clean-up deletes the manifest first, so nothing half-done loads."""
-    store_fs = fsspec.core.url_to_fs(url, **opts)[0]
+    store_fs = open_store(url, opts).fs
     real = store_fs.pipe_file
 
     def pipe_file(path: str, value: Any, *args: Any, **kwargs: Any) -> Any:
@@ -598,14 +598,14 @@ def test_stale_leftovers_on_s3_are_ignored_by_restore_and_removed_by_the_next_sa
 _KILL_CHILD = r"""
 import json, os, signal, sys
 import torch
-import fsspec
 import shardpoint as sp
+from shardpoint._storage.store import open_store
 
 url, options, where, when = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
 mgr = sp.CheckpointManager(url, keep_last=2, storage_options=options)
 for step in (1, 2):
     mgr.save(step, {"model": {"w": torch.full((64,), float(step))}, "step": step})
-fs = fsspec.core.url_to_fs(url, **options)[0]
+fs = open_store(url, options).fs
 root = url.removeprefix("s3://")
 for method in ("pipe_file", "rm_file"):
     real = getattr(fs, method)

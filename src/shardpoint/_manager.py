@@ -48,6 +48,7 @@ from ._manager_steps import (
     step_of,
 )
 from ._options import OptionsArg, current_options, merged
+from ._sizes import parse_size
 from ._storage.posix import reported
 from ._storage.store import open_store
 from ._write import SaveInfo
@@ -56,8 +57,11 @@ from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     InvalidArgumentError,
+    InvalidArgumentTypeError,
+    InvalidSizeError,
     LoadMismatchError,
     PreviousSaveFailedError,
+    _extended,
 )
 
 LATEST_NAME = "latest"
@@ -68,6 +72,32 @@ _RESTORE_ATTEMPTS = 5
 it was loading."""
 _ROOT_LOCK_WAIT = 600.0
 """Seconds a save waits for another process's manager to finish managing the same root."""
+
+
+_SAVE_KWARGS = ("max_shard_size", "layout", "durable", "allow_pickle", "progress", "overwrite")
+"""What ``CheckpointManager(**save_kwargs)`` passes on to each save (the others it sets itself)."""
+
+
+def _check_save_kwargs(save_kwargs: Mapping[str, Any]) -> None:
+    """Refuse, when the manager is made, a save argument its first save would refuse: a
+    misspelled option (``keep=`` for ``keep_last=``) must not wait for step 1000 to fail."""
+    unknown = sorted(set(save_kwargs) - set(_SAVE_KWARGS))
+    if unknown:
+        hints = {"keep": "keep_last", "keep_n": "keep_last", "max_to_keep": "keep_last",
+                 "metadata": "metrics= of CheckpointManager.save"}
+        named = ", ".join(f"{k}" + (f" (did you mean {hints[k]}?)" if k in hints else "") for k in unknown)
+        raise InvalidArgumentTypeError(
+            f"CheckpointManager() got unsupported argument(s) {named}; it takes keep_last, keep_best, "
+            f"metric, mode, async_save, storage_options, process_group, options and, for every save, "
+            f"{', '.join(_SAVE_KWARGS)}"
+        )
+    flags = {k: v for k, v in save_kwargs.items() if k in ("durable", "allow_pickle", "progress", "overwrite")}
+    check_flags("CheckpointManager", optional=("progress",), **flags)
+    if "max_shard_size" in save_kwargs:
+        try:
+            parse_size(save_kwargs["max_shard_size"])
+        except InvalidSizeError as exc:
+            raise InvalidSizeError(f"CheckpointManager(max_shard_size=...): {exc}") from None
 
 
 class CheckpointManager:
@@ -138,6 +168,7 @@ class CheckpointManager:
         self.metric = metric
         self.mode = mode
         check_flags("CheckpointManager", async_save=async_save)
+        _check_save_kwargs(save_kwargs)
         self.async_save = async_save
         self.save_kwargs = save_kwargs
         self.process_group = process_group
@@ -406,10 +437,13 @@ class CheckpointManager:
                 load_into(target, self.step_path(chosen), **load_kwargs)
                 return chosen
             except (OSError, CheckpointError) as exc:
-                if isinstance(exc, LoadMismatchError) or not self._store.tracks_versions or group.distributed:
+                if isinstance(exc, LoadMismatchError) or group.distributed:
                     raise  # over a group, the error is already the same on every rank
-                if before is not None and self._identity(chosen) == before:
-                    raise  # the step is still there, unchanged: a real error of the step
+                if not self._store.tracks_versions or (before is not None and self._identity(chosen) == before):
+                    # the step is still there, unchanged: a real error of the step
+                    if step is None and isinstance(exc, CorruptCheckpointError):
+                        self._name_older_steps(exc, chosen)
+                    raise
                 if step is not None:
                     raise CheckpointNotFoundError(
                         f"step {chosen} under {self.root} was retired by retention (or replaced "
@@ -424,6 +458,17 @@ class CheckpointManager:
             "retention while it was being loaded (another process is saving into this root "
             "with keep_last); restore again, or keep more steps"
         )
+
+    def _name_older_steps(self, exc: CorruptCheckpointError, chosen: int) -> None:
+        """Extend ``exc`` (the newest step is damaged) to say which older steps can be
+        restored instead: restore never falls back by itself, since resuming from an older
+        step than the user expects, with only a warning, silently repeats training."""
+        older = [s for s in self.steps() if s < chosen]
+        then = (
+            f"restore(state, step={older[-1]}) restores the newest older step (committed: {older[-8:]})"
+            if older else "No older step is committed under this root"
+        )
+        _extended(exc, f"Step {chosen} is the newest under {self.root}; {then}")
 
     def _choose_step(self, group: Group, step: int | None, *, first: bool) -> int | None:
         """The step every rank of ``group`` restores: ``step`` if it is committed in every

@@ -45,6 +45,7 @@ _ENV: dict[tuple[str, str], str] = {
     ("remote", "read_bytes"): "SHARDPOINT_REMOTE_READ_BYTES",
     ("remote", "retries"): "SHARDPOINT_REMOTE_RETRIES",
     ("remote", "backoff_ms"): "SHARDPOINT_REMOTE_BACKOFF_MS",
+    ("remote", "timeout_s"): "SHARDPOINT_REMOTE_TIMEOUT",
     ("collective", "timeout_s"): "SHARDPOINT_COLLECTIVE_TIMEOUT",
     ("collective", "segment_bytes"): "SHARDPOINT_COLLECTIVE_SEGMENT_BYTES",
 }
@@ -237,6 +238,13 @@ class RemoteOptions(_Checked, group="remote", minimum={"retries": 0, "backoff_ms
     backoff_ms: int = _seeded("remote", "backoff_ms", 200)
     """First retry delay in milliseconds; it doubles with each further retry
     (``SHARDPOINT_REMOTE_BACKOFF_MS``, 200)."""
+    timeout_s: int = _seeded("remote", "timeout_s", 30)
+    """Seconds an S3 request may wait to connect, or wait for the next bytes of its answer,
+    before it counts as failed and is retried (``SHARDPOINT_REMOTE_TIMEOUT``, 30). An
+    endpoint that accepts connections but never answers fails a call in about
+    ``(retries + 1) * timeout_s``. Applied where ``storage_options`` leave botocore's
+    ``connect_timeout`` / ``read_timeout`` unset; the client's own retries are then off, so
+    that ``retries`` counts every attempt."""
 
 
 

@@ -149,3 +149,15 @@ class DistributedCheckpointError(CheckpointError, RuntimeError):
     def __init__(self, message: str, failed_ranks: dict[int, str] | None = None) -> None:
         super().__init__(message)
         self.failed_ranks = dict(failed_ranks or {})
+
+
+def _extended(exc: BaseException, sentence: str) -> BaseException:
+    """``exc`` itself, its message followed by ``sentence`` (its class, errno and cause kept);
+    an exception whose arguments are not one message is returned as it is.
+
+    >>> str(_extended(CorruptCheckpointError("f.safetensors is damaged"), "Load step 1 instead."))
+    'f.safetensors is damaged. Load step 1 instead.'
+    """
+    if len(exc.args) == 1 and isinstance(exc.args[0], str):
+        exc.args = (f"{exc.args[0].rstrip('. ')}. {sentence}",)
+    return exc

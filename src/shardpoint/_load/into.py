@@ -29,7 +29,7 @@ from .._source import OPEN_TRIES, open_checkpoint
 from .._sources.contract import SourceSpec
 from .._stateful import find_modules, parameter_names
 from .._storage.store import open_store
-from ..errors import InvalidStateError, LoadMismatchError, StorageError
+from ..errors import CheckpointError, InvalidStateError, LoadMismatchError, StorageError, _extended
 from .pickled import PickledBatch, route
 from .planner import Planner
 from .result import LoadResult, mismatch_message
@@ -271,8 +271,14 @@ def _run(planner: Planner, batch: ReadBatch | PickledBatch, location: str, setti
         raise LoadMismatchError(mismatch_message(location, result), result)
     with byte_progress(batch.planned_bytes + planner.fusion_bytes, loading_label(location),
                        settings.progress) as advance:
-        batch.run(False, advance)
-        planner.run_fusions(advance)
+        try:
+            batch.run(False, advance)
+            planner.run_fusions(advance)
+        except (CheckpointError, OSError) as exc:
+            # the tensors read before the failure are in the target already (read in place)
+            _extended(exc, "The target may now hold part of this checkpoint's values: load a whole "
+                           "checkpoint into it before using it")
+            raise
     for fix in planner.post:
         fix()
     read = batch.planned_bytes if isinstance(batch, ReadBatch) else batch.bytes_read

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import time
+import warnings
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -86,12 +87,22 @@ def retrying(what: str, url: str, action: Callable[[], _T]) -> _T:
                     else "check the URL, the bucket and storage_options"
                 )
                 raise StorageError(f"{what} {url} failed: {_describe(exc)}; {hint}") from exc
+            silent = _timed_out(exc)
             if attempt >= cfg.remote.retries:
+                waited = f" (no answer within {cfg.remote.timeout_s} s each time: RemoteOptions.timeout_s)" if silent else ""
                 raise StorageError(
-                    f"{what} {url} failed after {attempt + 1} attempts: {_describe(exc)}; the store "
+                    f"{what} {url} failed after {attempt + 1} attempts: {_describe(exc)}{waited}; the store "
                     "is unreachable or overloaded. Nothing was committed by a failed save; retry "
                     "later, or allow more retries (options=sp.RemoteOptions(retries=...))"
                 ) from exc
+            if silent and attempt == 0:
+                left = cfg.remote.retries * cfg.remote.timeout_s
+                warnings.warn(
+                    f"{what} {url}: the store gave no answer within {cfg.remote.timeout_s} s; retrying "
+                    f"{cfg.remote.retries} more time(s), so the call may wait up to about {left} s more "
+                    "(sp.RemoteOptions(timeout_s=..., retries=...) set this)",
+                    stacklevel=2,
+                )
             time.sleep(cfg.remote.backoff_ms / 1000 * (2**attempt))
             attempt += 1
 
@@ -110,6 +121,11 @@ def _from_storage(exc: BaseException) -> bool:
         tb = tb.tb_next
     deepest = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
     return str(deepest).split(".")[0] in _STORAGE_MODULES
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """Whether ``exc`` is a request that waited for the store past its timeout."""
+    return isinstance(exc, TimeoutError) or any("Timeout" in cls.__name__ for cls in type(exc).__mro__)
 
 
 def _describe(exc: BaseException) -> str:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .._io.writes import FileWrite
+from .._options import current_options
 from ..errors import InvalidArgumentError, InvalidArgumentTypeError, MissingDependencyError
 from .fsspec_store import FsspecStore
 from .local_store import LocalStore
@@ -181,8 +182,10 @@ def resolve(path: Any, storage_options: Mapping[str, Any] | None) -> tuple[Any, 
             )
         return local_path(path), None
     fsspec = _fsspec()
+    bounded = protocol in _BOTOCORE_PROTOCOLS and "::" not in path
+    kwargs, own_retries = _bounded_requests(storage_options) if bounded else (dict(storage_options or {}), False)
     try:
-        fs, root = fsspec.core.url_to_fs(path, **dict(storage_options or {}))
+        fs, root = fsspec.core.url_to_fs(path, **kwargs)
     except ImportError as exc:
         raise MissingDependencyError(
             f"{path}: the fsspec backend for {protocol}:// is not installed ({exc}); for S3: "
@@ -194,4 +197,31 @@ def resolve(path: Any, storage_options: Mapping[str, Any] | None) -> tuple[Any, 
         raise InvalidArgumentError(
             f"{path}: storage_options were not accepted by the {protocol}:// backend ({exc})"
         ) from None
+    if own_retries and isinstance(getattr(fs, "retries", None), int):
+        fs.retries = 1  # s3fs's own loop; fsspec caches this instance for these very options only
     return path, FsspecStore(fs, root, path)
+
+
+_BOTOCORE_PROTOCOLS = ("s3", "s3a")
+
+
+def _bounded_requests(storage_options: Mapping[str, Any] | None) -> tuple[dict[str, Any], bool]:
+    """``storage_options`` with botocore's connect and read timeouts set to
+    ``RemoteOptions.timeout_s`` where the user set none, and the client's own retries off
+    where the user set none, so that an endpoint that never answers fails in about
+    ``(retries + 1) * timeout_s``: botocore's 5 attempts inside s3fs's 5, inside each of
+    ours, at botocore's 60 s read timeout, blocked a load for hours. Also whether the
+    client's retries were switched off here (s3fs's own loop is then set to one attempt)."""
+    options = dict(storage_options or {})
+    config = options.get("config_kwargs")
+    if config is not None and not isinstance(config, Mapping):
+        return options, False  # the backend names the mistake
+    config = dict(config or {})
+    timeout = current_options().remote.timeout_s
+    config.setdefault("connect_timeout", timeout)
+    config.setdefault("read_timeout", timeout)
+    own_retries = "retries" not in config
+    if own_retries:
+        config["retries"] = {"total_max_attempts": 1}
+    options["config_kwargs"] = config
+    return options, own_retries
