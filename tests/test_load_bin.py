@@ -199,3 +199,24 @@ def test_a_compressed_bin_record_is_refused_not_read_as_values(tmp_path):
     )
     with pytest.raises(sp.CorruptCheckpointError, match="compressed"):
         sp.convert(path, tmp_path / "out")
+
+
+def test_a_second_copy_of_a_tensor_in_another_bin_shard_is_refused(tmp_path):
+    """The index maps 'a' to shard 1 and shard 2 holds another 'a': shardpoint loaded the
+    index's copy and verify said OK, while transformers loads whichever copy it reads last."""
+    from shardpoint._verify import verify_checkpoint
+
+    d = tmp_path / "ck"
+    _save_bin({"a": torch.ones(2), "b": torch.ones(2)}, d, shards=2)
+    second = d / "pytorch_model-00002-of-00002.bin"
+    torch.save({"b": torch.ones(2), "a": torch.full((2,), 666.0)}, second)
+    message = (
+        f"{d}: tensor 'a' is stored in both 'pytorch_model-00001-of-00002.bin' (where the index maps it) and "
+        "'pytorch_model-00002-of-00002.bin'; the checkpoint is ambiguous (transformers loads whichever copy it "
+        "reads last)"
+    )
+    report = verify_checkpoint(d)
+    assert not report.ok and report.problems == [message], report.problems
+    with pytest.raises(sp.CorruptCheckpointError) as exc:
+        sp.load(d)
+    assert str(exc.value) == message.replace("where the index", "where pytorch_model.bin.index.json")

@@ -1444,3 +1444,65 @@ def test_save_into_existing_non_checkpoint_refuses_a_file_and_keeps_a_folders_fi
         sp.save({"w": torch.zeros(1)}, target, overwrite=True)
         assert (target / "precious.txt").read_text() == "precious"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
+def test_a_tensor_added_to_a_data_file_of_a_manifest_is_refused(tmp_path: Path, load_fn: Loader) -> None:
+    """A second copy of 'a' (kept in the file's save) in the file of 'b': verify said OK
+    with a warning, shardpoint loaded the manifest's 'a' while transformers, which loads
+    every tensor of every file, loaded the added one. Now refused by loads and verify."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    ckpt = _two_shards(tmp_path)
+    shard = ckpt / "model-00002-of-00002.safetensors"
+    with safe_open(str(shard), "pt") as f:
+        metadata = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    save_file({**tensors, "a": torch.full((4,), 666.0)}, str(shard), metadata=metadata)
+    manifest = ckpt / "shardpoint.json"
+    doc = _read_json(manifest)
+    doc["files"][shard.name]["size"] = shard.stat().st_size
+    _write_json(manifest, doc)
+    message = (
+        f"{shard} holds 1 tensor(s) the manifest does not list in it ('a'); a save writes none, and other "
+        "readers (transformers loads every tensor of every file) would load them where shardpoint does not: "
+        "the file was changed after its save. Restore it from a copy"
+    )
+    with _raises(CorruptCheckpointError, message):
+        load_fn(ckpt, _two_targets())
+    report = verify_checkpoint(ckpt)
+    assert not report.ok and any(message in p for p in report.problems), report.problems
+
+
+def test_an_hf_layout_manifest_reading_a_tensor_from_another_key_is_refused(tmp_path: Path, load_fn: Loader) -> None:
+    """Swapping the chunk keys of 'a' and 'b' (crcs swapped too) made shardpoint load b's
+    values as 'a' while every other reader of the files loads the file's 'a'."""
+    path = tmp_path / "ckpt"
+    sp.save({"a": torch.full((4,), 1.0), "b": torch.full((4,), 2.0)}, path)
+    manifest = path / "shardpoint.json"
+    doc = _read_json(manifest)
+    tensors = doc["components"]["model"]["tensors"]
+    ca, cb = tensors["a"]["chunks"][0], tensors["b"]["chunks"][0]
+    tensors["a"]["chunks"], tensors["b"]["chunks"] = [dict(cb, key="b")], [dict(ca, key="a")]
+    _write_json(manifest, doc)
+    message = (
+        f"{manifest}, component 'model', tensor 'a': in the 'hf' layout a tensor is stored whole under its own "
+        "name (what every other reader of the files loads), but the manifest reads it from 'b'; the manifest "
+        "is damaged or forged"
+    )
+    with _raises(CorruptCheckpointError, message):
+        load_fn(path, _two_targets())
+    assert not verify_checkpoint(path).ok
+
+
+@pytest.mark.parametrize("number", ["NaN", "-Infinity", "1e400"])
+def test_json_numbers_that_are_not_finite_are_refused(tmp_path: Path, number: str) -> None:
+    """JSON has no NaN or infinities (1e400 decodes to inf): a manifest holding one in its
+    metadata passed verify, and `inspect --json` then printed invalid JSON."""
+    path = tmp_path / "ckpt"
+    sp.save({"a": torch.ones(2)}, path, metadata={"m": 1.5})
+    manifest = path / "shardpoint.json"
+    manifest.write_bytes(manifest.read_bytes().replace(b'"m":1.5', b'"m":' + number.encode()))
+    with _raises(CorruptCheckpointError, f"{manifest} holds the number {number}, which is not finite"):
+        sp.load(path)
+    assert not verify_checkpoint(path).ok

@@ -78,6 +78,8 @@ class Checkpoint:
     _finalizer: Any = None
     rules: RuleChunks | None = None
     """Format 3: the writers' tables of rule-described tensors, read as they are needed."""
+    _listed: dict[str, set[str]] | None = None
+    """Data file -> the keys the manifest reads from it (made when a header is first read)."""
 
     def attach_manifest(self, manifest: Manifest) -> None:
         """Take ``manifest`` as what this checkpoint holds."""
@@ -288,6 +290,7 @@ class Checkpoint:
         where = self.file_label(name)
         if self.store is not None:
             header = self._remote_header(name, where)
+            self._check_unlisted(name, header, where)
             with self._lock:
                 self._headers[name] = header
             return header
@@ -301,9 +304,35 @@ class Checkpoint:
         except OSError as exc:
             raise read_error(exc, where, "reading the header of") from None
         self._check_save_id(header, where)
+        self._check_unlisted(name, header, where)
         with self._lock:
             self._headers[name] = header
         return header
+
+    def _check_unlisted(self, name: str, header: SafetensorsHeader, where: str) -> None:
+        """Refuse a data file of a manifest that holds a tensor the manifest does not list in
+        it: a save writes none, and ``transformers`` (which loads every tensor of every file)
+        would load that one, a second copy of a name or a new one, where shardpoint loads
+        what the manifest lists. (Rule-described tensors of format 3 are listed per rank's
+        table: their files are not checked here.)"""
+        if self.manifest is None or self.rules is not None:
+            return
+        if self._listed is None:
+            listed: dict[str, set[str]] = {}
+            for comp in self.manifest.components.values():
+                for record in comp.tensors.values():
+                    for chunk in record.chunks:
+                        listed.setdefault(chunk.file, set()).add(chunk.key)
+            self._listed = listed
+        listed_here = self._listed.get(name, set())
+        extra = [key for key in header.entries if key not in listed_here]
+        if extra and all(key in header.entries for key in listed_here):  # else: a renamed key, named by entry()
+            shown = ", ".join(printable(repr(k)) for k in extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+            raise CorruptCheckpointError(
+                f"{where} holds {len(extra)} tensor(s) the manifest does not list in it ({shown}); a save writes "
+                "none, and other readers (transformers loads every tensor of every file) would load them where "
+                "shardpoint does not: the file was changed after its save. Restore it from a copy"
+            )
 
     def _remote_header(self, name: str, where: str) -> SafetensorsHeader:
         assert self.store is not None

@@ -373,11 +373,11 @@ def _verify_foreign(
         if weight_map is None:
             tensors_checked += len(header.entries)
         else:
-            unlisted = [k for k in header.entries if weight_map.get(k) != fname]
+            unlisted = [k for k in header.entries if k not in weight_map]
             if unlisted:
                 found.warnings.append(
-                    f"{where} holds {name_list(unlisted)} that the index does not map to it; "
-                    "loaders ignore them"
+                    f"{where} holds {name_list(unlisted)} that the index does not list; shardpoint does not "
+                    "load them, transformers' from_pretrained does (it loads every tensor of a shard)"
                 )
             for key, _, _ in listed[fname]:
                 if key in header.entries:

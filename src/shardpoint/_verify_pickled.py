@@ -120,11 +120,18 @@ def verify_pickled(
                 )
             else:
                 tensors_checked += 1
-        unlisted = [str(k) for k in obj if weight_map.get(str(k)) != fname]
+        elsewhere = [str(k) for k in obj if weight_map.get(str(k)) not in (None, fname)]
+        for key in elsewhere[:MAX_NAMED]:
+            found.problem(
+                fname,
+                f"{location}: tensor {key!r} is stored in both {weight_map[key]!r} (where the index maps it) "
+                f"and {fname!r}; the checkpoint is ambiguous (transformers loads whichever copy it reads last)",
+            )
+        unlisted = [str(k) for k in obj if str(k) not in weight_map]
         if unlisted:
             found.warnings.append(
-                f"{where} holds {name_list(unlisted)} that the index does not map to it; "
-                "loaders ignore them"
+                f"{where} holds {name_list(unlisted)} that the index does not list; shardpoint does not "
+                "load them, transformers' from_pretrained does (it loads every tensor of a shard)"
             )
         del obj
     if without_crc:

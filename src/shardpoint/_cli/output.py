@@ -20,6 +20,7 @@ command that forgets :func:`emit` still cannot send an escape sequence to the te
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Iterable
 from typing import IO, Any
@@ -35,8 +36,30 @@ def emit(lines: Iterable[str], stream: IO[str] | None = None) -> None:
 
 
 def emit_json(doc: Any) -> None:
-    """Print ``doc`` as indented JSON (exact: ``json.dumps`` escapes what needs it)."""
-    print(json.dumps(doc, indent=2))
+    """Print ``doc`` as indented, strictly valid JSON (``json.dumps`` escapes what needs it;
+    a float that is not finite, which JSON cannot hold, is written as the string ``"nan"``,
+    ``"inf"`` or ``"-inf"``, as ``diff --json`` writes them).
+
+    >>> emit_json({"loss": float("nan"), "best": [float("-inf"), 1.5]})
+    {
+      "loss": "nan",
+      "best": [
+        "-inf",
+        1.5
+      ]
+    }
+    """
+    print(json.dumps(_finite(doc), indent=2, allow_nan=False))
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if value != value else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def error(message: object) -> None:

@@ -457,6 +457,10 @@ def _parse_manifest(raw: bytes, *, where: str) -> Manifest:
                     " and ".join(f"{chunks[i].key!r} of {chunks[i].file!r} at {list(chunks[i].offsets)} "
                                  f"shape {list(chunks[i].shape)}" for i in clash or ())),
             )
+            if layout == "hf" and not (len(chunks) == 1 and chunks[0].key == tname and chunks[0].shape == shape):
+                _need(False, twhere, "in the 'hf' layout a tensor is stored whole under its own name (what "
+                      f"every other reader of the files loads), but the manifest reads it from {chunks[0].key!r}"
+                      + (f" and {len(chunks) - 1} more chunk(s)" if len(chunks) > 1 else ""))
             tensors[tname] = TensorRecord(dtype, shape, tuple(chunks))
         for alias, target in aliases.items():
             _need(alias not in tensors, cwhere, f"alias {alias!r} is also a stored tensor")

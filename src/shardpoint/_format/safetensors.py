@@ -128,6 +128,25 @@ def _parse_int(literal: str) -> int:
     return int(literal)
 
 
+class _NotFinite(Exception):
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def _finite_float(text: str) -> float:
+    """A JSON number with a fraction or exponent; one past float's range (``1e400``,
+    decoded as inf) is refused: strict JSON readers of our output would choke on it."""
+    value = float(text)
+    if math.isinf(value):
+        raise _NotFinite(text)
+    return value
+
+
+def _refuse_constant(text: str) -> Any:
+    """``NaN``, ``Infinity``, ``-Infinity``: Python's extension of JSON, never valid JSON."""
+    raise _NotFinite(text)
+
+
 class _DuplicateKey(Exception):
     def __init__(self, key: str) -> None:
         self.key = key
@@ -153,7 +172,14 @@ def parse_json_object(raw: bytes, *, where: str, count_keys: bool = False) -> di
             text,
             object_pairs_hook=None if quick else _reject_duplicates,
             parse_int=_parse_int if "-0" in text else None,
+            parse_float=_finite_float,
+            parse_constant=_refuse_constant,
         )
+    except _NotFinite as bad:
+        raise CorruptCheckpointError(
+            f"{where} holds the number {bad.text[:40]}, which is not finite; JSON has no such numbers (no "
+            "writer of this format emits them): the file is damaged or forged"
+        ) from None
     except _DuplicateKey as dup:
         raise CorruptCheckpointError(
             f"{where} has the key {dup.key!r} twice; the file is damaged or forged"

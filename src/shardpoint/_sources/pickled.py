@@ -364,8 +364,14 @@ class BinShardsSource(TensorSource):
         for fname in sorted(set(index.weight_map.values())):
             shard = self._load(fname)[0]
             for key, tensor in shard.items():
-                if index.weight_map.get(key) != fname:
-                    continue  # not this shard's according to the index (as transformers reads it)
+                mapped = index.weight_map.get(key)
+                if mapped is not None and mapped != fname:
+                    raise CorruptCheckpointError(
+                        f"{directory}: tensor {key!r} is stored in both {mapped!r} (where {iname} maps it) and "
+                        f"{fname!r}; the checkpoint is ambiguous (transformers loads whichever copy it reads last)"
+                    )
+                if mapped is None:
+                    continue  # not in the index: not read (a warning of verify names it)
                 if not isinstance(tensor, torch.Tensor):
                     raise CorruptCheckpointError(f"{self._label(fname)}: {key!r} is not a tensor")
                 skeleton[key] = meta_like(tensor.dtype, tensor.shape)
