@@ -1457,7 +1457,7 @@ def test_a_tensor_added_to_a_data_file_of_a_manifest_is_refused(tmp_path: Path, 
     shard = ckpt / "model-00002-of-00002.safetensors"
     with safe_open(str(shard), "pt") as f:
         metadata = f.metadata()
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (a safe_open handle, not a dict)
     save_file({**tensors, "a": torch.full((4,), 666.0)}, str(shard), metadata=metadata)
     manifest = ckpt / "shardpoint.json"
     doc = _read_json(manifest)
