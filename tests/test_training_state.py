@@ -274,3 +274,131 @@ def test_a_run_resumes_with_or_without_compile_and_ddp_wrappers(tmp_path: Path, 
         assert torch.equal(opt2.state[a]["exp_avg"], opt.state[b]["exp_avg"])
         assert torch.equal(opt2.state[a]["exp_avg_sq"], opt.state[b]["exp_avg_sq"])
     assert opt2.param_groups[0]["lr"] == 0.1
+
+
+def _two_part_net() -> torch.nn.Module:
+    net = torch.nn.Sequential()
+    net.add_module("backbone", torch.nn.Linear(4, 4))
+    net.add_module("head", torch.nn.Linear(4, 2))
+    net.add_module("aux", torch.nn.Linear(4, 1))  # never used in forward: no gradient, no state
+    return net
+
+
+def test_parameters_without_optimizer_state_restore_as_torch_restores_them(tmp_path: Path) -> None:
+    """A frozen backbone passed to the optimizer anyway, or a layer without a gradient yet,
+    has no state: restoring such a checkpoint was refused ("the checkpoint has no optimizer
+    state for parameter(s) 'aux.weight', ..."), so a job could not resume from its own
+    checkpoints. They load without state, exactly as torch's load_state_dict does."""
+    torch.manual_seed(0)
+    net = _two_part_net()
+    net.backbone.requires_grad_(False)
+    opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+    net.head(net.backbone(torch.randn(3, 4))).sum().backward()
+    opt.step()
+    assert set(opt.state) == {net.head.weight, net.head.bias}
+    mgr = sp.CheckpointManager(tmp_path / "run", keep_last=1)
+    mgr.save(1, {"model": net, "optim": opt})
+
+    torch.manual_seed(1)
+    net2 = _two_part_net()
+    opt2 = torch.optim.AdamW(net2.parameters(), lr=0.5)
+    assert mgr.restore({"model": net2, "optim": opt2}) == 1
+    expected = torch.optim.AdamW(_two_part_net().parameters(), lr=0.5)
+    expected.load_state_dict(opt.state_dict())
+    assert opt2.state_dict()["param_groups"] == expected.state_dict()["param_groups"]
+    assert set(opt2.state) == {net2.head.weight, net2.head.bias}
+    for name in ("weight", "bias"):
+        mine, theirs = opt2.state[getattr(net2.head, name)], opt.state[getattr(net.head, name)]
+        assert all(torch.equal(mine[k], theirs[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+
+
+def test_parameter_groups_pair_by_their_parameters_names_not_their_order(tmp_path: Path) -> None:
+    """The same two groups built in the other order on resume: the hyperparameters were
+    paired by position (the head trained at the backbone's lr) while the state followed
+    the names. Each group now takes the saved group holding its parameters."""
+    torch.manual_seed(0)
+    net = _two_part_net()
+    opt = torch.optim.SGD([
+        {"params": net.backbone.parameters(), "lr": 1e-5, "weight_decay": 0.0},
+        {"params": list(net.head.parameters()) + list(net.aux.parameters()), "lr": 1e-2, "weight_decay": 0.1},
+    ], momentum=0.9)
+    x = torch.randn(3, 4)
+    (net.head(net.backbone(x)).sum() + net.aux(x).sum()).backward()
+    opt.step()
+    sp.save({"model": net, "optim": opt}, tmp_path / "ck")
+
+    net2 = _two_part_net()
+    opt2 = torch.optim.SGD([
+        {"params": list(net2.head.parameters()) + list(net2.aux.parameters()), "lr": 0.5},
+        {"params": net2.backbone.parameters(), "lr": 0.5},
+    ], momentum=0.5)
+    assert sp.load_into({"model": net2, "optim": opt2}, tmp_path / "ck").ok
+    head, backbone = opt2.param_groups
+    assert (head["lr"], head["weight_decay"], backbone["lr"], backbone["weight_decay"]) == (1e-2, 0.1, 1e-5, 0.0)
+    assert head["momentum"] == backbone["momentum"] == 0.9
+    assert torch.equal(opt2.state[net2.backbone.weight]["momentum_buffer"], opt.state[net.backbone.weight]["momentum_buffer"])
+
+    mixed = torch.optim.SGD([{"params": [net2.backbone.weight, net2.head.weight]},
+                             {"params": [net2.backbone.bias, net2.head.bias, *net2.aux.parameters()]}], lr=0.1)
+    with pytest.raises(sp.LoadMismatchError) as exc:
+        sp.load_into({"model": net2, "optim": mixed}, tmp_path / "ck")
+    assert str(exc.value) == (
+        f"{tmp_path / 'ck'}, optim: the target optimizer's parameter group 0 ('backbone.weight', 'head.weight') "
+        "holds parameters of the checkpoint's groups [0, 1]; build the parameter groups with the parameters "
+        "they were saved with"
+    )
+
+
+def test_another_optimizer_class_is_refused_before_anything_is_loaded(tmp_path: Path) -> None:
+    """Adam's state restored into SGD was ok=True with SGD running at Adam's lr, without
+    momentum, and a refusal of the optimizer came after the model had been overwritten."""
+    torch.manual_seed(0)
+    net = _two_part_net()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    x = torch.randn(3, 4)
+    (net.head(net.backbone(x)).sum() + net.aux(x).sum()).backward()
+    opt.step()
+    sp.save({"model": net, "optim": opt}, tmp_path / "ck")
+
+    net2 = _two_part_net()
+    before = {k: v.clone() for k, v in net2.state_dict().items()}
+    sgd = torch.optim.SGD(net2.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(sp.LoadMismatchError) as exc:
+        sp.load_into({"model": net2, "optim": sgd}, tmp_path / "ck", strict=False)
+    assert str(exc.value) == (
+        f"{tmp_path / 'ck'}, optim: the checkpoint's optimizer is not a SGD: its parameter groups hold amsgrad, "
+        "betas, capturable, decoupled_weight_decay, eps, which the target's lack, and lack dampening, momentum, "
+        "nesterov; build the optimizer class it was saved from (or leave the optimizer out of the target to load "
+        "the rest)"
+    )
+    assert all(torch.equal(before[k], v) for k, v in net2.state_dict().items()), "the model was changed"
+    assert not sgd.state and sgd.param_groups[0]["lr"] == 0.1
+    assert sp.load_into({"model": net2}, tmp_path / "ck", strict=False).unexpected_keys == ["optim"]
+    adamw = torch.optim.AdamW(net2.parameters(), lr=0.1)  # Adam's own hyperparameters: loads
+    assert sp.load_into({"model": net2, "optim": adamw}, tmp_path / "ck").ok
+
+
+@pytest.mark.parametrize("saved_with_wrapper", [True, False])
+def test_an_optimizer_resumes_with_or_without_activation_checkpointing(tmp_path: Path, saved_with_wrapper: bool) -> None:
+    """checkpoint_wrapper puts '_checkpoint_wrapped_module.' in named_parameters but not in
+    state_dict keys: the optimizer (named by parameter) did not find its state in the same
+    model without the wrapper, even with strict=False."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    def build(wrapped: bool) -> torch.nn.Module:
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)]
+        if wrapped:
+            layers[0], layers[2] = checkpoint_wrapper(layers[0]), checkpoint_wrapper(layers[2])
+        return torch.nn.Sequential(*layers)
+
+    net = build(saved_with_wrapper)
+    opt = torch.optim.Adam(net.parameters(), lr=0.1)
+    net(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    sp.save({"model": net, "optim": opt}, tmp_path / "ck")
+    net2 = build(not saved_with_wrapper)
+    opt2 = torch.optim.Adam(net2.parameters(), lr=0.5)
+    assert sp.load_into({"model": net2, "optim": opt2}, tmp_path / "ck").ok
+    for a, b in zip(net2.parameters(), net.parameters(), strict=True):
+        assert torch.equal(a, b) and torch.equal(opt2.state[a]["exp_avg_sq"], opt.state[b]["exp_avg_sq"])

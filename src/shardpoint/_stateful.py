@@ -126,21 +126,29 @@ def optimizer_state_for(
 ) -> dict[str, Any]:
     """Turn a saved name-keyed optimizer state into what ``optimizer.load_state_dict`` takes
     (``renamed``: a parameter's name in the checkpoint where its module's keys were renamed
-    to match, tried when its own name is not there)."""
+    to match, tried when its own name is not there).
+
+    Each target group is paired with the saved group holding its parameters' names (not by
+    position: groups built in another order keep their own learning rates); a parameter
+    listed in its saved group without state (it had no gradient yet: a frozen or unused
+    layer) loads without state, as ``torch`` does.
+
+    Raises:
+        LoadMismatchError: a target parameter is in none of the saved groups, the groups
+            cannot be paired one to one, or the saved groups hold another optimizer's
+            hyperparameters (saved from Adam, loaded into SGD).
+    """
     saved_groups = saved["param_groups"]
-    if len(saved_groups) != len(optimizer.param_groups):
-        raise LoadMismatchError(
-            f"{where}: the checkpoint's optimizer has {len(saved_groups)} parameter groups, the "
-            f"target optimizer has {len(optimizer.param_groups)}; build the optimizer with the "
-            "same groups"
-        )
     saved_state = saved["state"]
-    state: dict[int, Any] = {}
-    groups = []
-    pid = 0
-    missing = []
-    for group, saved_group in zip(optimizer.param_groups, saved_groups, strict=False):
-        ids = []
+    group_of: dict[str, int] = {}
+    for i, saved_group in enumerate(saved_groups):
+        for name in saved_group["params"]:
+            group_of[str(name)] = i
+    by_plain_name: dict[str, str] | None = None  # made when a name is not found as it is
+    target_names: list[list[str]] = []
+    unknown: list[str] = []
+    for group in optimizer.param_groups:
+        group_names = []
         for param in group["params"]:
             name = names.get(id(param))
             if name is None:
@@ -150,21 +158,90 @@ def optimizer_state_for(
                     "model in the same load_into call"
                 )
             other = (renamed or {}).get(id(param))
-            if name not in saved_state and other is not None and other in saved_state:
+            if name not in group_of and other is not None and other in group_of:
                 name = other
+            if name not in group_of:
+                if by_plain_name is None:
+                    by_plain_name = {_plain_name(n): n for n in group_of}
+                name = by_plain_name.get(_plain_name(name), name)
+            if name not in group_of:
+                unknown.append(name)
+            group_names.append(name)
+        target_names.append(group_names)
+    if unknown:
+        raise LoadMismatchError(
+            f"{where}: the checkpoint's optimizer has no parameter(s) {', '.join(map(repr, unknown[:10]))}"
+            f"{' and more' if len(unknown) > 10 else ''} in any of its {len(saved_groups)} parameter group(s); "
+            "the optimizer was built over other parameters than the saved one (a layer added or renamed?)"
+        )
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise LoadMismatchError(
+            f"{where}: the checkpoint's optimizer has {len(saved_groups)} parameter groups, the "
+            f"target optimizer has {len(optimizer.param_groups)}; build the optimizer with the "
+            "same groups"
+        )
+    pairing = []
+    for i, group_names in enumerate(target_names):
+        found = sorted({group_of[name] for name in group_names})
+        if len(found) != 1 or found[0] in pairing:
+            raise LoadMismatchError(
+                f"{where}: the target optimizer's parameter group {i} ({_names_shown(group_names)}) "
+                + (f"holds parameters of the checkpoint's groups {found}" if len(found) > 1 else
+                   "is empty" if not found else f"pairs with the checkpoint's group {found[0]}, as does another")
+                + "; build the parameter groups with the parameters they were saved with"
+            )
+        pairing.append(found[0])
+    state: dict[int, Any] = {}
+    groups = []
+    pid = 0
+    for group, group_names, index in zip(optimizer.param_groups, target_names, pairing, strict=True):
+        saved_group = saved_groups[index]
+        _check_same_kind(optimizer, group, saved_group, where)
+        ids = []
+        for name in group_names:
             if name in saved_state:
                 state[pid] = saved_state[name]
-            elif saved_state:
-                missing.append(name)
             ids.append(pid)
             pid += 1
         groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": ParamIds(ids)})
-    if missing:
-        raise LoadMismatchError(
-            f"{where}: the checkpoint has no optimizer state for parameter(s) "
-            f"{', '.join(map(repr, missing[:10]))}; was the optimizer built over other parameters?"
-        )
     return {"state": state, "param_groups": groups}
+
+
+_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_offload_wrapped_module.")
+"""Module names wrappers insert (activation checkpointing, FSDP1, CPU offload): in
+``named_parameters`` but not in the ``state_dict`` keys, so an optimizer saved with the
+wrapper names its parameters differently from the same model without it."""
+
+
+def _plain_name(name: str) -> str:
+    """``name`` without wrapper segments: ``0._checkpoint_wrapped_module.weight`` -> ``0.weight``."""
+    for segment in _WRAPPER_SEGMENTS:
+        name = name.replace(segment, "")
+    return name
+
+
+def _names_shown(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:3])
+    return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+_NOT_HYPERPARAMETERS = {"params", "param_names"}
+
+
+def _check_same_kind(optimizer: torch.optim.Optimizer, group: Mapping[str, Any], saved_group: Mapping[str, Any],
+                     where: str) -> None:
+    """Refuse groups of another optimizer class: each side holds hyperparameters the other
+    lacks (SGD's ``momentum`` against Adam's ``betas``). One side only lacking some is a
+    torch version that added them, which ``load_state_dict`` fills in."""
+    saved_keys = set(saved_group) - _NOT_HYPERPARAMETERS
+    target_keys = set(group) - _NOT_HYPERPARAMETERS
+    if saved_keys - target_keys and target_keys - saved_keys:
+        raise LoadMismatchError(
+            f"{where}: the checkpoint's optimizer is not a {type(optimizer).__name__}: its parameter groups hold "
+            f"{', '.join(sorted(saved_keys - target_keys))}, which the target's lack, and lack "
+            f"{', '.join(sorted(target_keys - saved_keys))}; build the optimizer class it was saved from "
+            "(or leave the optimizer out of the target to load the rest)"
+        )
 
 
 def make_to_state(names: Mapping[int, str]) -> Callable[[Any, str], Any]:

@@ -269,6 +269,8 @@ def _run(planner: Planner, batch: ReadBatch | PickledBatch, location: str, setti
                         planner.prefix_mapping)
     if settings.strict and not result.ok:
         raise LoadMismatchError(mismatch_message(location, result), result)
+    for check in planner.checks:
+        check()
     with byte_progress(batch.planned_bytes + planner.fusion_bytes, loading_label(location),
                        settings.progress) as advance:
         try:

@@ -10,7 +10,7 @@ parameters, ``load_state_dict`` of rebuilt values) run only after the batch has 
 from __future__ import annotations
 
 import functools
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, MutableMapping, MutableSequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -184,6 +184,8 @@ class Planner:
         self.meta_left: list[str] = []
         self.prefix_mapping: dict[str, tuple[str, str]] = {}
         self.post: list[Callable[[], None]] = []
+        self.checks: list[Callable[[], None]] = []
+        """Run once planning is done, before anything is read: refusals that need the whole plan."""
         self.param_names: dict[int, str] = {}
         self.modules: list[tuple[str, torch.nn.Module]] = []
         """The target's modules (key, module), whose parameters ``param_names`` names."""
@@ -512,6 +514,19 @@ class Planner:
                 renamed = renamed_parameter_names(self.modules, self.prefix_mapping)  # known once planned
                 sd = optimizer_state_for(opt, value, param_names, where=where, renamed=renamed) if by_name else value
                 opt.load_state_dict(sd)
+
+            def check_optimizer(opt: torch.optim.Optimizer = target) -> None:
+                """The same pairing on the saved structure alone, before anything is read: a
+                refusal must not come after the model was loaded."""
+                try:
+                    skeleton = unflatten_state(node, defaultdict(type(None)), where=where)
+                except CheckpointError:
+                    return  # raised by the load itself, at its turn
+                renamed = renamed_parameter_names(self.modules, self.prefix_mapping)
+                optimizer_state_for(opt, skeleton, param_names, where=where, renamed=renamed)
+
+            if by_name:
+                self.checks.append(check_optimizer)
 
             self.build(comp, node, load_optimizer, path)
             return
