@@ -156,3 +156,26 @@ def test_import_shardpoint_imports_no_framework() -> None:
         "assert 'accelerate' not in sys.modules, sorted(sys.modules)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("wrap", ["compile", "dataparallel", "compile-dataparallel"])
+def test_save_pretrained_of_a_wrapped_model_writes_the_models_own_names(
+    model: LlamaForCausalLM, tmp_path: Path, wrap: str
+) -> None:
+    """torch.compile passes `config` through, so its wrapper was taken for the model and its
+    weights written as `_orig_mod.*`: from_pretrained did not know them and built a randomly
+    initialized model. The wrappers are unwrapped, as transformers' save_pretrained does."""
+    wrapped: torch.nn.Module = model
+    if "dataparallel" in wrap:
+        wrapped = torch.nn.DataParallel(wrapped)
+    if "compile" in wrap:
+        wrapped = torch.compile(wrapped)
+    sp.integrations.transformers.save_pretrained(wrapped, tmp_path / "sp")
+    model.save_pretrained(tmp_path / "hf")
+    with safe_open(str(tmp_path / "sp" / "model.safetensors"), "pt") as mine, \
+            safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as theirs:
+        assert sorted(mine.keys()) == sorted(theirs.keys())
+        assert not any(k.startswith(("_orig_mod.", "module.")) for k in mine.keys())  # noqa: SIM118
+    back = LlamaForCausalLM.from_pretrained(tmp_path / "sp")
+    for (name, a), (_, b) in zip(back.state_dict().items(), model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name

@@ -543,3 +543,44 @@ def test_restore_of_a_damaged_newest_step_names_the_older_one(tmp_path, damage) 
                             "older step (committed: [1, 2])"), message
     assert ("The target may now hold part of this checkpoint's values" in message) == (damage == "bytes")
     assert mgr.restore(target, step=2) == 2 and target["w"].tolist() == [2.0] * 4
+
+
+def test_manager_step_arguments_and_roots_are_checked(tmp_path) -> None:
+    """restore(step='3') said "no committed step 3; it has [3, 4]", 3.0 was a bare
+    ValueError, metrics() of a step never saved called it damaged; a root that is a step
+    (the checkpoint to resume from) restored nothing, so training silently started over."""
+    root = tmp_path / "run"
+    mgr = sp.CheckpointManager(root, keep_last=3)
+    for step in (3, 4):
+        mgr.save(step, {"w": torch.full((2,), float(step))})
+    for bad, extra in (("3", " (convert it with int(...))"), (3.0, " (convert it with int(...))"), (True, "")):
+        with pytest.raises(sp.InvalidArgumentTypeError) as exc:
+            mgr.restore({"w": torch.zeros(2)}, step=bad)
+        assert str(exc.value) == f"CheckpointManager.restore: step must be a non-negative int, not {bad!r}{extra}"
+    with pytest.raises(sp.CheckpointNotFoundError) as exc:
+        mgr.metrics(1)
+    assert str(exc.value) == f"{root} has no committed step 1; it has [3, 4]"
+    with pytest.raises(sp.InvalidArgumentError) as exc:
+        sp.CheckpointManager(root / "step-000004")
+    assert str(exc.value) == (
+        f"CheckpointManager root {root / 'step-000004'} is a checkpoint (it holds shardpoint.json), not a folder "
+        f"of steps; use CheckpointManager({str(root)!r}) and restore(state, step=4) to resume from it"
+    )
+    with pytest.raises(sp.InvalidArgumentError, match=r"^CheckpointManager root .*model.safetensors is a file, not a directory"):
+        sp.CheckpointManager(root / "step-000004" / "model.safetensors")
+    assert sorted(os.listdir(root / "step-000004")) == ["model.safetensors", "shardpoint.json"]
+
+
+def test_saving_a_step_older_than_a_kept_one_warns_that_restore_takes_the_newer(tmp_path) -> None:
+    """Rolled back to step 30 and saved step 40 of a new run: step 50 of the abandoned run
+    stays the newest, and a crash would resume it without a word."""
+    mgr = sp.CheckpointManager(tmp_path / "run", keep_last=3)
+    for step in (30, 50):
+        mgr.save(step, {"w": torch.full((2,), float(step))})
+    with pytest.warns(UserWarning) as seen:
+        mgr.save(40, {"w": torch.full((2,), 40.0)})
+    assert [str(w.message) for w in seen] == [
+        f"step 40 was saved under {tmp_path / 'run'}, but step(s) [50] are newer: restore() and 'latest' choose "
+        "the newest (50), so a resume would continue from there, not from step 40. If training went back to an "
+        "earlier step, remove the newer steps (or save into another root)"
+    ]

@@ -100,6 +100,38 @@ def _check_save_kwargs(save_kwargs: Mapping[str, Any]) -> None:
             raise InvalidSizeError(f"CheckpointManager(max_shard_size=...): {exc}") from None
 
 
+def _check_root(path: str | None) -> None:
+    """Refuse a local root that is a file, or a checkpoint itself (a step the user meant to
+    resume from): ``restore`` would find no step there and return None, so training
+    silently started over, with new steps and ``latest`` written inside the checkpoint."""
+    if path is None:
+        return
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise InvalidArgumentError(
+            f"CheckpointManager root {path} is a file, not a directory; give the directory its steps go in"
+        )
+    if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+        parent, name = os.path.split(os.path.normpath(path))
+        step = step_of(name)
+        how = (f"CheckpointManager({parent!r}) and restore(state, step={step}) to resume from it"
+               if step is not None else "its parent directory as the root, or sp.load_into(state, path) to load it")
+        raise InvalidArgumentError(
+            f"CheckpointManager root {path} is a checkpoint (it holds {MANIFEST_NAME}), not a folder of steps; "
+            f"use {how}"
+        )
+
+
+def _check_step(call: str, step: object) -> None:
+    """Refuse a step that is not a non-negative int (``'3'`` from argparse, ``3.0``)."""
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise InvalidArgumentTypeError(
+            f"CheckpointManager.{call}: step must be a non-negative int, not {step!r}"
+            + (" (convert it with int(...))" if isinstance(step, (str, float)) else "")
+        )
+    if step < 0:
+        raise InvalidArgumentError(f"CheckpointManager.{call}: step must be a non-negative int, not {step!r}")
+
+
 class CheckpointManager:
     """Save every N steps, keep the last few and the best, resume from the newest.
 
@@ -162,6 +194,7 @@ class CheckpointManager:
                 raise InvalidArgumentError(f"CheckpointManager: {name} must be a positive int or None, not {value!r}")
         self._store = open_store(root, storage_options)
         self.root: Path | str = self._store.location
+        _check_root(self._store.local_path)
         self.storage_options = storage_options
         self.keep_last = keep_last
         self.keep_best = keep_best
@@ -225,8 +258,13 @@ class CheckpointManager:
             CorruptCheckpointError: the step's manifest cannot be read (missing, truncated,
                 too deeply nested, over the size limit, not a regular file).
         """
+        _check_step("metrics", step)
         try:
             return self._read_metrics(step)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(
+                f"{self.root} has no committed step {step}; it has {self.steps()}"
+            ) from None
         except OSError as exc:
             raise CorruptCheckpointError(
                 f"{self.step_path(step)}/{MANIFEST_NAME}: cannot read the step's metrics ({exc})"
@@ -314,8 +352,7 @@ class CheckpointManager:
         through its handle's ``.result()``, a :class:`CheckpointError` naming that step is
         raised here and ``step`` is not saved either.
         """
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise InvalidArgumentError(f"CheckpointManager.save: step must be a non-negative int, not {step!r}")
+        _check_step("save", step)
         if self.keep_best and self.metric not in (metrics or {}):
             given = ", ".join(repr(k) for k in list(metrics or {})[:10]) or "none"
             warnings.warn(
@@ -418,6 +455,8 @@ class CheckpointManager:
             DistributedCheckpointError: over a group, a rank failed (every rank raises it),
                 e.g. ``step`` is not committed in some rank's view of the root.
         """
+        if step is not None:
+            _check_step("restore", step)
         group = resolve_group(load_kwargs.get("process_group", self.process_group), target)
         if group.pg is not None:
             load_kwargs["process_group"] = group.pg
@@ -510,7 +549,17 @@ class CheckpointManager:
             newest = max(steps) if steps else step
             self._store.replace_small(LATEST_NAME, (step_dir_name(newest) + "\n").encode())
             self._apply_retention(newest)
-            if step in steps and step not in self.steps():
+            after = self.steps()
+            newer = [s for s in after if s > step]
+            if step in after and newer:
+                warnings.warn(
+                    f"step {step} was saved under {self.root}, but step(s) {newer[:8]} are newer: restore() and "
+                    f"'{LATEST_NAME}' choose the newest ({newer[-1]}), so a resume would continue from there, not "
+                    f"from step {step}. If training went back to an earlier step, remove the newer steps (or save "
+                    "into another root)",
+                    UserWarning, stacklevel=2,
+                )
+            if step in steps and step not in after:
                 warnings.warn(
                     f"step {step} was saved to {self.step_path(step)} and at once removed by retention: "
                     f"keep_last={self.keep_last} keeps the newest steps, and {newest} is newer. To train "

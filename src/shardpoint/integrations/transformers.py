@@ -110,6 +110,7 @@ def save_pretrained(
             f"save_pretrained() got unsupported argument(s) {', '.join(unknown)}; "
             f"it takes max_shard_size and {', '.join(_SAVE_KWARGS)}"
         )
+    model = _unwrapped(model)
     if not isinstance(model, torch.nn.Module) or getattr(model, "config", None) is None:
         raise InvalidStateError(
             f"save_pretrained() takes a transformers PreTrainedModel, not {type(model).__name__}; "
@@ -140,6 +141,21 @@ def save_pretrained(
         progress=save_kwargs.get("progress"),
         extra_files=_config_files(model),
     )
+
+
+def _unwrapped(model: Any) -> Any:
+    """The model inside ``torch.compile`` (``_orig_mod``), DDP and DataParallel (``module``)
+    wrappers, as ``transformers``' ``save_pretrained`` of a wrapped model writes it: the
+    compiled wrapper passes ``config`` through, and its weights are named ``_orig_mod.*``,
+    names ``from_pretrained`` does not know (it then builds a randomly initialized model)."""
+    for _ in range(8):  # wrappers of wrappers (compile of DDP), never a cycle
+        inner = getattr(model, "_orig_mod", None) if type(model).__name__ == "OptimizedModule" else None
+        if inner is None and isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            inner = model.module
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+    return model
 
 
 def _holds_no_weights(path: str | os.PathLike[str]) -> bool:
