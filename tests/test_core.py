@@ -162,6 +162,41 @@ def test_tied_tensors_stored_once_and_restored_tied(tmp_path):
     assert sp.load(tmp_path / "ck", keys=["lm_head.weight"])["lm_head.weight"].shape == (8, 4)
 
 
+class _TiedNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(8, 4)
+        self.head = torch.nn.Linear(4, 8, bias=False)
+        self.head.weight = self.emb.weight
+
+
+@pytest.mark.parametrize("how", ["in-place", "empty", "empty-bf16"])
+def test_tied_target_keys_stored_apart_must_hold_the_same_values(tmp_path, how):
+    """A checkpoint of an untied model loaded into a tied one: both stored values went into
+    the one tensor, the last read won, and the load said ok. Equal values (a file that
+    stores both copies of a tied weight) load; different ones are refused, naming both."""
+    emb = torch.randn(8, 4)
+    sp.save({"emb.weight": emb, "head.weight": emb.clone()}, tmp_path / "same")
+    sp.save({"emb.weight": emb, "head.weight": emb + 1}, tmp_path / "apart")
+
+    def target() -> torch.nn.Module:
+        return sp.empty_model(_TiedNet) if how.startswith("empty") else _TiedNet()
+
+    kwargs = {"dtype": torch.bfloat16} if how == "empty-bf16" else {}
+    net = target()
+    assert sp.load_into(net, tmp_path / "same", **kwargs).ok
+    assert net.head.weight is net.emb.weight and torch.equal(net.emb.weight.float(), emb.to(net.emb.weight.dtype).float())
+    for strict in (True, False):
+        with pytest.raises(sp.LoadMismatchError) as exc:
+            sp.load_into(target(), tmp_path / "apart", strict=strict, **kwargs)
+        assert str(exc.value) == (
+            f"{tmp_path / 'apart'}: 'emb.weight' and 'head.weight' share one tensor in the target (tied weights), "
+            "but the checkpoint stores different values for them; loading both into one tensor would drop one. "
+            "Untie them in the target (for transformers: tie_word_embeddings=False in the config), or load a "
+            "checkpoint saved from a tied model. The target may now hold part of this checkpoint's values"
+        )
+
+
 def test_load_keys_device_dtype_and_mmap(tmp_path):
     sd = {"a": torch.randn(4, 4), "b": torch.arange(5), "c": torch.randn(3).half()}
     sp.save(sd, tmp_path / "ck")

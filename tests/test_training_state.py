@@ -402,3 +402,29 @@ def test_an_optimizer_resumes_with_or_without_activation_checkpointing(tmp_path:
     assert sp.load_into({"model": net2, "optim": opt2}, tmp_path / "ck").ok
     for a, b in zip(net2.parameters(), net.parameters(), strict=True):
         assert torch.equal(a, b) and torch.equal(opt2.state[a]["exp_avg_sq"], opt.state[b]["exp_avg_sq"])
+
+
+def test_stacked_wrappers_and_plain_dict_targets_are_matched_by_prefix(tmp_path: Path) -> None:
+    """torch.compile of DDP (the order PyTorch recommends) saves '_orig_mod.module.*': it
+    did not load into the plain model, and a DDP checkpoint did not load into a plain dict
+    of tensors, though each wrapper alone loaded into a module."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    sp.save(torch.compile(_DDPLike(net)).state_dict(), tmp_path / "compiled-ddp")
+    assert sorted(sp.load(tmp_path / "compiled-ddp"))[0] == "_orig_mod.module.0.bias"
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    result = sp.load_into(plain, tmp_path / "compiled-ddp")
+    assert result.ok and result.prefix_mapping == {"": ("_orig_mod.module.", "")}
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), net.parameters(), strict=True))
+
+    sp.save(_DDPLike(net).state_dict(), tmp_path / "ddp")
+    flat = {k: torch.zeros_like(v) for k, v in net.state_dict().items()}
+    result = sp.load_into(flat, tmp_path / "ddp")
+    assert result.ok and result.prefix_mapping == {"": ("module.", "")}
+    assert all(torch.equal(flat[k], v) for k, v in net.state_dict().items())
+    with pytest.raises(sp.LoadMismatchError) as exc:
+        sp.load_into({"other": torch.zeros(2)}, tmp_path / "ddp")
+    assert str(exc.value).endswith(
+        "If the names differ by a prefix, rename them (sd = {new + k.removeprefix(old): v for k, v in "
+        "sp.load(path).items()}) and load that dict (module.load_state_dict(sd), or copy its values into the dict)"
+    )

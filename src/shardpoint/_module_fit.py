@@ -52,6 +52,8 @@ def match_prefix(
         True
         >>> match_prefix(["_orig_mod.0.weight"], ["module.0.weight"])
         ('module.', '_orig_mod.')
+        >>> match_prefix(["0.weight", "0.bias"], ["_orig_mod.module.0.weight", "_orig_mod.module.0.bias"])
+        ('_orig_mod.module.', '')
     """
     targets = set(target_keys)
     saved = list(saved_keys)
@@ -64,7 +66,10 @@ def match_prefix(
     sides = []
     for keys in (targets, saved):
         heads = Counter(k.split(".", 1)[0] for k in keys if "." in k)
-        sides.append({head + "." for head, _count in heads.most_common(3)})
+        wrapped = Counter(_wrapper_run(k) for k in keys)
+        wrapped.pop("", None)
+        sides.append({head + "." for head, _count in heads.most_common(3)}
+                     | {run for run, _count in wrapped.most_common(2)})
         candidates.update(sides[-1])
     renames = [r for prefix in sorted(candidates) for r in (("", prefix), (prefix, ""))]
     # One wrapper for another (saved under DDP's module., loaded under torch.compile's _orig_mod.).
@@ -75,6 +80,22 @@ def match_prefix(
         if count > best:
             best, choice = count, rename
     return choice
+
+
+_WRAPPERS = ("_orig_mod", "module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+"""Attribute names wrappers put in front of a model's keys: ``torch.compile``, DDP /
+DataParallel, FSDP1, activation checkpointing."""
+
+
+def _wrapper_run(key: str) -> str:
+    """The leading run of wrapper components of ``key``, when there are two or more:
+    ``_orig_mod.module.0.weight`` -> ``_orig_mod.module.`` (``torch.compile`` of DDP, the
+    order PyTorch recommends); one alone is a leading component already."""
+    parts = key.split(".")
+    n = 0
+    while n < len(parts) - 1 and parts[n] in _WRAPPERS:
+        n += 1
+    return ".".join(parts[:n]) + "." if n >= 2 else ""
 
 
 def rename_keys(

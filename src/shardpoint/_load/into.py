@@ -118,6 +118,8 @@ def load_into(
             ``transformers`` model's ``_keep_in_fp32_modules`` (float16) /
             ``_keep_in_fp32_modules_strict`` (float16, bfloat16) stay float32. A real
             parameter of another dtype keeps its ``Parameter`` object (new ``.data``).
+            Tensors of plain dicts in the target are filled in place and keep their dtype
+            (an EMA kept in float32 beside a bfloat16 model stays float32).
         device_map: module-name prefix -> device for ``meta`` parameters (the longest
             prefix wins; ``"meta"`` leaves them unmaterialized), as Accelerate's; or one
             device for all (``"cpu"``, ``0``); or ``"auto"`` / ``"balanced"`` /

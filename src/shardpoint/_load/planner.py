@@ -293,8 +293,8 @@ class Planner:
             used = set(names.values())
             self.unexpected.extend(prefix + tree_key for saved, tree_key in saved_names.items() if saved not in used)
 
-        filled: set[Any] = set()
-        materialized: dict[int, torch.Tensor] = {}
+        filled: dict[Any, tuple[str, str]] = {}  # storage identity -> (key, stored name) filling it
+        materialized: dict[int, tuple[torch.Tensor, str, str, torch.Tensor]] = {}  # + key, stored, buffer filled
         for key in matched:
             tensor = targets[key]
             saved = names[key]
@@ -306,7 +306,10 @@ class Planner:
                     raise InvalidStateError(
                         f"target tensor {prefix + key!r} is on the meta device; pass the module itself"
                     )
-                value = materialized.get(id(tensor))
+                earlier = materialized.get(id(tensor))
+                value = None if earlier is None else earlier[0]
+                if earlier is not None and earlier[2] != stored:
+                    self._same_values(earlier[3], record, stored, prefix, earlier[1], key)
                 if value is None:
                     device, dtype = home
                     if device.type == "meta":
@@ -323,7 +326,7 @@ class Planner:
                         value = torch.nn.Parameter(new, requires_grad=tensor.requires_grad)
                     else:
                         value = new
-                    materialized[id(tensor)] = value
+                    materialized[id(tensor)] = (value, key, stored, new)
                 for k in [key, *(t for t, twin in tied.items() if twin == key)]:
                     if fit is not None:
                         fit.materialized.add(k)
@@ -332,21 +335,51 @@ class Planner:
                     self.post.append(functools.partial(self.assign_now, module, k, value))
                 continue
             idents = ids[key]
-            if any(i in filled for i in idents):
-                continue  # tied to a tensor already being filled
-            filled.update(idents)
+            first = next((filled[i] for i in idents if i in filled), None)
+            if first is not None:  # tied to a tensor already being filled
+                if first[1] != stored and type(tensor).__name__ != "DTensor":  # another stored tensor: same values?
+                    self._same_values(tensor.detach(), record, stored, prefix, first[0], key)
+                continue
+            filled.update(dict.fromkeys(idents, (key, stored)))
             if type(tensor).__name__ == "DTensor":
                 _global_shape, offsets, local = local_chunk(tensor)
                 self.batch.fill(record, _writable(local.detach(), prefix + key), stored, offsets)
             else:
                 self.batch.fill(record, _writable(tensor.detach(), prefix + key), stored)
 
+    def _same_values(self, filled: torch.Tensor, record: Any, stored: str, prefix: str, first: str,
+                     key: str) -> None:
+        """``key`` and ``first`` name one tensor of the target (tied) but two stored tensors:
+        read ``stored`` aside and, once the load has run, refuse the load if its values are not
+        those ``first`` read into ``filled`` (one of the two would be dropped without a word)."""
+        aside = allocate(tuple(filled.shape), filled.dtype, filled.device, self.location, stored)
+        self.batch.fill(record, aside, stored)
+
+        def compare() -> None:
+            if not torch.equal(aside, filled):
+                raise LoadMismatchError(
+                    f"{self.location}: {prefix + first!r} and {prefix + key!r} share one tensor in the target "
+                    f"(tied weights), but the checkpoint stores different values for them; loading both into one "
+                    "tensor would drop one. Untie them in the target (for transformers: tie_word_embeddings=False "
+                    "in the config), or load a checkpoint saved from a tied model. The target may now hold part "
+                    "of this checkpoint's values"
+                )
+
+        self.post.insert(0, compare)
+
     def dict_into(self, targets: Mapping[str, torch.Tensor], names: Mapping[str, str], comp: ComponentRecord) -> None:
         """Fill a flat dict of tensors in place from a flat checkpoint (``names``: its keys ->
         saved tensor names); a dict of which no key at all matches is refused."""
-        if targets and names and not any(k in names for k in targets):
+        rename = _module_fit.match_prefix(targets, names) if targets and names else None
+        by_target = _module_fit.rename_keys(targets, names, rename)
+        if targets and names and not by_target:
             raise LoadMismatchError(no_match_message(self.location, "", list(targets), list(names)))
-        self.tensors_into(targets, names, comp, "", None)
+        if rename is None:
+            self.tensors_into(targets, names, comp, "", None)
+            return
+        self.prefix_mapping[""] = rename  # saved under a wrapper (module., _orig_mod.), loaded into a plain dict
+        self.tensors_into(targets, {k: names[s] for k, s in by_target.items()}, comp, "", None, None,
+                          {v: k for k, v in names.items()})
 
     def module_into(self, target: torch.nn.Module, saved: Mapping[str, str], comp: ComponentRecord, path: str) -> None:
         """Fill a module from a saved state dict (its keys -> saved tensor names): keys

@@ -95,7 +95,7 @@ def no_match_message(location: str, path: str, target_keys: list[str], saved_key
         f"loading {location}: not one of its {len(saved_keys)} keys matches the {len(target_keys)} "
         f"keys of {where}, even with a base-model prefix added or removed, so nothing would load.\n  "
         f"checkpoint keys: {_show(sorted(saved_keys), 5)}\n  target keys: {_show(sorted(target_keys), 5)}\n  "
-        "is this the checkpoint of this model? If the names differ by a fixed prefix, rename them "
-        "(sd = sp.load(path); sd = {prefix + k: v for k, v in sd.items()}) and load that dict with "
-        "module.load_state_dict"
+        "is this the checkpoint of this model? If the names differ by a prefix, rename them "
+        "(sd = {new + k.removeprefix(old): v for k, v in sp.load(path).items()}) and load that dict "
+        "(module.load_state_dict(sd), or copy its values into the dict)"
     )
