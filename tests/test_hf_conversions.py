@@ -261,3 +261,30 @@ def test_an_fsdp2_sharded_model_loads_hub_files_on_every_rank(tmp_path: Path) ->
         logits = reference(ids).logits
     torch.save({"state": reference.state_dict(), "ids": ids, "logits": logits}, tmp_path / "want.pt")
     run_ranks(_fsdp_rank, 2, str(tmp_path / "hub"), str(tmp_path / "want.pt"))
+
+
+class _ModuleWrapper(torch.nn.Module):
+    """What DDP does to names (the model under ``module``), without a process group."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+
+@pytest.mark.parametrize("wrap", ["compile", "ddp", "compile-ddp"])
+@pytest.mark.parametrize("family", ["mixtral", "gpt_neox"])
+def test_hub_files_load_into_a_wrapped_model_through_its_conversions(family: str, wrap: str, tmp_path: Path) -> None:
+    """Hub-named files into a model under torch.compile or DDP: the prefix was mapped but the
+    model's conversions (GPT-NeoX's embed_out, Mixtral's fused experts) were skipped, and
+    those weights stayed on meta (ok=False; forward then failed deep inside torch)."""
+    cls, config, model = _hub_files(family, tmp_path)
+    inner = sp.empty_model(cls, config)
+    wrapped: torch.nn.Module = _ModuleWrapper(inner) if "ddp" in wrap else inner
+    if "compile" in wrap:
+        wrapped = torch.compile(wrapped)
+    result = sp.load_into(wrapped, tmp_path)
+    prefix = {"compile": "_orig_mod.", "ddp": "module.", "compile-ddp": "_orig_mod.module."}[wrap]
+    assert result.ok and result.prefix_mapping == {"": ("", prefix)}, result
+    _assert_same(inner, model)
+    ids = torch.randint(0, 64, (1, 7))
+    assert torch.equal(inner.eval()(ids).logits, model(ids).logits)

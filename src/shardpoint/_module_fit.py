@@ -98,6 +98,29 @@ def _wrapper_run(key: str) -> str:
     return ".".join(parts[:n]) + "." if n >= 2 else ""
 
 
+def unwrapped(module: torch.nn.Module) -> tuple[torch.nn.Module, str]:
+    """The model inside wrappers, and the key prefix they add (``""`` for a module that is no
+    wrapper): a module whose one child is named as ``torch.compile`` (``_orig_mod``), DDP /
+    DataParallel (``module``), FSDP1 or activation checkpointing name theirs, and that holds
+    no parameter or buffer of its own.
+
+    >>> net = torch.nn.Linear(2, 2)
+    >>> inner, prefix = unwrapped(torch.nn.DataParallel(net))
+    >>> inner is net, prefix
+    (True, 'module.')
+    """
+    prefix = ""
+    for _ in range(8):  # wrappers of wrappers (compile of DDP), never a cycle
+        children = list(module.named_children())
+        if len(children) != 1 or children[0][0] not in _WRAPPERS:
+            break
+        if next(module.named_parameters(recurse=False), None) or next(module.named_buffers(recurse=False), None):
+            break  # a module of its own that happens to hold one child so named
+        name, module = children[0]
+        prefix += name + "."
+    return module, prefix
+
+
 def rename_keys(
     target_keys: Collection[str], saved_keys: Collection[str], rename: tuple[str, str] | None
 ) -> dict[str, str]:

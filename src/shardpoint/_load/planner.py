@@ -385,6 +385,11 @@ class Planner:
         """Fill a module from a saved state dict (its keys -> saved tensor names): keys
         renamed by a base-model prefix where that matches more, meta tensors materialized,
         non-persistent buffers rebuilt, and whatever stays on ``meta`` reported."""
+        inner, wrapper = _module_fit.unwrapped(target)
+        if inner is not target and _hf_conversions.plan(
+                inner, saved, inner.state_dict(keep_vars=True), fusions.stored_shapes(saved, comp), self.location):
+            self._wrapped_module_into(inner, wrapper, saved, comp, path)
+            return
         prefix = f"{path}/" if path else ""
         targets = target.state_dict(keep_vars=True)
         everything = _module_fit.module_tensors(target)
@@ -424,6 +429,24 @@ class Planner:
             self.missing[missing_from:] = [k for k in self.missing[missing_from:] if k not in ignored]
             fit.rebuild.update(k[len(prefix):] for k in ignored)
         self._finish_module(fit, targets, prefix)
+
+    def _wrapped_module_into(self, inner: torch.nn.Module, wrapper: str, saved: Mapping[str, str],
+                             comp: ComponentRecord, path: str) -> None:
+        """Load files in the Hub's names into a ``transformers`` model under ``torch.compile`` or
+        DDP: into the model itself (its weight conversions need it: GPT-NeoX's ``embed_out``,
+        Mixtral's fused experts), then report its keys under the wrapper's prefix."""
+        marks = (len(self.missing), len(self.mismatched), len(self.meta_left))
+        self.module_into(inner, saved, comp, path)
+        prefix = f"{path}/" if path else ""
+
+        def wrapped(key: str) -> str:
+            return prefix + wrapper + key[len(prefix):]
+
+        self.missing[marks[0]:] = [wrapped(k) for k in self.missing[marks[0]:]]
+        self.mismatched[marks[1]:] = [(wrapped(k), a, b) for k, a, b in self.mismatched[marks[1]:]]
+        self.meta_left[marks[2]:] = [wrapped(k) for k in self.meta_left[marks[2]:]]
+        old, new = self.prefix_mapping.get(path, ("", ""))
+        self.prefix_mapping[path] = (old, wrapper + new)
 
     def _finish_module(self, fit: _ModuleLoad, targets: Mapping[str, torch.Tensor], prefix: str) -> None:
         """Non-persistent buffers placed and given the dtype ``dtype=`` gives them (rebuilt

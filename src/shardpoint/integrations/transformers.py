@@ -26,6 +26,7 @@ import torch
 
 from .._flags import check_flags
 from .._hf_conversions import weights_to_save
+from .._module_fit import unwrapped
 from .._prepare import hf_storage, prepare_state
 from .._sizes import parse_size
 from .._write import SaveInfo, json_metadata, write_checkpoint
@@ -110,7 +111,8 @@ def save_pretrained(
             f"save_pretrained() got unsupported argument(s) {', '.join(unknown)}; "
             f"it takes max_shard_size and {', '.join(_SAVE_KWARGS)}"
         )
-    model = _unwrapped(model)
+    if isinstance(model, torch.nn.Module):  # torch.compile / DDP: the model's own names, as transformers writes them
+        model = unwrapped(model)[0]
     if not isinstance(model, torch.nn.Module) or getattr(model, "config", None) is None:
         raise InvalidStateError(
             f"save_pretrained() takes a transformers PreTrainedModel, not {type(model).__name__}; "
@@ -141,21 +143,6 @@ def save_pretrained(
         progress=save_kwargs.get("progress"),
         extra_files=_config_files(model),
     )
-
-
-def _unwrapped(model: Any) -> Any:
-    """The model inside ``torch.compile`` (``_orig_mod``), DDP and DataParallel (``module``)
-    wrappers, as ``transformers``' ``save_pretrained`` of a wrapped model writes it: the
-    compiled wrapper passes ``config`` through, and its weights are named ``_orig_mod.*``,
-    names ``from_pretrained`` does not know (it then builds a randomly initialized model)."""
-    for _ in range(8):  # wrappers of wrappers (compile of DDP), never a cycle
-        inner = getattr(model, "_orig_mod", None) if type(model).__name__ == "OptimizedModule" else None
-        if inner is None and isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
-            inner = model.module
-        if not isinstance(inner, torch.nn.Module):
-            return model
-        model = inner
-    return model
 
 
 def _holds_no_weights(path: str | os.PathLike[str]) -> bool:
