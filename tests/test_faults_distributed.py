@@ -348,6 +348,13 @@ def out_of_step_worker(rank: int, world: int, root_str: str) -> None:
         mgr = sp.CheckpointManager(root / "run", process_group=group)
         record(root, "collect-mgr", rank, lambda: mgr.save(1, {**sharded(1), "obj": Unsaveable(rank == 1)}))
         dist.barrier()
+        # No process_group: a state holding DTensors saves over the default group; the same.
+        record(root, "collect-default", rank, lambda: sp.save(
+            {**sharded(1), "obj": Unsaveable(rank == 1)}, root / "s3"))
+        default_mgr = sp.CheckpointManager(root / "run-default")
+        record(root, "collect-default-mgr", rank, lambda: default_mgr.save(
+            1, {**sharded(1), "obj": Unsaveable(rank == 1)}))
+        dist.barrier()
         # Ranks given different paths: refused on every rank, nothing written anywhere.
         record(root, "paths", rank, lambda: sp.save(sharded(2), root / f"p{rank}", process_group=group))
         dist.barrier()
@@ -363,11 +370,12 @@ def test_ranks_out_of_step_fail_together_and_save_nothing(tmp_path: Path) -> Non
     went, silently, all to rank 0's."""
     run_ranks(out_of_step_worker, WORLD, str(tmp_path), timeout=240)
     ranks = list(range(WORLD))
-    for name in ("collect", "collect-mgr"):
+    for name in ("collect", "collect-mgr", "collect-default", "collect-default-mgr"):
         docs = outcomes(tmp_path, name, ranks)
         assert_same_error(docs, 1, "Injected: state_dict failed on this rank", name)
         assert all(doc["message"].startswith("planning the save failed on rank 1") for doc in docs), docs
-    assert not (tmp_path / "s1").exists()
+    assert not (tmp_path / "s1").exists() and not (tmp_path / "s3").exists()
+    assert sp.CheckpointManager(tmp_path / "run-default").steps() == []
     for doc in outcomes(tmp_path, "paths", ranks):
         assert doc["ok"] is False and doc["type"] == "DistributedCheckpointError", doc
         assert doc["message"].startswith(

@@ -138,15 +138,16 @@ def save(
 
 
 def _prepared_together(state: Any, allow_pickle: bool, process_group: Any) -> Any:
-    """``prepare_state(state)``; where it fails in a save over a given process group, the
-    failure goes through the save's first exchange, so every rank raises it (naming this
-    rank) instead of the others waiting and meeting this rank's next call."""
+    """``prepare_state(state)``; where it fails in a save over a process group (given, or the
+    default group for a state holding DTensors), the failure goes through the save's first
+    exchange, so every rank raises it (naming this rank) instead of the others waiting and
+    meeting this rank's next call."""
     try:
         return prepare_state(state, allow_pickle=allow_pickle)
     except Exception as exc:
         error = exc
-        group = resolve_group(process_group, []) if process_group is not None else None
-        if group is None or not group.distributed:
+        group = resolve_group(process_group, [] if process_group is not None else state)
+        if not group.distributed:
             raise
 
         def failed() -> tuple[None, None]:

@@ -65,7 +65,10 @@ def holds_dtensor(obj: Any) -> bool:
         elif isinstance(item, (list, tuple, set, frozenset, Iterator)):
             stack.extend(item)
         elif callable(getattr(item, "state_dict", None)):
-            stack.append(item.state_dict())
+            try:
+                stack.append(item.state_dict())
+            except Exception:  # raised again, where it belongs, when the state is collected
+                continue
     return False
 
 
