@@ -18,6 +18,7 @@ import stat
 import threading
 import time
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,8 +79,8 @@ class Checkpoint:
     _finalizer: Any = None
     rules: RuleChunks | None = None
     """Format 3: the writers' tables of rule-described tensors, read as they are needed."""
-    _listed: dict[str, set[str]] | None = None
-    """Data file -> the keys the manifest reads from it (made when a header is first read)."""
+    _listed_count: dict[str, int] | None = None
+    """Data file -> how many keys the manifest reads from it (made when a header is first read)."""
 
     def attach_manifest(self, manifest: Manifest) -> None:
         """Take ``manifest`` as what this checkpoint holds."""
@@ -317,14 +318,17 @@ class Checkpoint:
         table: their files are not checked here.)"""
         if self.manifest is None or self.rules is not None:
             return
-        if self._listed is None:
-            listed: dict[str, set[str]] = {}
-            for comp in self.manifest.components.values():
-                for record in comp.tensors.values():
-                    for chunk in record.chunks:
-                        listed.setdefault(chunk.file, set()).add(chunk.key)
-            self._listed = listed
-        listed_here = self._listed.get(name, set())
+        if self._listed_count is None:  # chunks per file: each (file, key) backs one chunk
+            if len(self.manifest.files) == 1:
+                self._listed_count = {name: sum(len(r.chunks) for c in self.components.values()
+                                                for r in c.tensors.values())}
+            else:
+                self._listed_count = Counter(chunk.file for c in self.components.values()
+                                             for r in c.tensors.values() for chunk in r.chunks)
+        if len(header.entries) == self._listed_count.get(name, 0):
+            return  # as many entries as listed keys: none unlisted (a listed key renamed is named by entry())
+        listed_here = {chunk.key for c in self.components.values() for r in c.tensors.values()
+                       for chunk in r.chunks if chunk.file == name}
         extra = [key for key in header.entries if key not in listed_here]
         if extra and all(key in header.entries for key in listed_here):  # else: a renamed key, named by entry()
             shown = ", ".join(printable(repr(k)) for k in extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")

@@ -335,12 +335,17 @@ class Planner:
                     self.post.append(functools.partial(self.assign_now, module, k, value))
                 continue
             idents = ids[key]
-            first = next((filled[i] for i in idents if i in filled), None)
+            first = None
+            for ident in idents:  # one, but for views of a storage
+                first = filled.get(ident)
+                if first is not None:
+                    break
             if first is not None:  # tied to a tensor already being filled
                 if first[1] != stored and type(tensor).__name__ != "DTensor":  # another stored tensor: same values?
                     self._same_values(tensor.detach(), record, stored, prefix, first[0], key)
                 continue
-            filled.update(dict.fromkeys(idents, (key, stored)))
+            for ident in idents:
+                filled[ident] = (key, stored)
             if type(tensor).__name__ == "DTensor":
                 _global_shape, offsets, local = local_chunk(tensor)
                 self.batch.fill(record, _writable(local.detach(), prefix + key), stored, offsets)
@@ -370,13 +375,14 @@ class Planner:
     def dict_into(self, targets: Mapping[str, torch.Tensor], names: Mapping[str, str], comp: ComponentRecord) -> None:
         """Fill a flat dict of tensors in place from a flat checkpoint (``names``: its keys ->
         saved tensor names); a dict of which no key at all matches is refused."""
-        rename = _module_fit.match_prefix(targets, names) if targets and names else None
-        by_target = _module_fit.rename_keys(targets, names, rename)
-        if targets and names and not by_target:
-            raise LoadMismatchError(no_match_message(self.location, "", list(targets), list(names)))
+        same = len(targets) == len(names) and all(k in names for k in targets)  # the usual case, at once
+        rename = _module_fit.match_prefix(targets, names) if targets and names and not same else None
         if rename is None:
+            if targets and names and not any(k in names for k in targets):
+                raise LoadMismatchError(no_match_message(self.location, "", list(targets), list(names)))
             self.tensors_into(targets, names, comp, "", None)
             return
+        by_target = _module_fit.rename_keys(targets, names, rename)
         self.prefix_mapping[""] = rename  # saved under a wrapper (module., _orig_mod.), loaded into a plain dict
         self.tensors_into(targets, {k: names[s] for k, s in by_target.items()}, comp, "", None, None,
                           {v: k for k, v in names.items()})
