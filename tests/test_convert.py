@@ -756,3 +756,34 @@ def test_convert_of_a_model_folder_keeps_what_from_pretrained_needs(tmp_path: Pa
     assert source.notes[0] == (
         f"copied from {src} beside the weights: README.md, config.json, generation_config.json, tokenizer.json")
     assert source.notes[1].startswith(f"not copied: notes.txt ({src}: 'notes.txt' is a symlink that leaves")
+
+
+def test_convert_over_a_folder_keeps_its_own_config_notes_and_tokenizer(tmp_path: Path) -> None:
+    """--overwrite replaced the destination's own README.md and config.json with the
+    source's: the README promises overwrite keeps a folder's files that are not the old
+    checkpoint's. They stay (a note names them); with --dtype the kept config.json names
+    the new dtype. Converting in place still writes the new dtype into its config."""
+    src = tmp_path / "src"
+    sp.save({"w": torch.ones(3)}, src)
+    (src / "config.json").write_text('{"model_type": "from-src", "dtype": "float32"}')
+    (src / "README.md").write_text("src readme\n")
+    (src / "tokenizer.json").write_text('{"from": "src"}')
+    dst = tmp_path / "dst"
+    sp.save({"w": torch.zeros(3)}, dst)
+    (dst / "README.md").write_text("MY NOTES: run 17\n")
+    (dst / "config.json").write_text('{"model_type": "mine", "dtype": "float32"}')
+
+    _, source = run_convert(src, dst, overwrite=True, dtype="bf16")
+    assert (dst / "README.md").read_text() == "MY NOTES: run 17\n"
+    assert json.loads((dst / "config.json").read_text()) == {"model_type": "mine", "dtype": "bfloat16"}
+    assert (dst / "tokenizer.json").read_text() == '{"from": "src"}'  # not there before: copied
+    assert sp.load(dst)["w"].tolist() == [1.0, 1.0, 1.0] and sp.load(dst)["w"].dtype == torch.bfloat16
+    assert source.notes == [
+        f"copied from {src} beside the weights: tokenizer.json",
+        f"kept {dst}'s own README.md, config.json (the source's were not copied over them; its config.json "
+        "now names the new dtype)",
+    ]
+
+    run_convert(src, src, overwrite=True, dtype="fp16")  # in place: its own config takes the dtype
+    assert json.loads((src / "config.json").read_text()) == {"model_type": "from-src", "dtype": "float16"}
+    assert (src / "README.md").read_text() == "src readme\n"

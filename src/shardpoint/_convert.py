@@ -256,7 +256,7 @@ COMPANION_LIMIT = 256 << 20
 """Largest file :func:`companion_files` copies (a big tokenizer is tens of MB)."""
 
 
-def companion_files(src: str, dtype: torch.dtype | None, notes: list[str]) -> dict[str, bytes]:
+def companion_files(src: str, dtype: torch.dtype | None, notes: list[str], dst: str | None = None) -> dict[str, bytes]:
     """The files of the model folder ``src`` that belong beside its converted weights
     (``companions.travels_with_weights``: config, tokenizer, processor files, model card),
     by name, so the output loads with ``from_pretrained`` as the source did; a note in
@@ -267,13 +267,28 @@ def companion_files(src: str, dtype: torch.dtype | None, notes: list[str]) -> di
     weights in the dtype they are stored in. Each file is read as the checkpoint's own
     files are (:func:`member_path`: links into an HF cache's blobs followed, others out of
     the folder refused; a regular file, at most :data:`COMPANION_LIMIT` bytes).
+
+    ``dst``: an existing folder being overwritten (not ``src`` itself). Its own files of
+    those names stay: the user's ``config.json``, notes and tokenizer are never replaced by
+    the source's (its ``config.json`` names the new dtype, the one edit it gets).
     """
     if not os.path.isdir(src):
         return {}
     out: dict[str, bytes] = {}
     skipped = []
+    kept = []
     for name in sorted(list_directory(src, "convert")):
         if not travels_with_weights(name) or not os.path.isfile(os.path.join(src, name)):
+            continue
+        if dst is not None and os.path.lexists(os.path.join(dst, name)):
+            kept.append(name)
+            if name == "config.json" and dtype is not None and os.path.isfile(os.path.join(dst, name)):
+                try:
+                    own = read_small_file(member_path(dst, name, where=dst), where=dst, limit=COMPANION_LIMIT)
+                except CheckpointError:
+                    continue
+                if (updated := _config_in_dtype(own, dtype)) != own:
+                    out[name] = updated
             continue
         try:
             path = member_path(src, name, where=src)
@@ -284,8 +299,12 @@ def companion_files(src: str, dtype: torch.dtype | None, notes: list[str]) -> di
         if name == "config.json" and dtype is not None:
             data = _config_in_dtype(data, dtype)
         out[name] = data
-    if out:
-        notes.append(f"copied from {src} beside the weights: {', '.join(out)}")
+    copied = [name for name in out if name not in kept]
+    if copied:
+        notes.append(f"copied from {src} beside the weights: {', '.join(copied)}")
+    if kept:
+        notes.append(f"kept {dst}'s own {', '.join(kept)} (the source's were not copied over them"
+                     + ("; its config.json now names the new dtype)" if "config.json" in out else ")"))
     if skipped:
         notes.append(f"not copied: {'; '.join(skipped)}")
     return out
@@ -316,6 +335,22 @@ def _config_in_dtype(data: bytes, dtype: torch.dtype) -> bytes:
 
     rename(config, 0)
     return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode() if changed else data
+
+
+def _overwritten_folder(src: str | os.PathLike[str], dst: str | os.PathLike[str], overwrite: bool) -> str | None:
+    """``dst`` when the convert replaces a local folder other than ``src`` (whose own
+    companion files then stay), else None."""
+    if not overwrite or not isinstance(dst, (str, os.PathLike)) or "://" in os.fspath(dst):
+        return None
+    where = os.fspath(dst)
+    if not os.path.isdir(where) or os.path.islink(where):
+        return None
+    try:
+        if os.path.samefile(where, os.fspath(src)):
+            return None  # in place: its config.json takes the new dtype like any other convert
+    except OSError:
+        pass
+    return where
 
 
 def convert(
@@ -417,7 +452,7 @@ def convert(
         opened.append(source)
     try:
         select_components(source, components)
-        companions = companion_files(os.fspath(src), want, source.notes)
+        companions = companion_files(os.fspath(src), want, source.notes, _overwritten_folder(src, dst, overwrite))
         prepared, refs = output_state(source, want)
         info = write_checkpoint(
             prepared,
