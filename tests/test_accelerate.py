@@ -266,3 +266,35 @@ def test_a_process_the_checkpoint_has_no_state_for_keeps_its_generators() -> Non
                       r"process\(es\); process 1 keeps its own"):
         _PerRank(SimpleNamespace(process_index=1, _dataloaders=[])).load_state_dict(saved)
     assert torch.equal(torch.rand(1), expected)
+
+
+def test_a_run_resumed_from_a_named_folder_saves_after_it_and_keeps_its_saves(tmp_path: Path) -> None:
+    """load_state(accelerator, ".../checkpoint_3") left iteration at 0: the next save
+    wrote checkpoint_0 (rotated out before, so free) and total_limit deleted it at once as
+    the oldest, every save of the resumed run lost without a word."""
+    accelerator, model, opt, sched, _ = _prepared(tmp_path, total_limit=2)
+    for _ in range(4):
+        _step(accelerator, model, opt, sched)
+        save_state(accelerator)
+    root = tmp_path / "checkpoints"
+
+    AcceleratorState._reset_state(True)
+    accelerator, model, opt, sched, _ = _prepared(tmp_path, total_limit=2)
+    load_state(accelerator, root / "checkpoint_2")  # an older one, named by hand
+    assert accelerator.project_configuration.iteration == 4  # after every checkpoint there
+    _step(accelerator, model, opt, sched)
+    info = save_state(accelerator)
+    assert info.path == root / "checkpoint_4" or os.fspath(info.path) == os.fspath(root / "checkpoint_4")
+    assert [p.name for p in checkpoint_dirs(accelerator)] == ["checkpoint_3", "checkpoint_4"]
+    trained = model.weight.detach().clone()
+
+    accelerator.project_configuration.iteration = 0  # set back by hand: warned, saved as the newest
+    _step(accelerator, model, opt, sched)
+    with pytest.warns(UserWarning, match=r"^save_state: checkpoint_0 would be older than checkpoint_4, already in .*; "
+                      r"saving as checkpoint_5$"):
+        save_state(accelerator)
+    assert [p.name for p in checkpoint_dirs(accelerator)] == ["checkpoint_4", "checkpoint_5"]
+    AcceleratorState._reset_state(True)
+    accelerator, model, opt, sched, _ = _prepared(tmp_path, total_limit=2)
+    load_state(accelerator, root / "checkpoint_4")
+    assert torch.equal(model.weight, trained)

@@ -218,6 +218,16 @@ def ranks_worker(rank: int, world: int, root: str) -> None:
         # dcp.async_save too: staged, then written by every rank in the background.
         dcp.async_save(saved, storage_writer=ShardpointStorageWriter(Path(root) / "aw")).result()
 
+    # A replicated (DDP-style) state, no DTensor: one collective save, not one per rank
+    # racing for the path (each rank committed its own, and without overwrite all raised).
+    torch.manual_seed(0)
+    replicated = {"model": torch.nn.Linear(3, 2).state_dict(), "note": "replicated"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(replicated, storage_writer=ShardpointStorageWriter(Path(root) / "ddp"))
+    if rank == 0:
+        torch.save(replicated["model"], Path(root) / "ddp_ref.pt")
+
     # A real FSDP2 (fully_shard) model and its AdamW state, as get_state_dict gives them.
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.fsdp import fully_shard
@@ -283,6 +293,11 @@ def test_two_rank_saves_load_with_dcp_resharded_and_in_one_process(tmp_path: Pat
     _dcp_load(state, tmp_path / "w", no_dist=True)
     assert torch.equal(state["model"]["a"], _full("a")) and state["extra"]["step"] == 11
     run_ranks(three_ranks_worker, 3, str(tmp_path), timeout=120)
+    manifest = json.loads((tmp_path / "ddp" / "shardpoint.json").read_text())
+    assert (manifest["world_size"], manifest["layout"]) == (2, "chunked")
+    ddp = sp.load(tmp_path / "ddp")
+    assert ddp["note"] == "replicated" and set(ddp["model"]) == {"weight", "bias"}
+    assert all(torch.equal(ddp["model"][k], v) for k, v in torch.load(tmp_path / "ddp_ref.pt").items())
     # The FSDP2 state written through the shardpoint writer: exact in sp.load.
     ref = torch.load(tmp_path / "fsdp_ref.pt")
     assert len(ref) == 8  # 4 parameters, 4 exp_avg

@@ -286,17 +286,23 @@ def _tidy(root: Path, accelerator: Any) -> None:
     _rotate(root, accelerator.project_configuration.total_limit, accelerator)
 
 
-def _rotate(root: Path, total_limit: int | None, accelerator: Any) -> None:
-    """Delete the oldest committed checkpoints beyond ``total_limit`` (rank 0)."""
+def _rotate(root: Path, total_limit: int | None, accelerator: Any, saved: Path | None = None) -> None:
+    """Delete the oldest committed checkpoints beyond ``total_limit`` (rank 0), never
+    ``saved``, the checkpoint just committed."""
     if total_limit is None:
         return
     with _root_lock:
-        _delete_oldest(root, total_limit, accelerator)
+        _delete_oldest(root, total_limit, accelerator, saved)
 
 
-def _delete_oldest(root: Path, total_limit: int, accelerator: Any) -> None:
+def _newest_index(accelerator: Any) -> int | None:
+    found = checkpoint_dirs(accelerator)
+    return int(found[-1].name.rsplit("_", 1)[1]) if found else None
+
+
+def _delete_oldest(root: Path, total_limit: int, accelerator: Any, saved: Path | None = None) -> None:
     keep = max(total_limit, 1)  # Accelerate's total_limit=0 still keeps the newest save
-    doomed = checkpoint_dirs(accelerator)[:-keep]
+    doomed = [p for p in checkpoint_dirs(accelerator)[:-keep] if saved is None or p.name != saved.name]
     for path in doomed:
         hidden = root / f".{path.name}{TMP_MARKER}del-{uuid.uuid4().hex}"
         try:
@@ -350,6 +356,16 @@ def save_state(
             "output_dir, or turn automatic_checkpoint_naming off to choose the directory"
         )
     if root is not None:
+        newest = _newest_index(accelerator)
+        taken = os.path.lexists(root / f"checkpoint_{config.iteration}")
+        if newest is not None and config.iteration <= newest and not taken and not save_kwargs.get("overwrite"):
+            warnings.warn(
+                f"save_state: checkpoint_{config.iteration} would be older than checkpoint_{newest}, already in "
+                f"{root} (a run resumed from a folder it named?), and total_limit would delete it first; saving "
+                f"as checkpoint_{newest + 1}",
+                UserWarning, stacklevel=2,
+            )
+            config.iteration = newest + 1
         path: str | os.PathLike[str] = root / f"checkpoint_{config.iteration}"
         if os.path.lexists(path) and not save_kwargs.get("overwrite"):
             raise CheckpointExistsError(
@@ -374,7 +390,7 @@ def save_state(
 
     def after_commit(info: SaveInfo) -> None:
         if root is not None and main:
-            _rotate(root, config.total_limit, accelerator)
+            _rotate(root, config.total_limit, accelerator, Path(path))
 
     result: SaveInfo | AsyncSave
     if async_save:
@@ -406,7 +422,9 @@ def load_state(
     Args:
         accelerator: the ``accelerate.Accelerator``.
         input_dir: the checkpoint directory; without it, the newest committed
-            ``checkpoint_<i>`` of automatic naming, and ``iteration`` becomes ``i + 1``.
+            ``checkpoint_<i>`` of automatic naming, and ``iteration`` becomes ``i + 1``
+            (given one, with automatic naming, ``iteration`` follows it and every
+            checkpoint already there, so the next save is the newest).
         strict: raise :class:`shardpoint.LoadMismatchError` when the checkpoint and the
             accelerator's objects do not match (another model, a missing optimizer).
         **load_kwargs: passed to :func:`shardpoint.load_into` (``verify``,
@@ -439,8 +457,15 @@ def load_state(
             )
         input_dir = found[-1]
         resumed_from = int(found[-1].name.rsplit("_", 1)[1])
+    elif config.automatic_checkpoint_naming:
+        named = re.fullmatch(r"checkpoint_(\d+)", Path(input_dir).name)
+        newest = _newest_index(accelerator)
+        # Resumed from a folder named by hand: the next save follows every checkpoint there
+        # (iteration 0 would be saved, then deleted first by total_limit).
+        candidates = [i for i in (int(named.group(1)) if named else None, newest) if i is not None]
+        resumed_from = max(candidates) if candidates else None
     target = _state(accelerator, _PerRank(accelerator))
     result = load_into(target, input_dir, strict=strict, process_group=_process_group(accelerator), **load_kwargs)
     if resumed_from is not None:
-        config.iteration = resumed_from + 1
+        config.iteration = max(config.iteration, resumed_from + 1)
     return result

@@ -295,8 +295,9 @@ class ShardpointStorageWriter(_writer_base()):  # type: ignore[misc]
     planner resolves and ``finish`` rebuilds the state from the metadata's ``planner_data``
     and saves it with ``sp.save``. Several ranks: ``write_data`` rebuilds each rank's local
     state from the planner (``DefaultSavePlanner``'s flattened ``state_dict`` and
-    ``mappings``) and every rank calls ``sp.save`` together (each writes only its shards;
-    a failure on any rank fails all, nothing committed). Either way ``sp.load`` returns the
+    ``mappings``) and every rank calls ``sp.save`` together over the default group (each
+    writes only its shards, replicated tensors split between the ranks; a failure on any
+    rank fails all, nothing committed). A ``dcp.save`` over a subgroup is not supported. Either way ``sp.load`` returns the
     state that was saved, DCP's int keys as strings (as DCP stores them).
 
     Args:
@@ -391,8 +392,12 @@ class ShardpointStorageWriter(_writer_base()):  # type: ignore[misc]
         state: dict[str, Any] = {}
         for fqn, value in flat.items():
             _set_path(state, paths.get(fqn, (fqn,)), value)
+        import torch.distributed as dist
+
+        # Over the default group, which DCP saves over: a state of plain (replicated) tensors
+        # would otherwise be saved by each rank alone, racing for the one path.
         _api.save(state, self._require_path(), overwrite=self.overwrite, max_shard_size=self.max_shard_size,
-                  storage_options=self.storage_options)
+                  storage_options=self.storage_options, process_group=dist.group.WORLD)
         results = [WriteResult(index=item.index, size_in_bytes=0, storage_data=None) for item in plan.items]
         done: torch.futures.Future[list[Any]] = torch.futures.Future()
         done.set_result(results)
