@@ -439,6 +439,17 @@ def test_verify_missing_path_exit_2(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert err.startswith(f"shardpoint: error: {tmp_path / 'empty'} is not a checkpoint")
 
 
+def test_verify_exits_2_where_it_judged_nothing(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A bad argument and a store that cannot be reached exited 1, "damaged": a script that
+    re-downloads or deletes on 1 would act on a checkpoint that was never read."""
+    code, out, err = run(capsys, "verify", ckpt, "--storage-options", '{"a": 1}')
+    assert (code, out) == (2, "") and err.startswith(
+        f"shardpoint: error: storage_options were given but {ckpt} is a local path"), err
+    code, out, err = run(capsys, "verify", "s3://no-such-bucket/x", "--storage-options",
+                         '{"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s"}')
+    assert (code, out) == (2, "") and err.startswith("shardpoint: error: listing s3://no-such-bucket/x failed"), err
+
+
 def test_verify_hf_dir_structure_only(hf_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert run(capsys, "verify", hf_dir) == (
         0,

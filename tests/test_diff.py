@@ -421,3 +421,31 @@ def test_top_level_tensors_beside_plain_values_are_keyed_as_load_keys_them(
     assert rows == ["w", "b", "opt/m"]
     code, out, _ = run_cli(capsys, "inspect", tmp_path / "a", "--filter", "^w$")
     assert "tensors: 1 of 1 matching '^w$' (3 in all)" in out
+
+
+def test_infinities_are_close_only_to_the_same_infinity(tmp_path) -> None:
+    """With rtol > 0, -inf against +inf and 1e6 against inf passed (inf <= atol + rtol * inf),
+    and MAX REL showed 0 for them; torch.isclose calls them different."""
+    inf = math.inf
+    torch.save({"w": torch.tensor([-inf, 1e6, 2.0, inf])}, tmp_path / "a.pt")
+    torch.save({"w": torch.tensor([inf, inf, 2.0, inf])}, tmp_path / "b.pt")
+    report = sp.diff(tmp_path / "a.pt", tmp_path / "b.pt", rtol=1e-6)
+    (t,) = report.tensors
+    assert not report.equal and t.status == "changed" and t.mismatched == 2
+    assert t.max_abs == inf and math.isnan(t.max_rel)
+    want = torch.isclose(torch.tensor([-inf, 1e6, 2.0, inf]), torch.tensor([inf, inf, 2.0, inf]), rtol=1e-6)
+    assert int((~want).sum()) == t.mismatched
+
+
+def test_diff_reads_the_file_named_not_its_safetensors_sibling(tmp_path) -> None:
+    """`diff model.pt model.safetensors` read model.safetensors for both (load's sibling
+    rule) and said equal, whatever model.pt held: diff is asked whether they are the same."""
+    from safetensors.torch import save_file
+
+    torch.save({"w": torch.ones(3)}, tmp_path / "model.pt")
+    save_file({"w": torch.zeros(3)}, str(tmp_path / "model.safetensors"))
+    report = sp.diff(tmp_path / "model.pt", tmp_path / "model.safetensors")
+    assert not report.equal and report.tensors[0].max_abs == 1.0
+    assert sp.load(tmp_path / "model.pt")["w"].tolist() == [0.0, 0.0, 0.0]  # load keeps its rule (a warning)
+    torch.save({"w": torch.zeros(3)}, tmp_path / "model.pt")
+    assert sp.diff(tmp_path / "model.pt", tmp_path / "model.safetensors").equal

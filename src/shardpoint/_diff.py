@@ -16,6 +16,7 @@ when that name is. Either way the difference in storage is reported as a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Iterator
@@ -127,6 +128,9 @@ class DiffReport:
     notes: list[StorageNote] = field(default_factory=list)
     """Names whose storage differs (alias on one side, stored or absent on the other)
     while their values are compared; not differences."""
+    read_notes: list[str] = field(default_factory=list)
+    """What was read of A and B where it is not all the path holds (``A: ...``, ``B: ...``:
+    a folder with both safetensors and ``.bin`` files is read from the safetensors)."""
 
     @property
     def equal(self) -> bool:
@@ -295,14 +299,16 @@ def compare_values(
             same = (x == y) | (x.isnan() & y.isnan())
         d = torch.where(same, torch.zeros((), dtype=d.dtype), d)
         ref = y.abs().real if y.is_complex() else y.abs()
-        ok = same | (d <= atol + rtol * ref)
+        # As torch.isclose: an infinity is close only to the same infinity (inf <= atol +
+        # rtol * inf held for -inf against +inf, and for a finite value against inf).
+        ok = same | (d.isfinite() & (d <= atol + rtol * ref))
         bad += int((~ok).sum())
         if d.isnan().any():
             max_abs = max_rel = math.nan
         elif not math.isnan(max_abs):
             max_abs = max(max_abs, float(d.max()))
-            rel = torch.where(d == 0, torch.zeros((), dtype=d.dtype), d / ref)
-            max_rel = max(max_rel, float(rel.max()))
+            rel = float(torch.where(d == 0, torch.zeros((), dtype=d.dtype), d / ref).max())
+            max_rel = math.nan if math.isnan(rel) or math.isnan(max_rel) else max(max_rel, rel)
     return max_abs, max_rel, bad
 
 
@@ -370,12 +376,14 @@ def diff(
     if atol < 0 or rtol < 0 or math.isnan(atol) or math.isnan(rtol):
         raise InvalidArgumentError(f"diff: atol and rtol must be >= 0 (got atol={atol}, rtol={rtol})")
     local_a, local_b = local_path(a, cache_dir), local_path(b, cache_dir)
-    src_a = open_source(local_a, trust_pickle=trust_pickle)
+    src_a = open_source(local_a, trust_pickle=trust_pickle, as_named=True)  # the files named, never a sibling
     try:
-        src_b = open_source(local_b, trust_pickle=trust_pickle)
+        src_b = open_source(local_b, trust_pickle=trust_pickle, as_named=True)
         try:
             views = _view(src_a, component, os.fspath(a)), _view(src_b, component, os.fspath(b))
-            return _diff_sources(src_a, src_b, views, os.fspath(a), os.fspath(b), atol, rtol)
+            report = _diff_sources(src_a, src_b, views, os.fspath(a), os.fspath(b), atol, rtol)
+            read = [f"A: {n}" for n in src_a.notes] + [f"B: {n}" for n in src_b.notes]
+            return dataclasses.replace(report, read_notes=read) if read else report
         finally:
             src_b.close()
     finally:

@@ -23,7 +23,11 @@ tensors [{key, status, dtype_a, dtype_b, shape_a, shape_b, max_abs, max_rel, mis
 (every tensor in both; status is equal, close, changed, dtype or shape; non-finite numbers
 are the strings "nan" / "inf"), values [{key, a, b}] (non-tensor values that differ),
 compared_bytes, notes [{key, a, b, alias_of_a, alias_of_b, compared_as, message}] (names
-stored differently: a and b are stored, alias or absent).
+stored differently: a and b are stored, alias or absent), read_notes [text] (what was read
+of A and B where it is not all the path holds).
+
+The files named are compared as they are: model.pt beside model.safetensors is read from
+model.pt (load and convert read the safetensors sibling instead).
 """
 
 from __future__ import annotations
@@ -124,6 +128,7 @@ def to_json(report: DiffReport) -> dict[str, object]:
             }
             for n in report.notes
         ],
+        "read_notes": list(report.read_notes),
     }
 
 
@@ -163,6 +168,7 @@ def render(report: DiffReport, *, show_all: bool = False) -> str:
         for r in [header, *rows]:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
     lines += [f"note: {n.message}" for n in report.notes]
+    lines += [f"note: {printable(n)}" for n in report.read_notes]
     tol = f"atol={report.atol:g}, rtol={report.rtol:g}"
     n = len(report.tensors)
     if report.equal:

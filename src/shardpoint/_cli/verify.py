@@ -18,8 +18,10 @@ training_args.bin, optimizer.pt, ...) are listed as not checked. A file that loo
 data of the checkpoint but that it does not reference (a model-00003-of-00003.safetensors
 missing from the index) is a warning.
 
-Exit status: 0 whole, 1 damaged (every problem is listed), 2 usage error, no checkpoint
-at the path, or a .bin/.pt file that cannot be read without a full unpickle (refused). With --json a failure prints {"error", "message", "path"} instead.
+Exit status: 0 whole, 1 damaged (every problem is listed; a read error of the disk too), 2
+usage error, no checkpoint at the path, a store that cannot be reached or refuses access
+(nothing was judged), or a .bin/.pt file that cannot be read without a full unpickle
+(refused). With --json a failure prints {"error", "message", "path"} instead.
 
 The --json object has the keys: path, format ("shardpoint", "hf-index", "hf-file",
 "hf-bin", "torch-save"), ok, problems [str], warnings [str], notes [str], unchecked [file
@@ -30,13 +32,15 @@ CRC-32), checksums (true when stored bytes were checked against their checksums)
 from __future__ import annotations
 
 import argparse
+import errno
 
 from .._format.companions import role
 from .._sizes import human_size
 from .._verify import VerifyReport, verify_checkpoint
 from ..errors import (
-    CheckpointError,
     CheckpointNotFoundError,
+    CorruptCheckpointError,
+    StorageError,
     UnsafePickleError,
     UnsupportedFormatError,
 )
@@ -68,8 +72,11 @@ def run(args: argparse.Namespace) -> int:
         report = verify_checkpoint(args.path, checksums=not args.quick, storage_options=options)
     except (CheckpointNotFoundError, UnsafePickleError, UnsupportedFormatError):
         raise  # exit 2: nothing to verify at that path, or a pickle it will not unpickle
-    except CheckpointError as exc:
+    except (CorruptCheckpointError, StorageError) as exc:
+        if isinstance(exc, StorageError) and exc.errno != errno.EIO:
+            raise  # exit 2: the store could not be reached or refused (credentials, no bucket): nothing judged
         return fail(args, exc, EXIT_DAMAGED)
+    # Any other CheckpointError (a bad argument, a missing dependency) is a usage error: exit 2.
     if args.json:
         emit_json(to_json(report))
     else:

@@ -335,20 +335,22 @@ _KINDS: dict[str, Callable[[SourceSpec, list[str]], TensorSource]] = {
 }
 
 
-def resolve_source(path: str | os.PathLike[str], *, trust_pickle: bool = False) -> tuple[SourceSpec, list[str]]:
+def resolve_source(path: str | os.PathLike[str], *, trust_pickle: bool = False,
+                   as_named: bool = False) -> tuple[SourceSpec, list[str]]:
     """What to open for what the user named, as ``_format.detect`` decides; (spec, notes).
 
     A ``torch.save`` file with a ``.safetensors`` sibling of the same stem
     (``model.pt`` beside ``model.safetensors``) is read from the sibling: same tensors, no
-    unpickling. A directory holding both safetensors and ``.bin`` files is read from the
-    safetensors files.
+    unpickling; with ``as_named`` (``diff``, which is asked whether the two are the same)
+    the file named is read. A directory holding both safetensors and ``.bin`` files is read
+    from the safetensors files.
     """
     location = os.fspath(path)
     if not os.path.exists(location):
         raise CheckpointNotFoundError(f"{location} does not exist; nothing to read")
     found = detect_local(location)
     if found.named_file:
-        if found.instead_of is not None and found.file is not None:
+        if found.instead_of is not None and found.file is not None and not as_named:
             # The user named the .pt file; its sibling must stay beside it (same path rule).
             parent = os.path.dirname(location) or "."
             sibling = member_path(parent, found.file, where=parent)
@@ -358,9 +360,9 @@ def resolve_source(path: str | os.PathLike[str], *, trust_pickle: bool = False) 
                 "pickle itself"
             )
             return SourceSpec(sibling, "safetensors", trust_pickle), [note]
-        if found.kind == HF_FILE:
+        if found.kind == HF_FILE and found.instead_of is None:
             return SourceSpec(location, "safetensors", trust_pickle), []
-        if found.kind == TORCH_SAVE:
+        if found.kind == TORCH_SAVE or found.instead_of is not None:
             return SourceSpec(location, "torch-save", trust_pickle), []
         raise not_readable(location, found)
     if found.kind in (SHARDPOINT, HF_INDEX, HF_FILE):
@@ -379,9 +381,9 @@ def resolve_source(path: str | os.PathLike[str], *, trust_pickle: bool = False) 
     raise not_readable(location, found)
 
 
-def open_source(path: str | os.PathLike[str], *, trust_pickle: bool = False) -> TensorSource:
+def open_source(path: str | os.PathLike[str], *, trust_pickle: bool = False, as_named: bool = False) -> TensorSource:
     """Open any checkpoint convert and diff read (see the module docstring)."""
-    spec, notes = resolve_source(path, trust_pickle=trust_pickle)
+    spec, notes = resolve_source(path, trust_pickle=trust_pickle, as_named=as_named)
     return open_spec(spec, notes)
 
 

@@ -98,8 +98,8 @@ class ZipRecords:
         self.inode = os.fstat(fd).st_ino
         size = os.fstat(fd).st_size
         try:
-            with zipfile.ZipFile(os.fdopen(os.dup(fd), "rb")) as archive:
-                records = archive.infolist()
+            with os.fdopen(os.dup(fd), "rb") as file, zipfile.ZipFile(file) as archive:  # a ZipFile leaves a
+                records = archive.infolist()                                            # file it was given open
         except Exception as exc:  # zipfile raises many kinds on a damaged archive
             raise CorruptCheckpointError(
                 f"{path} is not a readable zip archive ({type(exc).__name__}: "
