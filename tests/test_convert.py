@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -787,3 +789,23 @@ def test_convert_over_a_folder_keeps_its_own_config_notes_and_tokenizer(tmp_path
     run_convert(src, src, overwrite=True, dtype="fp16")  # in place: its own config takes the dtype
     assert json.loads((src / "config.json").read_text()) == {"model_type": "from-src", "dtype": "float16"}
     assert (src / "README.md").read_text() == "src readme\n"
+
+
+def test_a_cast_past_the_dtypes_range_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--dtype fp16 turned 1e6 into inf without a word: the converted model computes inf and
+    nan there. A warning names the tensors, how many values, the largest and the range."""
+    torch.save({"w": torch.tensor([1e6, 1.0, -7e4]), "b": torch.tensor([1e5]), "ok": torch.tensor([1.0, -2.0]),
+                "inf": torch.tensor([math.inf])}, tmp_path / "model.pt")
+    message = (
+        "convert to float16: 3 value(s) of 'w', 'b' are past float16's range (largest magnitude 1e+06; float16 "
+        f"holds up to 65504) and became inf in {tmp_path / 'out'}; a model computes inf / nan there. Convert to "
+        "bfloat16 (float32's range) instead"
+    )
+    with pytest.warns(UserWarning) as seen:
+        sp.convert(tmp_path / "model.pt", tmp_path / "out", dtype="fp16")
+    assert [str(w.message) for w in seen] == [message]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sp.convert(tmp_path / "model.pt", tmp_path / "bf16", dtype="bf16")  # in range: no warning
+    assert main(["convert", str(tmp_path / "model.pt"), str(tmp_path / "cli"), "--dtype", "fp16", "--no-progress"]) == 0
+    assert f"shardpoint: warning: {message.replace(str(tmp_path / 'out'), str(tmp_path / 'cli'))}\n" in capsys.readouterr().err

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from contextvars import ContextVar
@@ -72,8 +73,11 @@ def _write_job(
     durable: bool,
     advance: Callable[[int], None] | None,
     budget: int = BATCH_BYTES,
+    overflowed: list[tuple[str, int, float]] | None = None,
 ) -> dict[tuple[str, str], int]:
-    """Write one output file, its tensors read from ``source`` a batch at a time."""
+    """Write one output file, its tensors read from ``source`` a batch at a time; a tensor
+    whose cast to ``dtype`` overflowed finite values to infinity is added to ``overflowed``
+    as (key, how many, largest magnitude)."""
     crcs: dict[tuple[str, str], int] = {}
     sizes = []  # memory a tensor holds while written: its source bytes, plus the cast copy
     for e in job.entries:
@@ -90,6 +94,11 @@ def _write_job(
                         f"{source.spec.path}: tensor {e.ref[1]!r} read as {t.dtype}{list(t.shape)}, "
                         f"expected {e.dtype}{list(e.shape)}; the source changed while converting"
                     )
+            if overflowed is not None and dtype is not None:
+                for e, t in zip(entries, tensors, strict=True):
+                    found = _overflow(source, e.ref, t)
+                    if found is not None:
+                        overflowed.append((e.key, *found))
             items = tuple((e.key, t, e.offset) for e, t in zip(entries, tensors, strict=True))
             part = FileWrite(job.name, job.header if first else b"", job.size, items)
             # shared: opened without truncation, so the file is filled in several calls.
@@ -105,6 +114,21 @@ def _write_job(
     return crcs
 
 
+def _overflow(source: TensorSource, ref: Ref, cast: torch.Tensor) -> tuple[int, float] | None:
+    """(finite values the cast made infinite, largest magnitude of the source), or None: a
+    cast to a narrower float (float32 to float16) turns values past its range into inf.
+    The source is read again only where the cast holds an infinity."""
+    original = source.descriptor(ref).dtype
+    if not cast.is_floating_point() or original == cast.dtype or not original.is_floating_point:
+        return None
+    if torch.finfo(cast.dtype).max >= torch.finfo(original).max or not bool(torch.isinf(cast).any()):
+        return None
+    with source.batch([ref], None) as (before,):
+        made = int((torch.isinf(cast) & torch.isfinite(before)).sum())
+        largest = float(before[torch.isfinite(before)].abs().max()) if made else 0.0
+    return (made, largest) if made else None
+
+
 # Worker processes (``workers > 1``): each opens the source once and writes whole files.
 _worker_source: TensorSource | None = None
 
@@ -117,9 +141,11 @@ def _worker_init(spec: SourceSpec) -> None:
 
 def _worker_write(
     directory: str, job: _FileJob, dtype: torch.dtype | None, durable: bool
-) -> dict[tuple[str, str], int]:
+) -> tuple[dict[tuple[str, str], int], list[tuple[str, int, float]]]:
     assert _worker_source is not None
-    return _write_job(_worker_source, directory, job, dtype, durable=durable, advance=None)
+    overflowed: list[tuple[str, int, float]] = []
+    crcs = _write_job(_worker_source, directory, job, dtype, durable=durable, advance=None, overflowed=overflowed)
+    return crcs, overflowed
 
 
 class _StreamingWrite:
@@ -133,6 +159,8 @@ class _StreamingWrite:
         self.refs = refs
         self.dtype = dtype
         self.workers = workers
+        self.overflowed: list[tuple[str, int, float]] = []
+        """(key, values made infinite, largest magnitude) of each tensor the cast overflowed."""
 
     def __call__(
         self,
@@ -160,7 +188,8 @@ class _StreamingWrite:
             for job in jobs:
                 crcs.update(
                     _write_job(
-                        self.source, directory, job, self.dtype, durable=durable, advance=advance
+                        self.source, directory, job, self.dtype, durable=durable, advance=advance,
+                        overflowed=self.overflowed,
                     )
                 )
             return crcs
@@ -174,7 +203,9 @@ class _StreamingWrite:
                 for job in jobs
             ]
             for job, fut in futures:
-                crcs.update(fut.result())
+                written, overflowed = fut.result()
+                crcs.update(written)
+                self.overflowed.extend(overflowed)
                 if advance is not None:
                     advance(job.tensor_bytes)
         return crcs
@@ -337,6 +368,18 @@ def _config_in_dtype(data: bytes, dtype: torch.dtype) -> bytes:
     return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode() if changed else data
 
 
+def _overflow_message(overflowed: list[tuple[str, int, float]], dtype: torch.dtype, dst: Any) -> str:
+    total = sum(n for _, n, _ in overflowed)
+    names = ", ".join(repr(k) for k, _, _ in overflowed[:5]) + (f" and {len(overflowed) - 5} more" if len(overflowed) > 5 else "")
+    largest = max(m for _, _, m in overflowed)
+    kind = str(dtype).removeprefix("torch.")
+    return (
+        f"convert to {kind}: {total} value(s) of {names} are past {kind}'s range (largest magnitude {largest:.4g}; "
+        f"{kind} holds up to {torch.finfo(dtype).max:.6g}) and became inf in {os.fspath(dst)}; a model computes "
+        "inf / nan there. Convert to bfloat16 (float32's range) instead"
+    )
+
+
 def _overwritten_folder(src: str | os.PathLike[str], dst: str | os.PathLike[str], overwrite: bool) -> str | None:
     """``dst`` when the convert replaces a local folder other than ``src`` (whose own
     companion files then stay), else None."""
@@ -454,6 +497,7 @@ def convert(
         select_components(source, components)
         companions = companion_files(os.fspath(src), want, source.notes, _overwritten_folder(src, dst, overwrite))
         prepared, refs = output_state(source, want)
+        producer = _StreamingWrite(source, refs, want, workers)
         info = write_checkpoint(
             prepared,
             dst,
@@ -462,9 +506,11 @@ def convert(
             metadata=json_metadata(source.metadata),
             durable=True,
             progress=progress,
-            produce=_StreamingWrite(source, refs, want, workers),
+            produce=producer,
             extra_files=companions,
         )
+        if producer.overflowed and want is not None:
+            warnings.warn(_overflow_message(producer.overflowed, want, dst), UserWarning, stacklevel=2)
     finally:
         source.close()
     return info

@@ -28,6 +28,7 @@ import importlib
 import json
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any, NoReturn
@@ -191,6 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     stdout = sys.stdout
     sys.stdout = output.GuardedStream(stdout)
+    shown = warnings.showwarning
+    warnings.showwarning = _one_line_warning
     try:
         code: int = args._run(args)
         sys.stdout.flush()
@@ -206,6 +209,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     finally:
         sys.stdout = stdout
+        warnings.showwarning = shown
+
+
+def _one_line_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                      file: Any = None, line: str | None = None) -> None:
+    """A warning of the library (a sibling file read instead, values past a dtype's range)
+    as one escaped ``shardpoint: warning:`` line, not Python's two lines naming our source."""
+    output.emit([f"shardpoint: warning: {' '.join(str(message).split())}"], sys.stderr)
 
 
 def fail(args: argparse.Namespace, exc: BaseException, code: int) -> int:
