@@ -195,15 +195,17 @@ def test_cli_commands_on_a_cached_repository(
             assert f"{n} tensors" in out
             code, out, err = _cli(capsys, "inspect", where, "--json", *extra)
             assert code == 0, err
-            doc = json.loads(out)
-            assert doc["tensor_count"] == n and doc["path"] == str(snapshot)
+            doc = json.loads(out)  # "path" is what was given; "resolved" where an hf:// reference was found
+            assert doc["tensor_count"] == n and doc["path"] == str(where)
+            assert doc.get("resolved") == (str(snapshot) if where == ref else None)
             code, out, err = _cli(capsys, "verify", where, *extra)
             assert code == 0, (out, err)
             assert "OK:" in out
             code, out, err = _cli(capsys, "verify", where, "--json", *extra)
             assert code == 0, (out, err)
             doc = json.loads(out)
-            assert doc["ok"] is True and doc["tensors_checked"] == n and doc["path"] == str(snapshot)
+            assert doc["ok"] is True and doc["tensors_checked"] == n and doc["path"] == str(where)
+            assert doc.get("resolved") == (str(snapshot) if where == ref else None)
     code, out, err = _cli(capsys, "diff", ref, built["sources"] / layout, "--cache-dir", cache)
     assert code == 0, err
     code, out, err = _cli(capsys, "diff", snapshot, ref, "--json", "--cache-dir", cache)
@@ -441,7 +443,7 @@ def test_hf_home_is_honoured_by_the_cli(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)
     expected = tmp_path / "home" / "hub" / repo_folder_name(repo_id=REPO, repo_type="model") / "snapshots" / COMMIT
-    assert doc["path"] == str(expected) and doc["ok"] is True and doc["bytes_checked"] == 16
+    assert doc["resolved"] == str(expected) and doc["ok"] is True and doc["bytes_checked"] == 16
 
 
 def test_docstring_examples() -> None:

@@ -9,6 +9,7 @@ unpickle; no tensor data is read).
 The --json object has these keys:
 
   path             the path given
+  resolved         for an hf:// reference only: the snapshot folder it names in the cache
   format           "shardpoint", "hf-index", "hf-file", "hf-bin" or "torch-save"
   format_version   manifest format version (null for foreign checkpoints)
   library_version  shardpoint version that saved it (null for foreign checkpoints)
@@ -112,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
     path, resolved = resolve_hub(args.path, options)
     limit = args.limit if args.limit is not None else (0 if args.json else DEFAULT_LIMIT)
     doc = describe_path(path, resolved, pattern=args.filter, limit=limit)
+    if str(args.path).startswith("hf://") and os.fspath(path) != os.fspath(args.path):  # found in the cache
+        doc = {"path": os.fspath(args.path), "resolved": doc["path"], **{k: v for k, v in doc.items() if k != "path"}}
     if args.json:
         emit_json(doc)
     else:
@@ -406,6 +409,7 @@ def render(doc: dict[str, Any], *, pattern: str | None = None) -> list[str]:
         fmt += f" (format version {doc['format_version']}, saved by shardpoint {doc['library_version']})"
     head = [
         ["path", doc["path"]],
+        *([["resolved", doc["resolved"]]] if "resolved" in doc else []),
         ["format", fmt],
         ["layout", doc["layout"]],
         ["world size", "-" if doc["world_size"] is None else str(doc["world_size"])],

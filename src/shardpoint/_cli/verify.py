@@ -23,7 +23,8 @@ usage error, no checkpoint at the path, a store that cannot be reached or refuse
 (nothing was judged), or a .bin/.pt file that cannot be read without a full unpickle
 (refused). With --json a failure prints {"error", "message", "path"} instead.
 
-The --json object has the keys: path, format ("shardpoint", "hf-index", "hf-file",
+The --json object has the keys: path (as given), resolved (only for an hf:// reference:
+the snapshot folder it names in the cache), format ("shardpoint", "hf-index", "hf-file",
 "hf-bin", "torch-save"), ok, problems [str], warnings [str], notes [str], unchecked [file
 name], files_checked, tensors_checked, bytes_checked (bytes compared against a crc32c or
 CRC-32), checksums (true when stored bytes were checked against their checksums).
@@ -78,7 +79,10 @@ def run(args: argparse.Namespace) -> int:
         return fail(args, exc, EXIT_DAMAGED)
     # Any other CheckpointError (a bad argument, a missing dependency) is a usage error: exit 2.
     if args.json:
-        emit_json(to_json(report))
+        doc = to_json(report)
+        if str(args.path).startswith("hf://") and report.path != args.path:  # found in the local cache
+            doc = {"path": args.path, "resolved": report.path, **{k: v for k, v in doc.items() if k != "path"}}
+        emit_json(doc)
     else:
         emit(render(report, quick=args.quick))
     return EXIT_OK if report.ok else EXIT_DAMAGED

@@ -106,16 +106,16 @@ class LocalTransaction(Transaction):
             # Made ahead (mkdtemp, makedirs): nothing to lose, as save_pretrained writes
             # into it. Replaced as an overwrite, which keeps whatever appears meanwhile.
             self.overwrite = True
-        if not self.overwrite:
-            raise CheckpointExistsError(
-                f"{self.final} already exists; pass overwrite=True to replace it, "
-                "or save to a new path"
-            )
-        if not self.final.is_dir() or self.final.is_symlink():
+        if not self.final.is_dir() or self.final.is_symlink():  # said first: overwrite=True would not help
             raise CheckpointExistsError(
                 f"{self.final} exists and is not a shardpoint checkpoint, nor a directory "
                 "(a file or a symlink); refusing to replace it even with overwrite=True. "
                 "Remove it yourself or pick another path"
+            )
+        if not self.overwrite:
+            raise CheckpointExistsError(
+                f"{self.final} already exists; pass overwrite=True to replace it, "
+                "or save to a new path"
             )
 
     def _write_files(self, files: Sequence[FileWrite], durable: bool, advance: Advance, write: Writer) -> Crcs:
