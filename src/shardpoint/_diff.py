@@ -25,9 +25,11 @@ from typing import Any
 
 import torch
 
+from ._flags import check_flags
 from ._flatten import WRAPPER_TYPES
 from ._format.dtypes import DTYPE_TO_NAME
 from ._hub import local_path
+from ._progress import byte_progress
 from ._sources.contract import BATCH_BYTES, Ref, TensorSource, batches
 from ._sources.open import open_source
 from ._typed_nodes import TYPED_VALUE_NODES, typed_leaf_text
@@ -312,6 +314,18 @@ def compare_values(
     return max_abs, max_rel, bad
 
 
+def _compared(key: str, x: torch.Tensor, y: torch.Tensor, atol: float, rtol: float) -> TensorDiff:
+    max_abs, max_rel, bad = compare_values(x, y, atol, rtol)
+    if x.dtype != y.dtype:
+        status = "dtype"
+    elif bad:
+        status = "changed"
+    else:
+        status = "equal" if max_abs == 0 else "close"
+    return TensorDiff(key, status, _dtype_str(x.dtype), _dtype_str(y.dtype), tuple(x.shape), tuple(y.shape),
+                      max_abs, max_rel, bad)
+
+
 def _pairs(
     a: TensorSource, b: TensorSource, common: list[tuple[str, Ref, Ref]]
 ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
@@ -336,6 +350,7 @@ def diff(
     trust_pickle: bool = False,
     cache_dir: str | os.PathLike[str] | None = None,
     component: str | None = None,
+    progress: bool | None = None,
 ) -> DiffReport:
     """Compare two checkpoints tensor by tensor, streaming (about one batch in memory).
 
@@ -353,6 +368,8 @@ def diff(
         component: compare only this component of a nested side (a training checkpoint's
             ``model``), its keys without the ``model/`` prefix; a flat side is compared
             whole. So a Trainer checkpoint compares with the model's own files.
+        progress: show a progress bar of the bytes compared (default: when stderr is a
+            terminal and there is much to compare).
 
     Returns:
         A :class:`DiffReport`; ``report.equal`` is True when the keys, shapes and dtypes
@@ -370,6 +387,7 @@ def diff(
         >>> report.equal, report.tensors[0].max_abs
         (False, 0.5)
     """
+    check_flags("diff", trust_pickle=trust_pickle, progress=progress, optional=("progress",))
     for name, value in (("atol", atol), ("rtol", rtol)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise InvalidArgumentTypeError(f"diff: {name} must be a number, not {type(value).__name__}")
@@ -381,7 +399,7 @@ def diff(
         src_b = open_source(local_b, trust_pickle=trust_pickle, as_named=True)
         try:
             views = _view(src_a, component, os.fspath(a)), _view(src_b, component, os.fspath(b))
-            report = _diff_sources(src_a, src_b, views, os.fspath(a), os.fspath(b), atol, rtol)
+            report = _diff_sources(src_a, src_b, views, os.fspath(a), os.fspath(b), atol, rtol, progress)
             read = [f"A: {n}" for n in src_a.notes] + [f"B: {n}" for n in src_b.notes]
             return dataclasses.replace(report, read_notes=read) if read else report
         finally:
@@ -392,7 +410,7 @@ def diff(
 
 def _diff_sources(
     a: TensorSource, b: TensorSource, views: tuple[dict[str, str], dict[str, str]], name_a: str, name_b: str,
-    atol: float, rtol: float
+    atol: float, rtol: float, progress: bool | None = None
 ) -> DiffReport:
     keys_a, keys_b = _keys(a, views[0]), _keys(b, views[1])
     notes, covered = _tie_notes(a, b, views, keys_a, keys_b)
@@ -417,27 +435,15 @@ def _diff_sources(
         else:
             common.append((key, ra, rb))
     compared = 0
-    for key, x, y in _pairs(a, b, common):
-        max_abs, max_rel, bad = compare_values(x, y, atol, rtol)
-        compared += x.nbytes
-        if x.dtype != y.dtype:
-            status = "dtype"
-        elif bad:
-            status = "changed"
-        else:
-            status = "equal" if max_abs == 0 else "close"
-        results[key] = TensorDiff(
-            key,
-            status,
-            _dtype_str(x.dtype),
-            _dtype_str(y.dtype),
-            tuple(x.shape),
-            tuple(y.shape),
-            max_abs,
-            max_rel,
-            bad,
-        )
+    total = sum(a.descriptor(ra).nbytes for _, ra, _ in common)
+    with byte_progress(total, f"comparing {name_a} with {name_b}", progress) as advance:
+        for key, x, y in _pairs(a, b, common):
+            results[key] = _compared(key, x, y, atol, rtol)
+            compared += x.nbytes
+            if advance is not None:
+                advance(x.nbytes)
     leaves_a, leaves_b = _json_leaves(a, views[0]), _json_leaves(b, views[1])
+
     values = [
         ValueDiff(k, leaves_a.get(k, MISSING), leaves_b.get(k, MISSING))
         for k in [*leaves_a, *(k for k in leaves_b if k not in leaves_a)]

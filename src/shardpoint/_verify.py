@@ -118,7 +118,7 @@ def _verify_local(store: LocalStore, *, checksums: bool, progress: bool | None) 
         if found.kind == kinds.TORCH_SAVE:
             return verify_pickled(
                 location, os.path.dirname(location) or ".", None,
-                [os.path.basename(location)], checksums=checksums,
+                [os.path.basename(location)], checksums=checksums, progress=progress,
             )
         if found.kind != kinds.HF_FILE:
             raise not_readable(location, found)
@@ -132,9 +132,11 @@ def _verify_local(store: LocalStore, *, checksums: bool, progress: bool | None) 
     if found.kind == kinds.SHARDPOINT:
         return _verify_shardpoint(store, location, names, checksums=checksums, progress=progress)
     if found.kind == kinds.HF_BIN:
-        return verify_pickled(location, location, found.index, [], checksums=checksums, listing=names)
+        return verify_pickled(location, location, found.index, [], checksums=checksums, listing=names,
+                              progress=progress)
     if found.kind == kinds.TORCH_SAVE and found.file is not None:
-        return verify_pickled(location, location, None, [found.file], checksums=checksums, listing=names)
+        return verify_pickled(location, location, None, [found.file], checksums=checksums, listing=names,
+                              progress=progress)
     if found.kind == kinds.UNCOMMITTED:
         return _uncommitted_report(location)
     kind, found_index, files = _foreign(location, found)

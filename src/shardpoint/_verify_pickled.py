@@ -4,14 +4,16 @@ through ``torch.load(weights_only=True)``; never a full unpickle."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import zipfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from ._checkpoint import read_json_file
 from ._format.index import parse_index
+from ._progress import byte_progress
 from ._sources.contract import components_from_object
 from ._sources.pickled import torch_load
 from ._storage.paths import member_path, open_regular
@@ -39,6 +41,7 @@ def verify_pickled(
     *,
     checksums: bool,
     listing: Sequence[str] | None = None,
+    progress: bool | None = None,
 ) -> VerifyReport:
     """``verify_checkpoint`` of ``torch.save`` weights, read as ``sp.load`` reads them: HF
     ``.bin`` shards through their index (``index``), or one file (``files``)."""
@@ -55,6 +58,25 @@ def verify_pickled(
         except OSError as exc:
             return VerifyReport(location, kind, [f"{where} cannot be read: {exc}"], [], 0, 0, 0, False)
         files = list(dict.fromkeys(weight_map.values()))
+    with byte_progress(_total_size(location, directory, files, single) if checksums else 0,
+                       f"verifying {location}", progress) as advance:
+        return _verify_files(location, directory, index, files, weight_map, found, kind, single,
+                             checksums=checksums, listing=listing, advance=advance)
+
+
+def _total_size(location: str, directory: str, files: list[str], single: bool) -> int:
+    total = 0
+    for fname in files:
+        with contextlib.suppress(OSError):  # reported when it is read
+            total += os.path.getsize(location if single else os.path.join(directory, fname))
+    return total
+
+
+def _verify_files(
+    location: str, directory: str, index: str | None, files: list[str], weight_map: dict[str, str] | None,
+    found: Findings, kind: str, single: bool, *, checksums: bool, listing: Sequence[str] | None,
+    advance: Callable[[int], None] | None,
+) -> VerifyReport:
     tensors_checked = bytes_checked = 0
     without_crc: list[str] = []
     for fname in files:
@@ -71,7 +93,7 @@ def verify_pickled(
                 )
                 continue
             if checksums:
-                got, has_crc, problems = _zip_crc(path, where)
+                got, has_crc, problems = _zip_crc(path, where, advance)
                 bytes_checked += got
                 for message in problems:
                     found.problem(fname, message)
@@ -150,7 +172,7 @@ def verify_pickled(
     )
 
 
-def _zip_crc(path: str, where: str) -> tuple[int, bool, list[str]]:
+def _zip_crc(path: str, where: str, advance: Callable[[int], None] | None = None) -> tuple[int, bool, list[str]]:
     """Check every record of a zip-format ``torch.save`` file against its CRC-32, reading
     in bounded pieces: (bytes read, whether CRCs are recorded, problems). A legacy
     (non-zip) file has none: ``torch_load`` says what is wrong with it."""
@@ -180,6 +202,8 @@ def _zip_crc(path: str, where: str) -> tuple[int, bool, list[str]]:
                 with archive.open(record) as member:
                     while piece := member.read(1 << 20):
                         read += len(piece)
+                        if advance is not None:
+                            advance(len(piece))
             except Exception as exc:  # BadZipFile("Bad CRC-32 ..."), EOFError on a truncated file
                 problems.append(
                     f"{where}: record {record.filename!r} of the zip archive does not match its "

@@ -62,6 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--all", action="store_true", help="list every tensor, not only those that differ"
     )
+    bar = parser.add_mutually_exclusive_group()
+    bar.add_argument(
+        "--progress", dest="progress", action="store_true", default=None, help="show a progress bar"
+    )
+    bar.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     parser.add_argument(
         "--trust-pickle",
         action="store_true",
@@ -71,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     report = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, trust_pickle=args.trust_pickle,
-                  cache_dir=args.cache_dir, component=args.component)
+                  cache_dir=args.cache_dir, component=args.component, progress=args.progress)
     if args.json:
         print(json.dumps(to_json(report), indent=2))
     else:
