@@ -809,3 +809,23 @@ def test_a_cast_past_the_dtypes_range_is_named(tmp_path: Path, capsys: pytest.Ca
         sp.convert(tmp_path / "model.pt", tmp_path / "bf16", dtype="bf16")  # in range: no warning
     assert main(["convert", str(tmp_path / "model.pt"), str(tmp_path / "cli"), "--dtype", "fp16", "--no-progress"]) == 0
     assert f"shardpoint: warning: {message.replace(str(tmp_path / 'out'), str(tmp_path / 'cli'))}\n" in capsys.readouterr().err
+
+
+def test_destinations_that_can_hold_no_checkpoint_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Under a file: a bare '[Errno 17] File exists' from deep inside; '-': a folder named '-'."""
+    torch.save({"w": torch.ones(2)}, tmp_path / "flat.pt")
+    assert main(["convert", str(tmp_path / "flat.pt"), str(tmp_path / "flat.pt" / "dst")]) == 2
+    assert capsys.readouterr().err == (
+        f"shardpoint: error: cannot save to {tmp_path / 'flat.pt' / 'dst'}: {tmp_path / 'flat.pt'} is a file, not a "
+        "directory, so nothing can go under it; pick another path\n")
+    with pytest.raises(sp.InvalidArgumentError, match=r"is a file, not a directory"):
+        sp.save({"w": torch.ones(2)}, tmp_path / "flat.pt" / "a" / "b")
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert main(["convert", "flat.pt", "-"]) == 2
+    finally:
+        os.chdir(cwd)
+    assert capsys.readouterr().err == (
+        "shardpoint: error: '-' names no checkpoint here (a checkpoint is a folder of files, not a stream): give a path\n")
+    assert sorted(os.listdir(tmp_path)) == ["flat.pt"]

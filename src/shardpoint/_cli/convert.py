@@ -36,6 +36,7 @@ import os
 
 from .._convert import run_convert
 from .._sizes import human_size
+from ..errors import InvalidArgumentError
 from .main import EXIT_OK, add_cache_dir
 from .output import emit, emit_json, note
 
@@ -99,6 +100,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.dst == "-" or args.src == "-":
+        raise InvalidArgumentError(
+            "'-' names no checkpoint here (a checkpoint is a folder of files, not a stream): give a path"
+        )
     info, source = run_convert(
         args.src,
         args.dst,

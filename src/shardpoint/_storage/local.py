@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .._format.names import TMP_MARKER
 from .._io.writes import FileWrite, write_files
-from ..errors import CheckpointExistsError
+from ..errors import CheckpointExistsError, InvalidArgumentError
 from .local_recovery import (
     _OLD,
     SAVE_MARKER,
@@ -101,6 +101,14 @@ class LocalTransaction(Transaction):
 
     def _check_target(self) -> None:
         if not os.path.lexists(self.final):
+            parent = self.final.parent
+            while not os.path.lexists(parent) and parent != parent.parent:
+                parent = parent.parent
+            if os.path.lexists(parent) and not parent.is_dir():
+                raise InvalidArgumentError(
+                    f"cannot save to {self.final}: {parent} is a file, not a directory, so nothing can go "
+                    "under it; pick another path"
+                )
             return
         if not self.overwrite and _empty_directory(self.final):
             # Made ahead (mkdtemp, makedirs): nothing to lose, as save_pretrained writes
