@@ -829,3 +829,23 @@ def test_destinations_that_can_hold_no_checkpoint_are_named(tmp_path: Path, caps
     assert capsys.readouterr().err == (
         "shardpoint: error: '-' names no checkpoint here (a checkpoint is a folder of files, not a stream): give a path\n")
     assert sorted(os.listdir(tmp_path)) == ["flat.pt"]
+
+
+def test_float8_convert_and_a_kept_config_of_another_model(tmp_path: Path) -> None:
+    """float8 was a bare KeyError (the config's dtype name); past its range it saturates.
+    A kept config.json describing another model than the source's is warned about."""
+    torch.save({"w": torch.tensor([1.0, 1000.0])}, tmp_path / "model.pt")
+    with pytest.warns(UserWarning, match=r"^convert to float8_e4m3fn: 1 value\(s\) of 'w' are past float8_e4m3fn's "
+                      r"range \(largest magnitude 1000; float8_e4m3fn holds up to 448\) and became 448 \(the largest it holds\) in .*; those weights are clipped\. Convert to bfloat16"):
+        sp.convert(tmp_path / "model.pt", tmp_path / "f8", dtype=torch.float8_e4m3fn)
+    assert sp.load(tmp_path / "f8")["w"].dtype == torch.float8_e4m3fn
+
+    src = tmp_path / "src"
+    sp.save({"w": torch.ones(2)}, src)
+    (src / "config.json").write_text('{"model_type": "llama", "hidden_size": 8}')
+    dst = tmp_path / "dst"
+    sp.save({"w": torch.zeros(2)}, dst)
+    (dst / "config.json").write_text('{"model_type": "gpt2", "n_embd": 4}')
+    with pytest.warns(UserWarning, match=r"convert: kept .*dst's own config.json, which describes another model"):
+        sp.convert(src, dst, overwrite=True, dtype="bf16")
+    assert json.loads((dst / "config.json").read_text()) == {"model_type": "gpt2", "n_embd": 4}

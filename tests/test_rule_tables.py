@@ -337,3 +337,25 @@ def test_inspect_counts_the_tables_as_the_checkpoints_own(saved: Path, capsys: p
     assert doc["format_version"] == 3 and doc["layout"] == "chunked" and doc["world_size"] == 4
     assert doc["unchecked"] == []  # the four tables are the checkpoint's, not "other files"
     assert sorted(f["name"] for f in doc["files"]) == [f"model-r{r:05d}-00001.safetensors" for r in range(4)]
+
+
+def test_a_tensor_added_to_a_rank_file_fails_verify(saved: Path, tmp_path: Path) -> None:
+    """A tensor added to a rank's data file (the table's size and the manifest's crc of the
+    table forged to match): verify warned and said OK. A save writes none: a problem."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from shardpoint._verify import verify_checkpoint
+
+    ckpt = _copy(saved, tmp_path)
+    name = json.loads((ckpt / "shardpoint-r00000.json").read_text())["files"][0][0]
+    with safe_open(str(ckpt / name), "pt") as f:
+        metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    save_file({**tensors, "evil": torch.ones(2)}, str(ckpt / name), metadata=metadata)
+    _rewrite_table(ckpt, 0, lambda t: t["files"][0].__setitem__(1, (ckpt / name).stat().st_size))
+    report = verify_checkpoint(ckpt)
+    assert not report.ok
+    assert report.problems == [
+        f"{ckpt / name} holds tensor 'evil' that the manifest does not list in it; a save writes none: the file "
+        "was changed after its save. Restore it from a copy"
+    ], report.problems

@@ -366,16 +366,39 @@ def test_another_optimizer_class_is_refused_before_anything_is_loaded(tmp_path: 
     with pytest.raises(sp.LoadMismatchError) as exc:
         sp.load_into({"model": net2, "optim": sgd}, tmp_path / "ck", strict=False)
     assert str(exc.value) == (
-        f"{tmp_path / 'ck'}, optim: the checkpoint's optimizer is not a SGD: its parameter groups hold amsgrad, "
-        "betas, capturable, decoupled_weight_decay, eps, which the target's lack, and lack dampening, momentum, "
-        "nesterov; build the optimizer class it was saved from (or leave the optimizer out of the target to load "
-        "the rest)"
+        f"{tmp_path / 'ck'}, optim: the checkpoint's optimizer state was saved from another optimizer class than "
+        "the target's SGD: its parameter groups lack dampening, momentum, nesterov, which every SGD group holds; "
+        "build the optimizer class it was saved from (or leave the optimizer out of the target to load the rest)"
     )
     assert all(torch.equal(before[k], v) for k, v in net2.state_dict().items()), "the model was changed"
     assert not sgd.state and sgd.param_groups[0]["lr"] == 0.1
     assert sp.load_into({"model": net2}, tmp_path / "ck", strict=False).unexpected_keys == ["optim"]
     adamw = torch.optim.AdamW(net2.parameters(), lr=0.1)  # Adam's own hyperparameters: loads
     assert sp.load_into({"model": net2, "optim": adamw}, tmp_path / "ck").ok
+
+
+def test_scheduler_and_user_group_keys_and_empty_groups_are_not_a_mismatch(tmp_path: Path) -> None:
+    """A scheduler's initial_lr in the saved groups, a user's group name in the target's,
+    and an empty group on both sides: the same optimizer, which loads (the first version of
+    the class check refused the first two, and the group pairing the empty group)."""
+    torch.manual_seed(0)
+    net = _two_part_net()
+    opt = torch.optim.AdamW([{"params": net.parameters(), "lr": 0.01}])
+    opt.add_param_group({"params": [], "lr": 0.5})
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)
+    x = torch.randn(3, 4)
+    (net.head(net.backbone(x)).sum() + net.aux(x).sum()).backward()
+    opt.step()
+    sched.step()
+    sp.save({"model": net, "optim": opt}, tmp_path / "ck")
+    assert "initial_lr" in sp.load(tmp_path / "ck")["optim"]["param_groups"][0]
+
+    net2 = _two_part_net()
+    opt2 = torch.optim.AdamW([{"params": net2.parameters(), "lr": 0.1, "name": "all"}])
+    opt2.add_param_group({"params": [], "lr": 0.7})
+    assert sp.load_into({"model": net2, "optim": opt2}, tmp_path / "ck").ok
+    assert [(len(g["params"]), g["lr"]) for g in opt2.param_groups] == [(6, 0.005), (0, 0.25)]
+    assert torch.equal(opt2.state[net2.head.weight]["exp_avg"], opt.state[net.head.weight]["exp_avg"])
 
 
 @pytest.mark.parametrize("saved_with_wrapper", [True, False])

@@ -10,6 +10,7 @@ writes each planned file's tensors a batch at a time from the source. Peak memor
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing
 import os
 import warnings
@@ -121,10 +122,14 @@ def _overflow(source: TensorSource, ref: Ref, cast: torch.Tensor) -> tuple[int, 
     original = source.descriptor(ref).dtype
     if not cast.is_floating_point() or original == cast.dtype or not original.is_floating_point:
         return None
-    if torch.finfo(cast.dtype).max >= torch.finfo(original).max or not bool(torch.isinf(cast).any()):
+    largest = torch.finfo(cast.dtype).max
+    if largest >= torch.finfo(original).max:
         return None
-    with source.batch([ref], None) as (before,):
-        made = int((torch.isinf(cast) & torch.isfinite(before)).sum())
+    wide = cast if cast.element_size() > 1 else cast.float()  # float8 has no isfinite
+    if not bool((~torch.isfinite(wide) | (wide.abs() >= largest)).any()):
+        return None  # nothing at inf, nan or the edge of the range: nothing overflowed
+    with source.batch([ref], None) as (before,):  # float8_e4m3fn saturates at 448: no inf
+        made = int((torch.isfinite(before) & (before.abs() > largest)).sum())
         largest = float(before[torch.isfinite(before)].abs().max()) if made else 0.0
     return (made, largest) if made else None
 
@@ -313,6 +318,11 @@ def companion_files(src: str, dtype: torch.dtype | None, notes: list[str], dst: 
             continue
         if dst is not None and os.path.lexists(os.path.join(dst, name)):
             kept.append(name)
+            if name == "config.json" and not _same_config(os.path.join(src, name), os.path.join(dst, name)):
+                warnings.warn(
+                    f"convert: kept {dst}'s own config.json, which describes another model than {src}'s (they "
+                    f"differ in more than the dtype); if {dst} held another model, its config no longer fits the "
+                    "new weights: copy the source's config.json there", UserWarning, stacklevel=3)
             if name == "config.json" and dtype is not None and os.path.isfile(os.path.join(dst, name)):
                 try:
                     own = read_small_file(member_path(dst, name, where=dst), where=dst, limit=COMPANION_LIMIT)
@@ -341,6 +351,23 @@ def companion_files(src: str, dtype: torch.dtype | None, notes: list[str], dst: 
     return out
 
 
+def _same_config(a: str, b: str) -> bool:
+    """Whether two ``config.json`` files describe the same model (dtype entries aside);
+    unreadable ones count as the same (nothing to warn about that is known)."""
+    try:
+        with open(a, "rb") as fa, open(b, "rb") as fb:
+            docs = [json.loads(fa.read(COMPANION_LIMIT)), json.loads(fb.read(COMPANION_LIMIT))]
+    except (OSError, ValueError):
+        return True
+
+    def plain(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: plain(v) for k, v in node.items() if k not in ("dtype", "torch_dtype")}
+        return node
+
+    return bool(plain(docs[0]) == plain(docs[1]))
+
+
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
@@ -352,14 +379,15 @@ def _config_in_dtype(data: bytes, dtype: torch.dtype) -> bytes:
     except ValueError:
         return data
     changed = False
+    name = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
     def rename(node: Any, depth: int) -> None:
         nonlocal changed
         if not isinstance(node, dict) or depth > 8:
             return
         for key, value in node.items():
-            if key in ("dtype", "torch_dtype") and isinstance(value, str) and value != _DTYPE_NAMES[dtype]:
-                node[key] = _DTYPE_NAMES[dtype]
+            if key in ("dtype", "torch_dtype") and isinstance(value, str) and value != name:
+                node[key] = name
                 changed = True
             else:
                 rename(value, depth + 1)
@@ -373,10 +401,13 @@ def _overflow_message(overflowed: list[tuple[str, int, float]], dtype: torch.dty
     names = ", ".join(repr(k) for k, _, _ in overflowed[:5]) + (f" and {len(overflowed) - 5} more" if len(overflowed) > 5 else "")
     largest = max(m for _, _, m in overflowed)
     kind = str(dtype).removeprefix("torch.")
+    probe = float(torch.tensor(1e38).to(dtype).float())  # what a value past the range becomes
+    became = "inf" if math.isinf(probe) else "nan" if math.isnan(probe) else f"{probe:g} (the largest it holds)"
+    then = "a model computes inf / nan there" if not math.isfinite(probe) else "those weights are clipped"
     return (
         f"convert to {kind}: {total} value(s) of {names} are past {kind}'s range (largest magnitude {largest:.4g}; "
-        f"{kind} holds up to {torch.finfo(dtype).max:.6g}) and became inf in {os.fspath(dst)}; a model computes "
-        "inf / nan there. Convert to bfloat16 (float32's range) instead"
+        f"{kind} holds up to {torch.finfo(dtype).max:.6g}) and became {became} in {os.fspath(dst)}; {then}. "
+        "Convert to bfloat16 (float32's range) instead"
     )
 
 

@@ -26,6 +26,7 @@ writes, so crash after crash never piles up more than ``keep_last + 1`` steps.
 
 from __future__ import annotations
 
+import operator
 import os
 import threading
 import warnings
@@ -121,15 +122,21 @@ def _check_root(path: str | None) -> None:
         )
 
 
-def _check_step(call: str, step: object) -> None:
-    """Refuse a step that is not a non-negative int (``'3'`` from argparse, ``3.0``)."""
-    if not isinstance(step, int) or isinstance(step, bool):
+def _check_step(call: str, step: object) -> int:
+    """``step`` as an int: an integer of any kind (``numpy.int64`` too); refuse what is not
+    one (``'3'`` from argparse, ``3.0``, ``True``) or is negative."""
+    try:
+        value = operator.index(step)  # type: ignore[arg-type]
+    except TypeError:
+        value = None
+    if value is None or isinstance(step, bool):
         raise InvalidArgumentTypeError(
             f"CheckpointManager.{call}: step must be a non-negative int, not {step!r}"
             + (" (convert it with int(...))" if isinstance(step, (str, float)) else "")
         )
-    if step < 0:
+    if value < 0:
         raise InvalidArgumentError(f"CheckpointManager.{call}: step must be a non-negative int, not {step!r}")
+    return value
 
 
 class CheckpointManager:
@@ -258,7 +265,7 @@ class CheckpointManager:
             CorruptCheckpointError: the step's manifest cannot be read (missing, truncated,
                 too deeply nested, over the size limit, not a regular file).
         """
-        _check_step("metrics", step)
+        step = _check_step("metrics", step)
         try:
             return self._read_metrics(step)
         except FileNotFoundError:
@@ -352,7 +359,7 @@ class CheckpointManager:
         through its handle's ``.result()``, a :class:`CheckpointError` naming that step is
         raised here and ``step`` is not saved either.
         """
-        _check_step("save", step)
+        step = _check_step("save", step)
         if self.keep_best and self.metric not in (metrics or {}):
             given = ", ".join(repr(k) for k in list(metrics or {})[:10]) or "none"
             warnings.warn(
@@ -456,7 +463,7 @@ class CheckpointManager:
                 e.g. ``step`` is not committed in some rank's view of the root.
         """
         if step is not None:
-            _check_step("restore", step)
+            step = _check_step("restore", step)
         group = resolve_group(load_kwargs.get("process_group", self.process_group), target)
         if group.pg is not None:
             load_kwargs["process_group"] = group.pg

@@ -33,14 +33,17 @@ import torch
 
 
 def match_prefix(
-    target_keys: Collection[str], saved_keys: Collection[str], base_prefix: str | None = None
+    target_keys: Collection[str], saved_keys: Collection[str], base_prefix: str | None = None,
+    *, wrappers_only: bool = False,
 ) -> tuple[str, str] | None:
     """The ``(saved prefix, target prefix)`` rename that matches the most keys, if it
     matches more than the names as they are; else None.
 
     Candidates are ``base_prefix`` and, on each side, the three leading components most
     keys have (added or removed, or one side's replaced by the other's); the rename must
-    match strictly more keys than no rename. A saved key that matches as it is keeps its name
+    match strictly more keys than no rename. ``wrappers_only`` (a plain dict target, which
+    has no model structure to vouch for a rename): only prefixes of wrapper components
+    (``module.``, ``_orig_mod.``, ...) are tried. A saved key that matches as it is keeps its name
     (see :func:`rename_keys`).
 
     Example:
@@ -71,6 +74,9 @@ def match_prefix(
         sides.append({head + "." for head, _count in heads.most_common(3)}
                      | {run for run, _count in wrapped.most_common(2)})
         candidates.update(sides[-1])
+    if wrappers_only:
+        candidates = {c for c in candidates if all(part in _WRAPPERS for part in c.rstrip(".").split("."))}
+        sides = [{c for c in side if c in candidates} for side in sides]
     renames = [r for prefix in sorted(candidates) for r in (("", prefix), (prefix, ""))]
     # One wrapper for another (saved under DDP's module., loaded under torch.compile's _orig_mod.).
     renames += [(old, new) for old in sorted(sides[1]) for new in sorted(sides[0]) if old != new]
@@ -114,11 +120,19 @@ def unwrapped(module: torch.nn.Module) -> tuple[torch.nn.Module, str]:
         children = list(module.named_children())
         if len(children) != 1 or children[0][0] not in _WRAPPERS:
             break
-        if next(module.named_parameters(recurse=False), None) or next(module.named_buffers(recurse=False), None):
-            break  # a module of its own that happens to hold one child so named
+        if type(module).__name__ not in _WRAPPER_CLASSES and (
+                "config" in vars(module) or is_transformers_model(module)
+                or next(module.named_parameters(recurse=False), None) is not None
+                or next(module.named_buffers(recurse=False), None) is not None):
+            break  # a model of its own (a transformers model holding another as `module`)
         name, module = children[0]
         prefix += name + "."
     return module, prefix
+
+
+_WRAPPER_CLASSES = {"OptimizedModule", "DistributedDataParallel", "DataParallel", "FullyShardedDataParallel",
+                    "CheckpointWrapper", "OffloadWrapper"}
+"""torch's wrapper classes: always unwrapped (``torch.compile``'s passes ``config`` through)."""
 
 
 def rename_keys(

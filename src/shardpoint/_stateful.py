@@ -180,21 +180,34 @@ def optimizer_state_for(
             f"target optimizer has {len(optimizer.param_groups)}; build the optimizer with the "
             "same groups"
         )
-    pairing = []
+    pairing: list[int | None] = []
     for i, group_names in enumerate(target_names):
         found = sorted({group_of[name] for name in group_names})
+        if not found:
+            pairing.append(None)  # an empty group: paired below with an empty saved one
+            continue
         if len(found) != 1 or found[0] in pairing:
             raise LoadMismatchError(
                 f"{where}: the target optimizer's parameter group {i} ({_names_shown(group_names)}) "
                 + (f"holds parameters of the checkpoint's groups {found}" if len(found) > 1 else
-                   "is empty" if not found else f"pairs with the checkpoint's group {found[0]}, as does another")
+                   f"pairs with the checkpoint's group {found[0]}, as does another")
                 + "; build the parameter groups with the parameters they were saved with"
             )
         pairing.append(found[0])
+    empty_saved = [j for j, g in enumerate(saved_groups) if not g["params"] and j not in pairing]
+    for i, index in enumerate(pairing):
+        if index is None:
+            if not empty_saved:
+                raise LoadMismatchError(
+                    f"{where}: the target optimizer's parameter group {i} is empty, and the checkpoint's "
+                    "groups all hold parameters; build the parameter groups as they were saved"
+                )
+            pairing[i] = empty_saved.pop(0)
     state: dict[int, Any] = {}
     groups = []
     pid = 0
     for group, group_names, index in zip(optimizer.param_groups, target_names, pairing, strict=True):
+        assert index is not None
         saved_group = saved_groups[index]
         _check_same_kind(optimizer, group, saved_group, where)
         ids = []
@@ -225,22 +238,25 @@ def _names_shown(names: list[str]) -> str:
     return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
-_NOT_HYPERPARAMETERS = {"params", "param_names"}
+_ADDED_BY_TORCH_VERSIONS = {"foreach", "maximize", "capturable", "differentiable", "fused", "decoupled_weight_decay"}
+"""Hyperparameters later torch versions added to existing optimizers: a group saved by an
+older torch lacks them, and ``load_state_dict`` fills them in."""
 
 
 def _check_same_kind(optimizer: torch.optim.Optimizer, group: Mapping[str, Any], saved_group: Mapping[str, Any],
                      where: str) -> None:
-    """Refuse groups of another optimizer class: each side holds hyperparameters the other
-    lacks (SGD's ``momentum`` against Adam's ``betas``). One side only lacking some is a
-    torch version that added them, which ``load_state_dict`` fills in."""
-    saved_keys = set(saved_group) - _NOT_HYPERPARAMETERS
-    target_keys = set(group) - _NOT_HYPERPARAMETERS
-    if saved_keys - target_keys and target_keys - saved_keys:
+    """Refuse groups of another optimizer class: the saved group lacks hyperparameters the
+    target's class defines for every group (SGD's ``momentum`` in a group saved from Adam).
+    Keys a scheduler or the user adds to groups (``initial_lr``, a group ``name``) are not
+    the class's, and count for nothing."""
+    defined = set(getattr(optimizer, "defaults", {})) - _ADDED_BY_TORCH_VERSIONS - {"params", "param_names"}
+    lacking = sorted(k for k in defined if k in group and k not in saved_group)
+    if lacking:
         raise LoadMismatchError(
-            f"{where}: the checkpoint's optimizer is not a {type(optimizer).__name__}: its parameter groups hold "
-            f"{', '.join(sorted(saved_keys - target_keys))}, which the target's lack, and lack "
-            f"{', '.join(sorted(target_keys - saved_keys))}; build the optimizer class it was saved from "
-            "(or leave the optimizer out of the target to load the rest)"
+            f"{where}: the checkpoint's optimizer state was saved from another optimizer class than the target's "
+            f"{type(optimizer).__name__}: its parameter groups lack {', '.join(lacking)}, which every "
+            f"{type(optimizer).__name__} group holds; build the optimizer class it was saved from (or leave the "
+            "optimizer out of the target to load the rest)"
         )
 
 

@@ -216,9 +216,11 @@ def _verify_shardpoint(
                 crc_items.append(CrcItem(fname, entry.start, entry.nbytes, chunk.crc32c, label))
         where = os.path.join(location, fname)
         extra = [key for key in header.entries if key not in claimed]
-        if extra:
-            found.warnings.append(
-                f"{where} holds {name_list(extra)} that the manifest does not list; load ignores them"
+        if extra:  # a save writes none: added after it (loads of the hf layout refuse the file too)
+            found.problem(
+                fname,
+                f"{where} holds {name_list(extra)} that the manifest does not list in it; a save writes none: "
+                "the file was changed after its save. Restore it from a copy",
             )
         if header.metadata.get("format") != "pt":
             found.warnings.append(

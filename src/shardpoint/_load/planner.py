@@ -361,7 +361,9 @@ class Planner:
         self.batch.fill(record, aside, stored)
 
         def compare() -> None:
-            if not torch.equal(aside, filled):
+            same = torch.equal(aside, filled) or (
+                filled.is_floating_point() and bool(((aside == filled) | (aside.isnan() & filled.isnan())).all()))
+            if not same:  # bit-identical copies holding NaN are the same values
                 raise LoadMismatchError(
                     f"{self.location}: {prefix + first!r} and {prefix + key!r} share one tensor in the target "
                     f"(tied weights), but the checkpoint stores different values for them; loading both into one "
@@ -376,7 +378,7 @@ class Planner:
         """Fill a flat dict of tensors in place from a flat checkpoint (``names``: its keys ->
         saved tensor names); a dict of which no key at all matches is refused."""
         same = len(targets) == len(names) and all(k in names for k in targets)  # the usual case, at once
-        rename = _module_fit.match_prefix(targets, names) if targets and names and not same else None
+        rename = _module_fit.match_prefix(targets, names, wrappers_only=True) if targets and names and not same else None
         if rename is None:
             if targets and names and not any(k in names for k in targets):
                 raise LoadMismatchError(no_match_message(self.location, "", list(targets), list(names)))
