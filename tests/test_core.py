@@ -346,3 +346,11 @@ def test_async_save_takes_every_keyword_of_save_with_the_same_defaults() -> None
     }
     assert differing == {"progress": (None, False)}  # no bar from a background thread by default
     assert all(async_params[name].kind is inspect.Parameter.KEYWORD_ONLY for name in list(save_params)[2:])
+
+
+def test_tied_copies_holding_nan_are_the_same_values(tmp_path):
+    emb = torch.randn(8, 4)
+    emb[0, 0] = float("nan")
+    sp.save({"emb.weight": emb, "head.weight": emb.clone()}, tmp_path / "ck")
+    net = _TiedNet()
+    assert sp.load_into(net, tmp_path / "ck").ok and torch.isnan(net.emb.weight[0, 0])

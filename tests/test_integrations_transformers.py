@@ -179,3 +179,38 @@ def test_save_pretrained_of_a_wrapped_model_writes_the_models_own_names(
     back = LlamaForCausalLM.from_pretrained(tmp_path / "sp")
     for (name, a), (_, b) in zip(back.state_dict().items(), model.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_a_model_holding_another_model_as_module_is_saved_whole(tmp_path: Path) -> None:
+    """A transformers model whose one child is named `module` is no wrapper: it was taken
+    for one, and the inner model's config and names were written."""
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    class InnerConfig(PretrainedConfig):
+        model_type = "sp_test_inner"
+
+    class Inner(PreTrainedModel):
+        config_class = InnerConfig
+
+        def __init__(self, config: InnerConfig) -> None:
+            super().__init__(config)
+            self.lin = torch.nn.Linear(3, 2)
+            self.post_init()
+
+    class OuterConfig(PretrainedConfig):
+        model_type = "sp_test_outer"
+
+    class Outer(PreTrainedModel):
+        config_class = OuterConfig
+
+        def __init__(self, config: OuterConfig) -> None:
+            super().__init__(config)
+            self.module = Inner(InnerConfig())
+            self.post_init()
+
+    model = Outer(OuterConfig())
+    sp.integrations.transformers.save_pretrained(model, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "sp_test_outer"
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == ["module.lin.bias", "module.lin.weight"]
+    assert torch.equal(Outer.from_pretrained(tmp_path / "out").module.lin.weight, model.module.lin.weight)

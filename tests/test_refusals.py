@@ -584,3 +584,16 @@ def test_saving_a_step_older_than_a_kept_one_warns_that_restore_takes_the_newer(
         "the newest (50), so a resume would continue from there, not from step 40. If training went back to an "
         "earlier step, remove the newer steps (or save into another root)"
     ]
+
+
+def test_manager_steps_of_any_integer_type_and_dict_targets_renamed_only_by_wrappers(tmp_path) -> None:
+    """numpy integer steps (from a loop over np.arange) work as ints; a plain dict target is
+    renamed only by wrapper prefixes: {p.a} into {q.a} is no rename to make silently."""
+    import numpy as np
+
+    mgr = sp.CheckpointManager(tmp_path / "run")
+    mgr.save(np.int64(2), {"w": torch.ones(2)})
+    assert mgr.steps() == [2] and mgr.restore({"w": torch.zeros(2)}, step=np.int32(2)) == 2
+    sp.save({"p.a": torch.ones(2), "p.b": torch.ones(2)}, tmp_path / "p")
+    with pytest.raises(sp.LoadMismatchError, match=r"not one of its 2 keys matches the 2 keys of the target"):
+        sp.load_into({"q.a": torch.zeros(2), "q.b": torch.zeros(2)}, tmp_path / "p", strict=False)
