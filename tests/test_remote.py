@@ -661,3 +661,47 @@ def test_an_endpoint_that_never_answers_fails_within_the_timeout() -> None:
         "may wait up to about 1 s more (sp.RemoteOptions(timeout_s=..., retries=...) set this)"
     ]
     assert len(accepted) == 2 and elapsed < 20, (len(accepted), elapsed)
+
+
+def test_a_users_folder_named_like_a_step_is_never_deleted_by_a_manager(url: str, opts: dict[str, Any], fs: Any) -> None:
+    """A manager's tidy-up deleted every step-named prefix without a manifest, the user's
+    own folder too; only what an interrupted save (its pending marker) names goes."""
+    root = url.removeprefix("s3://")
+    fs.pipe_file(f"{root}/step-000100/README.txt", b"my notes")
+    fs.pipe_file(f"{root}/step-000200/shardpoint.pending", b"shardpoint pending save")  # a killed save's
+    fs.pipe_file(f"{root}/step-000200/model.safetensors", b"partial")
+    fs.pipe_file(f"{root}/step-000200/notes.txt", b"mine too")
+    mgr = sp.CheckpointManager(url, storage_options=opts)
+    mgr.save(1, {"w": torch.ones(2)})
+    assert keys_under(fs, url) == ["latest", "step-000001/model.safetensors", "step-000001/shardpoint.json",
+                                   "step-000100/README.txt", "step-000200/notes.txt"]
+    assert mgr.steps() == [1]
+
+
+def test_remote_reads_a_race_or_a_wrong_url_names_what_happened(url: str, opts: dict[str, Any], fs: Any,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each was a bare FileNotFoundError (a doubled path for the index URL) or a false "does
+    not exist"; a concurrent overwrite said the checkpoint was damaged."""
+    from shardpoint._storage.remote_store import RemoteStore
+
+    sp.save({"w": torch.ones(2)}, url, storage_options=opts)
+    with pytest.raises(sp.UnsupportedFormatError) as exc:
+        sp.load(f"{url}/shardpoint.json", storage_options=opts)
+    assert str(exc.value) == (f"{url}/shardpoint.json is one object, an index or manifest, not a checkpoint; "
+                              f"give the prefix that holds it: {url}")
+    with pytest.raises(sp.UnsupportedFormatError, match=r"convert and diff read local checkpoints only"):
+        sp.diff(url, url)
+
+    listing = RemoteStore.list
+
+    def listed_then_deleted(self: RemoteStore) -> dict[str, int]:
+        names = listing(self)
+        fs.rm(url.removeprefix("s3://"), recursive=True)  # another process's retention
+        return names
+
+    monkeypatch.setattr(RemoteStore, "list", listed_then_deleted)
+    with pytest.raises(sp.CheckpointNotFoundError) as exc:
+        sp.load(url, storage_options=opts)
+    assert str(exc.value) == (
+        f"{url}/shardpoint.json was removed after the prefix was listed: the checkpoint was deleted or is being "
+        "replaced by another save while this call read it; load it again (or another checkpoint)")

@@ -379,6 +379,12 @@ class Checkpoint:
                     "this save's: restore the checkpoint from a copy"
                 )
             if save_id != self.manifest.save_id:
+                if self.store is not None:  # no snapshot on a store: most likely an overwrite meanwhile
+                    raise CorruptCheckpointError(
+                        f"{where} belongs to another save (save_id {printable(save_id)}, the manifest read says "
+                        f"{self.manifest.save_id}): the checkpoint was replaced by another save while this call "
+                        "read it (load it again), or a shard was swapped in from another checkpoint"
+                    )
                 raise CorruptCheckpointError(
                     f"{where} belongs to another save (save_id {printable(save_id)}, the manifest says "
                     f"{self.manifest.save_id}); a shard was swapped in from another checkpoint"

@@ -389,6 +389,14 @@ def remote_listing(store: RemoteStore, doing: str) -> tuple[RemoteStore, dict[st
         if info is not None and info.get("type") == "file":
             parent, name = store.parent_and_name()
             return parent, {name: int(info.get("size") or 0)}, name
+    elif store.url.endswith(".json"):
+        info = store.info()
+        if info is not None and info.get("type") == "file":  # an index or manifest named itself
+            parent, name = store.parent_and_name()
+            raise UnsupportedFormatError(
+                f"{store.url} is one object, an index or manifest, not a checkpoint; give the prefix that holds "
+                f"it: {parent.url}"
+            )
     names = store.list()
     if not names:
         raise CheckpointNotFoundError(f"{store.url} holds no objects; nothing to {doing}")
@@ -410,7 +418,14 @@ def _open_remote(store: FsspecStore) -> Checkpoint:
     found = detect(names)
     if found.kind == SHARDPOINT:
         where = store.url_of(MANIFEST_NAME)
-        manifest = parse_manifest(store.get(MANIFEST_NAME, limit=limit), where=where)
+        try:
+            raw = store.get(MANIFEST_NAME, limit=limit)
+        except FileNotFoundError:  # listed, then gone: retention, or another save replacing it
+            raise CheckpointNotFoundError(
+                f"{where} was removed after the prefix was listed: the checkpoint was deleted or is being "
+                "replaced by another save while this call read it; load it again (or another checkpoint)"
+            ) from None
+        manifest = parse_manifest(raw, where=where)
         ckpt = Checkpoint(location, location, "shardpoint", {}, manifest.flat, store=store, sizes=names)
         ckpt.attach_manifest(manifest)
         return ckpt

@@ -44,6 +44,7 @@ from ..errors import (
     CorruptCheckpointError,
     MissingShardError,
     UnsafePickleError,
+    UnsupportedFormatError,
 )
 from .contract import (
     Ref,
@@ -346,6 +347,11 @@ def resolve_source(path: str | os.PathLike[str], *, trust_pickle: bool = False,
     from the safetensors files.
     """
     location = os.fspath(path)
+    if "://" in location:  # an fsspec URL (a local file:// one was resolved before)
+        raise UnsupportedFormatError(
+            f"{location}: convert and diff read local checkpoints only (and hf:// ones in the local cache); "
+            "copy it to a local folder first, or read it with sp.load(url, storage_options=...)"
+        )
     if not os.path.exists(location):
         raise CheckpointNotFoundError(f"{location} does not exist; nothing to read")
     found = detect_local(location)

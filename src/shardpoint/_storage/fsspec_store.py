@@ -13,10 +13,10 @@ import re
 from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
-from .._format.manifest import MANIFEST_NAME
+from .._format.manifest import MANIFEST_NAME, PENDING_NAME
 from .._io.writes import FileWrite, upload_files
-from .remote_store import RemoteStore
-from .remote_transaction import RemoteTransaction
+from .remote_store import PENDING_TEXT, RemoteStore
+from .remote_transaction import _OURS_AFTER_A_KILL, RemoteTransaction
 from .transaction import Advance, Crcs
 
 
@@ -62,12 +62,37 @@ class FsspecStore(RemoteStore):
         return None  # nothing is ever moved aside here
 
     def tidy(self, children: re.Pattern[str], small_files: Collection[str] = ()) -> None:
-        """Delete the child prefixes matching ``children`` that hold objects but no
-        manifest: saves that were interrupted (their pending marker is there). Small
-        files are written in one request: none is ever torn."""
-        for name, committed in sorted(self.children().items()):
-            if not committed and children.match(name):
-                self.child(name).delete_tree()
+        """Remove what shardpoint left under the child prefixes matching ``children`` that hold
+        no manifest, and nothing else. With the pending marker (a save cut short, or a
+        deletion by retention cut short): the marker and the objects only a save names (data
+        objects, indexes), the save's unfinished uploads aborted. Without it (an older
+        version's retention cut short): only the data objects a shardpoint save wrote (their
+        header carries its save id) and then the indexes beside them. A folder of the user's
+        named like a step keeps its files (it was deleted whole). Small files are written in
+        one request: none is ever torn."""
+        inside: dict[str, set[str]] = {}
+        for name in self.find():
+            top, sep, rest = name.partition("/")
+            if sep:
+                inside.setdefault(top, set()).add(rest)
+        for top, names in sorted(inside.items()):
+            if MANIFEST_NAME in names or not children.match(top):
+                continue
+            child = self.child(top)
+            mine = sorted(n for n in names if "/" not in n and n.endswith(_OURS_AFTER_A_KILL))
+            if PENDING_NAME not in names:
+                sizes = child.list()
+                data = [n for n in mine if n.endswith(".safetensors") and n in sizes
+                        and child.written_by_a_save(n, sizes[n])]
+                mine = data + [n for n in mine if n.endswith(".index.json")] if data else []
+                if not mine:
+                    continue
+                child.put(PENDING_NAME, PENDING_TEXT)  # as a deletion does: never half a checkpoint
+            child.delete(mine)
+            child.abort_uploads()
+            child.delete([PENDING_NAME])  # last: until then the prefix reads as an interrupted save
+            if not names - set(mine) - {PENDING_NAME}:
+                child.delete_tree()  # nothing of the user's: the prefix goes (a store's directory entry)
 
     def write_data_files(self, files: Sequence[FileWrite], *, durable: bool, advance: Advance,
                          local: Callable[..., Crcs]) -> Crcs:
