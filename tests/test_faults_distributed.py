@@ -358,9 +358,17 @@ def out_of_step_worker(rank: int, world: int, root_str: str) -> None:
         # Ranks given different paths: refused on every rank, nothing written anywhere.
         record(root, "paths", rank, lambda: sp.save(sharded(2), root / f"p{rank}", process_group=group))
         dist.barrier()
+        # One rank asking to overwrite what the others would not: refused on every rank.
+        record(root, "args", rank, lambda: sp.save(sharded(2), root / "s2", process_group=group,
+                                                   overwrite=rank == 1))
+        dist.barrier()
         # The group is still in step: the next saves work and hold exactly their version.
         sp.save(sharded(3), root / "s2", process_group=group)
         mgr.save(2, sharded(3))
+
+
+ARGS = " (overwrite=False, layout=chunked, max_shard_size=5000000000)"
+"""The arguments a collective save's ranks must agree on, as its identity shows them."""
 
 
 def test_ranks_out_of_step_fail_together_and_save_nothing(tmp_path: Path) -> None:
@@ -380,10 +388,56 @@ def test_ranks_out_of_step_fail_together_and_save_nothing(tmp_path: Path) -> Non
         assert doc["ok"] is False and doc["type"] == "DistributedCheckpointError", doc
         assert doc["message"].startswith(
             f"planning the save failed on rank 0 (rank 0: DistributedCheckpointError: the ranks are out of "
-            f"step (rank 0: 'saving to {tmp_path / 'p0'}'; rank 1: 'saving to {tmp_path / 'p1'}'; rank 2: "
-            f"'saving to {tmp_path / 'p2'}'): every rank must make the same call (the same path)"), doc
+            f"step (rank 0: 'saving to {tmp_path / 'p0'}{ARGS}'; rank 1: 'saving to {tmp_path / 'p1'}{ARGS}'; "
+            f"rank 2: 'saving to {tmp_path / 'p2'}{ARGS}'): every rank must make the same call (the same path "
+            "and arguments)"), doc
+    for doc in outcomes(tmp_path, "args", ranks):  # overwrite asked by one rank only: refused on every rank
+        assert doc["ok"] is False and doc["type"] == "DistributedCheckpointError", doc
+        assert "rank 1: 'saving to " + str(tmp_path / "s2") + " (overwrite=True, " in doc["message"], doc
     assert not any((tmp_path / f"p{r}").exists() for r in ranks)
     load_exact(tmp_path / "s2", 3, "s2")
     assert sp.CheckpointManager(tmp_path / "run").steps() == [2]
     load_exact(tmp_path / "run" / "step-000002", 3, "step 2")
     assert tmp_entries(tmp_path) == [] and tmp_entries(tmp_path / "run") == []
+
+
+def disagreeing_worker(rank: int, world: int, root_str: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    root = Path(root_str)
+    group = dist.group.WORLD
+    with sp.using(collective=sp.CollectiveOptions(timeout_s=60)):
+        # A plain tensor (taken as replicated) of another shape, or dtype, on one rank.
+        record(root, "shape", rank, lambda: sp.save({"a": torch.zeros(6 + (rank == 1))}, root / "shape",
+                                                    process_group=group))
+        record(root, "dtype", rank, lambda: sp.save({"a": torch.zeros(4, dtype=torch.int64 if rank == 1 else
+                                                                      torch.float32)}, root / "dtype",
+                                                    process_group=group, layout="hf"))
+        # A DTensor on the 3-rank mesh saved over a group of 2: rank 2's rows are in no one's save.
+        mesh = init_device_mesh("cpu", (world,))
+        w = distribute_tensor(torch.arange(15.0).reshape(5, 3), mesh, [Shard(0)])
+        pair = dist.new_group([0, 1])
+        if rank in (0, 1):
+            record(root, "mesh", rank, lambda: sp.save({"w": w}, root / "mesh", process_group=pair))
+        dist.barrier()
+
+
+def test_ranks_that_disagree_on_a_tensor_save_nothing(tmp_path: Path) -> None:
+    """Each committed on every rank ("OK") a checkpoint that loads rank 0's copy or that
+    sp.load refuses as damaged; now refused on every rank before anything is written."""
+    run_ranks(disagreeing_worker, WORLD, str(tmp_path), timeout=240)
+    expected = {
+        "shape": "tensor 'a' of component 'model' is F32[6] on rank 0 but F32[7] on rank 1: in a collective save a "
+                 "plain tensor is taken as the same on every rank (replicated)",
+        "dtype": "tensor 'a' of component 'model' is F32[4] on rank 0 but I64[4] on rank 1",
+        "mesh": "tensor 'w' of component 'model': the ranks of this save hold 12 of its 15 elements in chunks that "
+                "do not tile it (a DTensor whose mesh has ranks outside process_group?)",
+    }
+    for name, text in expected.items():
+        ranks = [0, 1] if name == "mesh" else list(range(WORLD))
+        for doc in outcomes(tmp_path, name, ranks):
+            assert doc["ok"] is False and doc["type"] == "DistributedCheckpointError", doc
+            assert f"InvalidStateError: {text}" in doc["message"], doc
+        assert not (tmp_path / name).exists()

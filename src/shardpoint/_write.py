@@ -219,6 +219,7 @@ def write_checkpoint(
                 PLANS.resend()
                 return [RESEND] * len(offers)  # a rank left out a list this coordinator does not hold
             steps.check_names(prepared, lists)
+            steps.check_agreement(lists)
             all_plans, writes, total = steps.assign(lists, chunked=chunked)
             plan_id = PLANS.agree(offers, (all_plans, writes, total), lists)
         save_id = uuid.uuid4().hex
@@ -237,7 +238,10 @@ def write_checkpoint(
         for _attempt in range(2):
             local_state, answer = group.exchange(
                 "planning the save", plan, assign, deciding="creating the checkpoint directory",
-                identity=f"saving to {store.location}",
+                # The call's arguments too: a rank asking not to overwrite, or for another layout or
+                # shard size, must not be settled in rank 0's favour without a word.
+                identity=(f"saving to {store.location} (overwrite={overwrite}, layout={layout}, "
+                          f"max_shard_size={max_shard_bytes})"),
             )
             if answer != RESEND:
                 break

@@ -300,7 +300,7 @@ class Group:
                 shown = "; ".join(f"rank {r}: {keys[r]!r}" for r in [0, *odd[:3]])
                 raise DistributedCheckpointError(
                     f"{OUT_OF_STEP} ({shown}{' ...' if len(odd) > 3 else ''}): every rank "
-                    "must make the same call (the same path) in the same order, and an earlier call "
+                    "must make the same call (the same path and arguments) in the same order, and an earlier call "
                     "that failed on some ranks before they met leaves the others waiting in it. "
                     "Nothing was saved by this call"
                 )

@@ -106,6 +106,35 @@ def check_names(prepared: PreparedState, all_plans: Sequence[Sequence[ChunkPlan]
                 )
 
 
+def check_agreement(all_plans: Sequence[Sequence[ChunkPlan]]) -> None:
+    """Refuse, before anything is written, a tensor the ranks describe differently (a plain
+    tensor taken as replicated but of another shape or dtype on some rank), or whose chunks
+    do not cover it (a DTensor whose mesh has ranks outside the save's group): either was
+    committed as a checkpoint that loads rank 0's copy, or not at all."""
+    first: dict[tuple[str, str], tuple[int, str, tuple[int, ...]]] = {}
+    chunks: dict[tuple[str, str], dict[tuple[tuple[int, ...], tuple[int, ...]], int]] = {}
+    for rank, plans in enumerate(all_plans):
+        for p in plans:
+            key = (p.component, p.name)
+            seen = first.setdefault(key, (rank, p.dtype, p.global_shape))
+            if (seen[1], seen[2]) != (p.dtype, p.global_shape):
+                raise InvalidStateError(
+                    f"tensor {p.name!r} of component {p.component!r} is {seen[1]}{list(seen[2])} on rank {seen[0]} "
+                    f"but {p.dtype}{list(p.global_shape)} on rank {rank}: in a collective save a plain tensor is "
+                    "taken as the same on every rank (replicated); make it so, or make it a DTensor, or save "
+                    "what differs per rank to a path of its own. Nothing was saved"
+                )
+            chunks.setdefault(key, {})[(p.offsets, p.shape)] = math.prod(p.shape)
+    for (component, name), held in chunks.items():
+        whole = math.prod(first[(component, name)][2])
+        if sum(held.values()) != whole:
+            raise InvalidStateError(
+                f"tensor {name!r} of component {component!r}: the ranks of this save hold {sum(held.values())} of its "
+                f"{whole} elements in chunks that do not tile it (a DTensor whose mesh has ranks outside "
+                "process_group?); save over a group holding every rank of its mesh. Nothing was saved"
+            )
+
+
 def assign(all_plans: Sequence[Sequence[ChunkPlan]], *, chunked: bool) -> tuple[list[list[ChunkPlan]], list[list[ChunkPlan]], int]:
     """The coordinator's choice of writers: (every rank's plans as the manifest sees them,
     the chunks each rank writes, the bytes of every distinct chunk together)."""
