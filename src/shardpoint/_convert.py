@@ -318,22 +318,19 @@ def companion_files(src: str, dtype: torch.dtype | None, notes: list[str], dst: 
             continue
         if dst is not None and os.path.lexists(os.path.join(dst, name)):
             kept.append(name)
-            if name == "config.json" and not _same_config(os.path.join(src, name), os.path.join(dst, name)):
+            if name != "config.json":
+                continue
+            own, theirs = _companion(dst, name), _companion(src, name)
+            if own is not None and theirs is not None and not _same_config(theirs, own):
                 warnings.warn(
                     f"convert: kept {dst}'s own config.json, which describes another model than {src}'s (they "
                     f"differ in more than the dtype); if {dst} held another model, its config no longer fits the "
                     "new weights: copy the source's config.json there", UserWarning, stacklevel=3)
-            if name == "config.json" and dtype is not None and os.path.isfile(os.path.join(dst, name)):
-                try:
-                    own = read_small_file(member_path(dst, name, where=dst), where=dst, limit=COMPANION_LIMIT)
-                except CheckpointError:
-                    continue
-                if (updated := _config_in_dtype(own, dtype)) != own:
-                    out[name] = updated
+            if own is not None and dtype is not None and (updated := _config_in_dtype(own, dtype)) != own:
+                out[name] = updated
             continue
         try:
-            path = member_path(src, name, where=src)
-            data = read_small_file(path, where=path, limit=COMPANION_LIMIT)
+            data = _read_companion(src, name)
         except CheckpointError as exc:
             skipped.append(f"{name} ({exc})")
             continue
@@ -351,13 +348,26 @@ def companion_files(src: str, dtype: torch.dtype | None, notes: list[str], dst: 
     return out
 
 
-def _same_config(a: str, b: str) -> bool:
-    """Whether two ``config.json`` files describe the same model (dtype entries aside);
-    unreadable ones count as the same (nothing to warn about that is known)."""
+def _read_companion(folder: str, name: str) -> bytes:
+    """A companion file, read as the checkpoint's own files are (:func:`member_path`)."""
+    path = member_path(folder, name, where=folder)
+    return read_small_file(path, where=path, limit=COMPANION_LIMIT)
+
+
+def _companion(folder: str, name: str) -> bytes | None:
+    """:func:`_read_companion`, or None where it cannot be read (a link out of the folder)."""
     try:
-        with open(a, "rb") as fa, open(b, "rb") as fb:
-            docs = [json.loads(fa.read(COMPANION_LIMIT)), json.loads(fb.read(COMPANION_LIMIT))]
-    except (OSError, ValueError):
+        return _read_companion(folder, name)
+    except CheckpointError:
+        return None
+
+
+def _same_config(a: bytes, b: bytes) -> bool:
+    """Whether two ``config.json`` files describe the same model (dtype entries aside);
+    unparseable ones count as the same (nothing to warn about that is known)."""
+    try:
+        docs = [json.loads(a), json.loads(b)]
+    except ValueError:
         return True
 
     def plain(node: Any) -> Any:

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from ._stateful import INNER_WRAPPERS
+
 
 def match_prefix(
     target_keys: Collection[str], saved_keys: Collection[str], base_prefix: str | None = None,
@@ -88,9 +90,9 @@ def match_prefix(
     return choice
 
 
-_WRAPPERS = ("_orig_mod", "module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+_WRAPPERS = ("_orig_mod", "module", *INNER_WRAPPERS)
 """Attribute names wrappers put in front of a model's keys: ``torch.compile``, DDP /
-DataParallel, FSDP1, activation checkpointing."""
+DataParallel, and the inner ones."""
 
 
 def _wrapper_run(key: str) -> str:

@@ -220,10 +220,13 @@ def optimizer_state_for(
     return {"state": state, "param_groups": groups}
 
 
-_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_offload_wrapped_module.")
-"""Module names wrappers insert (activation checkpointing, FSDP1, CPU offload): in
-``named_parameters`` but not in the ``state_dict`` keys, so an optimizer saved with the
-wrapper names its parameters differently from the same model without it."""
+INNER_WRAPPERS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+"""Attribute names of wrappers that may sit anywhere in a model (FSDP1, activation
+checkpointing); ``_module_fit`` strips them, and ``torch.compile``'s and DDP's, as prefixes."""
+_WRAPPER_SEGMENTS = tuple(f"{name}." for name in INNER_WRAPPERS)
+"""Segments wrappers insert in ``named_parameters`` but not in the ``state_dict`` keys, so an
+optimizer saved with the wrapper names its parameters differently from the same model
+without it."""
 
 
 def _plain_name(name: str) -> str:

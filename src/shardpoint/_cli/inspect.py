@@ -69,7 +69,13 @@ from .._source import detect_local, list_directory, open_checkpoint
 from .._sources.contract import SourceSpec
 from .._sources.pickled import BinShardsSource, TorchSaveSource
 from .._storage.store import open_store
-from .main import add_cache_dir, add_checkpoint_path, add_storage_options, hub_storage_options
+from .main import (
+    add_cache_dir,
+    add_checkpoint_path,
+    add_storage_options,
+    hub_storage_options,
+    with_reference,
+)
 from .output import emit, emit_json, printable
 
 HELP = "show format, files, dtypes and tensors of a checkpoint"
@@ -113,8 +119,7 @@ def run(args: argparse.Namespace) -> int:
     path, resolved = resolve_hub(args.path, options)
     limit = args.limit if args.limit is not None else (0 if args.json else DEFAULT_LIMIT)
     doc = describe_path(path, resolved, pattern=args.filter, limit=limit)
-    if str(args.path).startswith("hf://") and os.fspath(path) != os.fspath(args.path):  # found in the cache
-        doc = {"path": os.fspath(args.path), "resolved": doc["path"], **{k: v for k, v in doc.items() if k != "path"}}
+    doc = with_reference(doc, args.path)
     if args.json:
         emit_json(doc)
     else:

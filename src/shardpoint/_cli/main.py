@@ -219,6 +219,14 @@ def _one_line_warning(message: Warning | str, category: type[Warning], filename:
     output.emit([f"shardpoint: warning: {' '.join(str(message).split())}"], sys.stderr)
 
 
+def with_reference(doc: dict[str, Any], given: str) -> dict[str, Any]:
+    """``doc`` (``inspect`` / ``verify --json``) with ``path`` the ``hf://`` reference given and
+    ``resolved`` the snapshot folder it named; other paths as they are."""
+    if not str(given).startswith("hf://") or doc["path"] == given:
+        return doc
+    return {"path": given, "resolved": doc["path"], **{k: v for k, v in doc.items() if k != "path"}}
+
+
 def fail(args: argparse.Namespace, exc: BaseException, code: int) -> int:
     """Report a failure that stopped a command: one line on stderr, and with ``--json`` the
     JSON object on stdout (see the module docstring); return ``code``."""

@@ -53,6 +53,7 @@ from .main import (
     add_storage_options,
     fail,
     hub_storage_options,
+    with_reference,
 )
 from .output import emit, emit_json
 
@@ -79,10 +80,7 @@ def run(args: argparse.Namespace) -> int:
         return fail(args, exc, EXIT_DAMAGED)
     # Any other CheckpointError (a bad argument, a missing dependency) is a usage error: exit 2.
     if args.json:
-        doc = to_json(report)
-        if str(args.path).startswith("hf://") and report.path != args.path:  # found in the local cache
-            doc = {"path": args.path, "resolved": report.path, **{k: v for k, v in doc.items() if k != "path"}}
-        emit_json(doc)
+        emit_json(with_reference(to_json(report), args.path))
     else:
         emit(render(report, quick=args.quick))
     return EXIT_OK if report.ok else EXIT_DAMAGED

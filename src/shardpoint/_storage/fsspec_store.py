@@ -36,12 +36,16 @@ class FsspecStore(RemoteStore):
 
     def children(self) -> dict[str, bool]:
         """One listing of everything below: sub-prefix -> whether it holds a manifest."""
+        return {top: MANIFEST_NAME in inside for top, inside in self._by_child().items()}
+
+    def _by_child(self) -> dict[str, set[str]]:
+        """One listing of everything below: sub-prefix -> the names under it."""
         names: dict[str, set[str]] = {}
         for name in self.find():
             top, sep, rest = name.partition("/")
             if sep:
                 names.setdefault(top, set()).add(rest)
-        return {top: MANIFEST_NAME in inside for top, inside in names.items()}
+        return names
 
     def read_small(self, name: str, *, limit: int) -> bytes:
         return self.get(name, limit=limit)
@@ -70,12 +74,7 @@ class FsspecStore(RemoteStore):
         header carries its save id) and then the indexes beside them. A folder of the user's
         named like a step keeps its files (it was deleted whole). Small files are written in
         one request: none is ever torn."""
-        inside: dict[str, set[str]] = {}
-        for name in self.find():
-            top, sep, rest = name.partition("/")
-            if sep:
-                inside.setdefault(top, set()).add(rest)
-        for top, names in sorted(inside.items()):
+        for top, names in sorted(self._by_child().items()):
             if MANIFEST_NAME in names or not children.match(top):
                 continue
             child = self.child(top)
@@ -83,7 +82,7 @@ class FsspecStore(RemoteStore):
             if PENDING_NAME not in names:
                 sizes = child.list()
                 data = [n for n in mine if n.endswith(".safetensors") and n in sizes
-                        and child.written_by_a_save(n, sizes[n])]
+                        and child.save_id_of(n, sizes[n]) is not None]
                 mine = data + [n for n in mine if n.endswith(".index.json")] if data else []
                 if not mine:
                     continue

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from .._format.manifest import MANIFEST_NAME, PENDING_NAME
 from .._options import current_options
-from ..errors import CheckpointError, CorruptCheckpointError, StorageError
+from ..errors import CorruptCheckpointError, StorageError
 from .retry import retrying
 
 _T = TypeVar("_T")
@@ -195,17 +195,19 @@ class RemoteStore:
             retrying("deleting", self.url_of(name), run)
         self._refresh(self.root)
 
-    def written_by_a_save(self, name: str, size: int) -> bool:
-        """Whether object ``name`` (of ``size`` bytes) is a safetensors file a shardpoint save
-        wrote (its header carries a save id); False for anything else, or an object gone."""
+    def save_id_of(self, name: str, size: int) -> str | None:
+        """The shardpoint save id in the header of object ``name`` (of ``size`` bytes); None
+        for an object no save wrote (not safetensors, or without an id) or one gone meanwhile.
+        A store error is raised."""
         from .._format.safetensors import read_header_with
 
         try:
             header = read_header_with(lambda n, offset: self.read_range(name, offset, n), size, name=self.url_of(name),
                                       max_header_bytes=current_options().io.max_header_bytes)
-        except (CheckpointError, FileNotFoundError):
-            return False
-        return isinstance(header.metadata.get("shardpoint.save_id"), str)
+        except (CorruptCheckpointError, FileNotFoundError):
+            return None
+        found = header.metadata.get("shardpoint.save_id")
+        return found if isinstance(found, str) else None
 
     def abort_uploads(self) -> None:
         """Abort the unfinished multipart uploads below the prefix (S3 only; best effort).

@@ -26,13 +26,11 @@ from collections.abc import Sequence
 from contextlib import suppress
 
 from .._format.manifest import MANIFEST_NAME, PENDING_NAME
-from .._format.safetensors import read_header_with
 from .._io.writes import FileWrite, UploadAbortedError, upload_files
 from .._options import current_options
 from ..errors import (
     CheckpointError,
     CheckpointExistsError,
-    CorruptCheckpointError,
     InvalidArgumentError,
     StorageError,
 )
@@ -168,14 +166,5 @@ def _owned(store: RemoteStore, existing: dict[str, int]) -> set[str]:
     except (CheckpointError, ValueError, RecursionError):
         doc = None  # damaged: it names nothing, so only the components' weight files go
 
-    def save_id_of(name: str) -> str | None:
-        try:
-            header = read_header_with(lambda n, offset: store.read_range(name, offset, n), existing[name],
-                                      name=store.url_of(name), max_header_bytes=current_options().io.max_header_bytes)
-        except (CorruptCheckpointError, FileNotFoundError):
-            return None  # not a safetensors object the save wrote, or gone (a store error is raised)
-        found = header.metadata.get("shardpoint.save_id")
-        return found if isinstance(found, str) else None
-
-    return ownership.owned_names(list(existing), doc if isinstance(doc, dict) else None, set(), save_id_of) | {
-        PENDING_NAME}
+    return ownership.owned_names(list(existing), doc if isinstance(doc, dict) else None, set(),
+                                 lambda name: store.save_id_of(name, existing[name])) | {PENDING_NAME}

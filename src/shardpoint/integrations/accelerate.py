@@ -449,14 +449,13 @@ def load_state(
                 "load_state needs input_dir when the Accelerator's ProjectConfiguration has no "
                 "automatic_checkpoint_naming; pass the checkpoint directory"
             )
-        found = checkpoint_dirs(accelerator)
-        if not found:
+        resumed_from = _newest_index(accelerator)
+        if resumed_from is None:
             raise CheckpointNotFoundError(
                 f"{_checkpoints_root(accelerator)}: no committed shardpoint checkpoint_<i> here "
                 "to resume from; start the run from scratch or pass input_dir"
             )
-        input_dir = found[-1]
-        resumed_from = int(found[-1].name.rsplit("_", 1)[1])
+        input_dir = _checkpoints_root(accelerator) / f"checkpoint_{resumed_from}"
     elif config.automatic_checkpoint_naming:
         named = re.fullmatch(r"checkpoint_(\d+)", Path(input_dir).name)
         newest = _newest_index(accelerator)
