@@ -394,12 +394,21 @@ class Planner:
         renamed by a base-model prefix where that matches more, meta tensors materialized,
         non-persistent buffers rebuilt, and whatever stays on ``meta`` reported."""
         inner, wrapper = _module_fit.unwrapped(target)
-        if inner is not target and _hf_conversions.plan(
-                inner, saved, inner.state_dict(keep_vars=True), fusions.stored_shapes(saved, comp), self.location):
-            self._wrapped_module_into(inner, wrapper, saved, comp, path)
-            return
-        prefix = f"{path}/" if path else ""
+        if inner is not target:
+            targets = inner.state_dict(keep_vars=True)
+            conversions = _hf_conversions.plan(inner, saved, targets, fusions.stored_shapes(saved, comp), self.location)
+            if conversions is not None:
+                self._wrapped_module_into(inner, wrapper, saved, comp, path, targets, conversions)
+                return
         targets = target.state_dict(keep_vars=True)
+        conversions = _hf_conversions.plan(target, saved, targets, fusions.stored_shapes(saved, comp), self.location)
+        self._module_into(target, saved, comp, path, targets, conversions)
+
+    def _module_into(self, target: torch.nn.Module, saved: Mapping[str, str], comp: ComponentRecord, path: str,
+                     targets: dict[str, torch.Tensor], conversions: _hf_conversions.Conversions | None) -> None:
+        """:meth:`module_into` of ``target`` itself, its state dict ``targets`` and the
+        conversions its files need already known."""
+        prefix = f"{path}/" if path else ""
         everything = _module_fit.module_tensors(target)
         float_dtype, buffer_dtypes = _module_fit.float_dtypes(target, self.dtype)
         fit = _ModuleLoad(
@@ -409,7 +418,6 @@ class Planner:
             buffer_dtypes=buffer_dtypes,
             declared_ties=_module_fit.declared_ties(target),
         )
-        conversions = _hf_conversions.plan(target, saved, targets, fusions.stored_shapes(saved, comp), self.location)
         if conversions is not None:  # a transformers 5 model, files in the Hub's names
             planned, wrong = fusions.plan(self.batch, conversions.fusions, saved, comp, target, targets,
                                           functools.partial(self._put_fused, fit, targets))
@@ -439,12 +447,13 @@ class Planner:
         self._finish_module(fit, targets, prefix)
 
     def _wrapped_module_into(self, inner: torch.nn.Module, wrapper: str, saved: Mapping[str, str],
-                             comp: ComponentRecord, path: str) -> None:
+                             comp: ComponentRecord, path: str, targets: dict[str, torch.Tensor],
+                             conversions: _hf_conversions.Conversions) -> None:
         """Load files in the Hub's names into a ``transformers`` model under ``torch.compile`` or
         DDP: into the model itself (its weight conversions need it: GPT-NeoX's ``embed_out``,
         Mixtral's fused experts), then report its keys under the wrapper's prefix."""
         marks = (len(self.missing), len(self.mismatched), len(self.meta_left))
-        self.module_into(inner, saved, comp, path)
+        self._module_into(inner, saved, comp, path, targets, conversions)
         prefix = f"{path}/" if path else ""
 
         def wrapped(key: str) -> str:
