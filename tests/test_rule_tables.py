@@ -356,6 +356,7 @@ def test_a_tensor_added_to_a_rank_file_fails_verify(saved: Path, tmp_path: Path)
     report = verify_checkpoint(ckpt)
     assert not report.ok
     assert report.problems == [
-        f"{ckpt / name} holds tensor 'evil' that the manifest does not list in it; a save writes none: the file "
-        "was changed after its save. Restore it from a copy"
+        f"{ckpt / name} holds 1 tensor(s) the manifest does not list in it ('evil'); a save writes none, and other "
+        "readers (transformers loads every tensor of every file) would load them where shardpoint does not: the "
+        "file was changed after its save. Restore it from a copy"
     ], report.problems

@@ -331,12 +331,7 @@ class Checkpoint:
                        for chunk in r.chunks if chunk.file == name}
         extra = [key for key in header.entries if key not in listed_here]
         if extra and all(key in header.entries for key in listed_here):  # else: a renamed key, named by entry()
-            shown = ", ".join(printable(repr(k)) for k in extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
-            raise CorruptCheckpointError(
-                f"{where} holds {len(extra)} tensor(s) the manifest does not list in it ({shown}); a save writes "
-                "none, and other readers (transformers loads every tensor of every file) would load them where "
-                "shardpoint does not: the file was changed after its save. Restore it from a copy"
-            )
+            raise CorruptCheckpointError(unlisted_message(where, extra))
 
     def _remote_header(self, name: str, where: str) -> SafetensorsHeader:
         assert self.store is not None
@@ -407,6 +402,17 @@ class Checkpoint:
                 f"but {dtype}{list(chunk.shape)} in the manifest; the checkpoint is damaged"
             )
         return entry
+
+
+def unlisted_message(where: str, extra: list[str]) -> str:
+    """What is wrong with data file ``where`` holding tensors ``extra`` its manifest does not
+    list in it (refused by loads, a problem for ``verify``)."""
+    shown = ", ".join(printable(repr(k)) for k in extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+    return (
+        f"{where} holds {len(extra)} tensor(s) the manifest does not list in it ({shown}); a save writes "
+        "none, and other readers (transformers loads every tensor of every file) would load them where "
+        "shardpoint does not: the file was changed after its save. Restore it from a copy"
+    )
 
 
 def read_json_file(path: str, *, where: str) -> bytes:

@@ -19,7 +19,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ._checkpoint import Checkpoint
+from ._checkpoint import Checkpoint, unlisted_message
 from ._format import detect as kinds
 from ._format.detect import Detected, detect
 from ._format.index import index_name, parse_index
@@ -216,12 +216,8 @@ def _verify_shardpoint(
                 crc_items.append(CrcItem(fname, entry.start, entry.nbytes, chunk.crc32c, label))
         where = os.path.join(location, fname)
         extra = [key for key in header.entries if key not in claimed]
-        if extra:  # a save writes none: added after it (loads of the hf layout refuse the file too)
-            found.problem(
-                fname,
-                f"{where} holds {name_list(extra)} that the manifest does not list in it; a save writes none: "
-                "the file was changed after its save. Restore it from a copy",
-            )
+        if extra:  # format 3's rank files (the others' headers were refused as they were read)
+            found.problem(fname, unlisted_message(where, extra))
         if header.metadata.get("format") != "pt":
             found.warnings.append(
                 f'{where}: __metadata__ has no "format": "pt"; transformers refuses such files'
