@@ -305,7 +305,7 @@ def test_a_hanging_rank_is_given_up_on_after_the_collective_timeout(tmp_path: Pa
     coordinator, stuck, other = outcomes(tmp_path, "hang", [0, 1, 2])
     # The coordinator names the rank that did not report in time...
     assert coordinator["failed"] == [1], coordinator
-    assert "rank 1: sent no report within 2 s" in coordinator["message"], coordinator
+    assert "rank 1: stopped responding: it sent no report within 2 s" in coordinator["message"], coordinator
     assert 2 <= coordinator["seconds"] < BOUND_S, coordinator
     # ...and gloo then closes all its connections, so the others learn only that the
     # coordinator gave up (its error names the hung rank): every rank fails, none hangs.
@@ -315,6 +315,38 @@ def test_a_hanging_rank_is_given_up_on_after_the_collective_timeout(tmp_path: Pa
         assert doc["seconds"] < BOUND_S, doc
     assert not (tmp_path / "ckpt").exists()
     assert tmp_entries(tmp_path) == []
+
+
+def sub_mesh_worker(rank: int, world: int, root_str: str) -> None:
+    """Ranks 0 and 1 save a DTensor on a mesh of just those two, without process_group: the
+    save runs over the default group, and rank 2 (outside the mesh) never makes the call."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    root = Path(root_str)
+    mesh = DeviceMesh("cpu", torch.tensor([0, 1]))  # every rank builds it; rank 2 is outside
+    if rank == 2:
+        time.sleep(6)  # alive, connected, and busy with something else
+        return
+    w = distribute_tensor(torch.arange(12.0).reshape(4, 3), mesh, [Shard(0)])
+    record(root, "submesh", rank, lambda: sp.save({"w": w}, root / "ckpt", options=sp.CollectiveOptions(timeout_s=2)))
+
+
+def test_a_dtensor_on_a_sub_mesh_saved_without_its_group_says_how_to_give_it(tmp_path: Path) -> None:
+    """The error blamed a dead coordinator (rank 1) or a hung rank 2 alone; it now says the
+    default group was taken because of the DTensors, and to pass the mesh's group."""
+    run_ranks(sub_mesh_worker, WORLD, str(tmp_path), timeout=120)
+    hint = ("This call runs over the default group (3 ranks) because the state holds DTensors and no "
+            "process_group was given, so every rank of the default group must make it; for DTensors on a mesh "
+            "of fewer ranks, pass process_group= the group of the mesh's ranks")
+    coordinator, other = outcomes(tmp_path, "submesh", [0, 1])
+    assert coordinator["failed"] == [2], coordinator
+    assert "rank 2: stopped responding: it sent no report within 2 s; it hangs, never made this call" in \
+        coordinator["message"], coordinator
+    for doc in (coordinator, other):
+        assert doc["type"] == "DistributedCheckpointError" and hint in doc["message"], doc
+        assert doc["seconds"] < BOUND_S, doc
+    assert not (tmp_path / "ckpt").exists()
 
 
 # ------------------------------------------------------------------ ranks out of step

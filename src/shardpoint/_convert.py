@@ -10,7 +10,6 @@ writes each planned file's tensors a batch at a time from the source. Peak memor
 from __future__ import annotations
 
 import json
-import math
 import multiprocessing
 import os
 import warnings
@@ -24,7 +23,7 @@ import torch
 
 from ._flags import check_flags
 from ._format.companions import travels_with_weights
-from ._format.dtypes import parse_dtype
+from ._format.dtypes import OutOfRange, parse_dtype
 from ._hub import local_path
 from ._io.writes import FileWrite, write_files
 from ._prepare import Component, PreparedState
@@ -406,21 +405,6 @@ def _config_in_dtype(data: bytes, dtype: torch.dtype) -> bytes:
     return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode() if changed else data
 
 
-def _overflow_message(overflowed: list[tuple[str, int, float]], dtype: torch.dtype, dst: Any) -> str:
-    total = sum(n for _, n, _ in overflowed)
-    names = ", ".join(repr(k) for k, _, _ in overflowed[:5]) + (f" and {len(overflowed) - 5} more" if len(overflowed) > 5 else "")
-    largest = max(m for _, _, m in overflowed)
-    kind = str(dtype).removeprefix("torch.")
-    probe = float(torch.tensor(1e38).to(dtype).float())  # what a value past the range becomes
-    became = "inf" if math.isinf(probe) else "nan" if math.isnan(probe) else f"{probe:g} (the largest it holds)"
-    then = "a model computes inf / nan there" if not math.isfinite(probe) else "those weights are clipped"
-    return (
-        f"convert to {kind}: {total} value(s) of {names} are past {kind}'s range (largest magnitude {largest:.4g}; "
-        f"{kind} holds up to {torch.finfo(dtype).max:.6g}) and became {became} in {os.fspath(dst)}; {then}. "
-        "Convert to bfloat16 (float32's range) instead"
-    )
-
-
 def _overwritten_folder(src: str | os.PathLike[str], dst: str | os.PathLike[str], overwrite: bool) -> str | None:
     """``dst`` when the convert replaces a local folder other than ``src`` (whose own
     companion files then stay), else None."""
@@ -551,7 +535,10 @@ def convert(
             extra_files=companions,
         )
         if producer.overflowed and want is not None:
-            warnings.warn(_overflow_message(producer.overflowed, want, dst), UserWarning, stacklevel=2)
+            tally = OutOfRange()
+            for key, count, largest in producer.overflowed:
+                tally.add(key, want, count, largest)
+            warnings.warn(str(tally.message("convert to", f"in {os.fspath(dst)}")), UserWarning, stacklevel=2)
     finally:
         source.close()
     return info

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ._checkpoint import Checkpoint
+from ._format.dtypes import OutOfRange
 from ._format.manifest import TensorRecord
 from ._format.safetensors import HeaderEntry
 from ._io.reads import ReadTask, run_reads
@@ -47,7 +48,11 @@ class ReadBatch:
         self._files: dict[str, tuple[str, str, int]] = {}
         """Data file -> (its name in errors, its path, its held descriptor): asked once per
         file, not once per tensor."""
-        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._copies: list[tuple[torch.Tensor, torch.Tensor, str]] = []
+        """(destination, the buffer read for it, the tensor's label): copied (cast) after the reads."""
+        self.out_of_range = OutOfRange()
+        """Values that casts to a narrower float (float32 to float16) pushed past its range:
+        warned about when the batch has run."""
 
     def fill(
         self,
@@ -90,7 +95,7 @@ class ReadBatch:
                 buffer = view
             else:
                 buffer = torch.empty(box_shape, dtype=entry.dtype)
-                self._copies.append((view, buffer))
+                self._copies.append((view, buffer, label))
             flat = _flat(buffer)
             item = entry.dtype.itemsize
             name, path, fd = self._file(chunk.file)
@@ -209,6 +214,14 @@ class ReadBatch:
     def _run(self, advance: Callable[[int], None] | None) -> None:
         with torch.no_grad():
             run_reads(self.tasks, self.ckpt.byte_source(processes_here=self.ranks_here), advance=advance,
-                      staging_bytes=self.staging_bytes)
-            for dest, temp in self._copies:
+                      staging_bytes=self.staging_bytes, out_of_range=self.out_of_range)
+            for dest, temp, label in self._copies:
+                if dest.dtype != temp.dtype:
+                    self.out_of_range.check(label, temp, dest.dtype)
                 dest.copy_(temp)
+        self.warn_out_of_range()
+
+    def warn_out_of_range(self) -> None:
+        """Warn of the values a cast pushed past a narrower float's range (they became inf, as
+        ``from_pretrained(dtype=torch.float16)`` makes them, but never without a word)."""
+        self.out_of_range.warn("load as", f"as read from {self.ckpt.location}")

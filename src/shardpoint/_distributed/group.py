@@ -99,9 +99,12 @@ def resolve_group(process_group: Any, state: Any) -> Group:
         return Group(process_group)
     world = _world_group()
     if world is not None and holds_dtensor(state):
-        return Group(world)
+        return Group(world, implicit=True)
     return Group(None)
 
+
+_UNRESPONSIVE = "stopped responding"
+"""How a rank that never answered an exchange is described (it died, hangs, or never joined)."""
 
 OUT_OF_STEP = "the ranks are out of step"
 """How :meth:`Group.exchange` begins the error of ranks that sent different identities."""
@@ -110,8 +113,12 @@ OUT_OF_STEP = "the ranks are out of step"
 class Group:
     """Process-group operations, or their single-process equivalents when ``pg`` is None."""
 
-    def __init__(self, pg: Any) -> None:
+    def __init__(self, pg: Any, *, implicit: bool = False) -> None:
         self.pg = pg
+        self.implicit = implicit
+        """Whether the default group was taken for a state holding DTensors (rule 2 of
+        :func:`resolve_group`), not given: a rank that never joins then most likely holds
+        no part of those DTensors, and the error says how to give the group."""
         if pg is None:
             self.rank, self.world_size = 0, 1
         else:
@@ -210,13 +217,13 @@ class Group:
                 return _Verdict(failed, answer, deciding)
             except Exception:
                 failed = {
-                    0: "the coordinator stopped responding: its process died, or it gave up "
+                    0: f"the coordinator {_UNRESPONSIVE}: its process died, or it gave up "
                     "waiting for another rank (its own error names that rank)"
                 }
                 if error is not None:
                     failed[self.rank] = error
                 return _Verdict(failed)
-        dead = "stopped responding: its process died or dropped the connection"
+        dead = f"{_UNRESPONSIVE}: its process died or dropped the connection"
         failed = {} if error is None else {0: error}
         reports: list[Any] = [report] + [None] * (self.world_size - 1)
         posted = {}
@@ -234,8 +241,8 @@ class Group:
             except Exception as exc:
                 if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
                     failed[rank] = (
-                        f"sent no report within {limit} s: it hangs, or is slower than "
-                        "its timeout allows (CollectiveOptions(timeout_s=...))"
+                        f"{_UNRESPONSIVE}: it sent no report within {limit} s; it hangs, never made this "
+                        "call, or is slower than its timeout allows (CollectiveOptions(timeout_s=...))"
                     )
                     break  # gloo closes every connection of this rank on a timeout
                 failed[rank] = dead
@@ -344,6 +351,12 @@ class Group:
             out_of_step = any(OUT_OF_STEP in str(text) for text in failed.values())
             stage = deciding if verdict.deciding and deciding and not out_of_step else name
             message = f"{stage} failed on rank{'s' if len(failed) > 1 else ''} {ranks} ({lines})"
+            if self.implicit and any(_UNRESPONSIVE in str(text) for text in failed.values()):
+                message += (
+                    f". This call runs over the default group ({self.world_size} ranks) because the state holds "
+                    "DTensors and no process_group was given, so every rank of the default group must make it; "
+                    "for DTensors on a mesh of fewer ranks, pass process_group= the group of the mesh's ranks"
+                )
             cause = exc if exc is not None else decide_exc[0] if decide_exc else None
             if cause is not None and not isinstance(cause, CheckpointError):
                 message += "\n" + "".join(traceback.format_exception_only(type(cause), cause)).strip()

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+import threading
+import warnings
+
 import torch
 
 from ..errors import (
@@ -125,3 +129,88 @@ def parse_dtype(dtype: object) -> torch.dtype | None:
     if found is None:
         raise InvalidArgumentError(f"unknown dtype {dtype[:40]!r}; use bf16, fp16, fp32 or fp64")
     return found
+
+
+def range_lost(stored: torch.dtype, target: torch.dtype) -> float | None:
+    """The largest finite value of ``target`` when a cast from ``stored`` to it loses range
+    (float32 or bfloat16 to float16, a wider float to float8), else None: values past it
+    become inf (float16, float8_e5m2) or are clipped or made NaN (the other float8s).
+
+    >>> range_lost(torch.float32, torch.float16)
+    65504.0
+    >>> range_lost(torch.float32, torch.bfloat16) is None  # float32's exponent range
+    True
+    """
+    if not (stored.is_floating_point and target.is_floating_point):
+        return None
+    largest = float(torch.finfo(target).max)
+    return largest if largest * 2 < float(torch.finfo(stored).max) else None
+
+
+class OutOfRange:
+    """A tally, per tensor, of the finite values a cast to a narrower float pushed past its
+    range (safe to add to from the reader threads); :meth:`message` says what became of them.
+
+        >>> tally = OutOfRange()
+        >>> tally.check("w", torch.tensor([1.0, 7e4, float("inf")]), torch.float16)
+        >>> print(tally.message("load as", "as read from ckpt"))
+        load as float16: 1 value(s) of 'w' are past float16's range (largest magnitude 7e+04; float16 holds up to 65504) and became inf as read from ckpt; a model computes inf / nan there. Load as bfloat16 (float32's range) instead
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.found: dict[str, tuple[torch.dtype, int, float]] = {}
+        """Tensor -> (the dtype cast to, values past its range, their largest magnitude)."""
+
+    def check(self, label: str, source: torch.Tensor, target: torch.dtype) -> None:
+        """Count the finite values of ``source`` (values about to be cast to ``target``)
+        past ``target``'s range, under ``label``. Costs one pass over ``source`` only when
+        ``target`` is narrower (not for a cast to bfloat16 or a wider dtype)."""
+        largest = range_lost(source.dtype, target)
+        if largest is None or source.numel() == 0:
+            return
+        values = source.detach()
+        if values.dtype == torch.float32 and values.device.type == "cpu":
+            flat = values.numpy()  # numpy's min / max: a third of the time of torch's aminmax
+            low, high = float(flat.min()), float(flat.max())
+        else:
+            low, high = (float(x) for x in torch.aminmax(values))
+        if -largest <= low and high <= largest:
+            return  # (a NaN fails both tests: counted below)
+        magnitude = values.abs()
+        over = (magnitude > largest) & torch.isfinite(magnitude)
+        count = int(over.sum())
+        if count:
+            self.add(label, target, count, float(magnitude[over].max()))
+
+    def add(self, label: str, target: torch.dtype, count: int, largest: float) -> None:
+        with self._lock:
+            _, before, top = self.found.get(label, (target, 0, 0.0))
+            self.found[label] = (target, before + count, max(top, largest))
+
+    def message(self, verb: str, where: str) -> str | None:
+        """What the cast (``verb``: ``"load as"``, ``"convert to"``) did to the values past
+        the range, ``where`` (``"in out/model"``); None when there were none."""
+        if not self.found:
+            return None
+        dtype = next(iter(self.found.values()))[0]
+        names = list(self.found)
+        shown = ", ".join(repr(k) for k in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        total = sum(n for _, n, _ in self.found.values())
+        largest = max(m for _, _, m in self.found.values())
+        kind = str(dtype).removeprefix("torch.")
+        probe = float(torch.tensor(1e38).to(dtype).float())  # what a value past the range becomes
+        became = "inf" if math.isinf(probe) else "nan" if math.isnan(probe) else f"{probe:g} (the largest it holds)"
+        then = "a model computes inf / nan there" if not math.isfinite(probe) else "those weights are clipped"
+        return (
+            f"{verb} {kind}: {total} value(s) of {shown} are past {kind}'s range (largest magnitude {largest:.4g}; "
+            f"{kind} holds up to {torch.finfo(dtype).max:.6g}) and became {became} {where}; {then}. "
+            f"{verb[:1].upper()}{verb[1:]} bfloat16 (float32's range) instead"
+        )
+
+    def warn(self, verb: str, where: str) -> None:
+        """Warn with :meth:`message`, if there is one, and start a new tally."""
+        message = self.message(verb, where)
+        self.found = {}
+        if message is not None:
+            warnings.warn(message, UserWarning, stacklevel=3)

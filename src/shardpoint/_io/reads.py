@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from .. import _checksum
+from .._format.dtypes import OutOfRange, range_lost
 from .._options import current_options
 from ..errors import (
     CheckpointError,
@@ -203,6 +204,7 @@ def run_reads(
     advance: Advance | None = None,
     staging_bytes: int | None = None,
     problems: Callable[[ReadTask, CheckpointError], None] | None = None,
+    out_of_range: OutOfRange | None = None,
 ) -> int:
     """Run read tasks on the reader threads, checking crc32c where the task carries one; return
     the bytes read.
@@ -215,7 +217,8 @@ def run_reads(
     cannot land in the destination directly (a dtype cast, a GPU destination); default
     ``IOOptions.staging_buffer_bytes``. ``problems``: where each task's failure (a read
     error, a truncated file, a crc mismatch) goes instead of being raised; every other task
-    is still read.
+    is still read. ``out_of_range``: where each cast to a narrower float (float32 to float16)
+    tallies the values past its range, counted in the staging buffer before the cast.
     """
     src: ByteSource = LocalFiles() if source is None else source
     staging_bytes = staging_bytes or current_options().io.staging_buffer_bytes
@@ -254,6 +257,8 @@ def run_reads(
                 advance(got)
         else:
             device = dest.device if dest is not None else torch.device("cpu")
+            narrows = dest is not None and range_lost(task.stored_dtype, dest.dtype) is not None
+            tally = out_of_range if narrows else None
             parts = []
             for lo, hi in plan.pieces(end - start, staged_piece):
                 # The buffer grows to a piece, never past what is read.
@@ -265,6 +270,8 @@ def run_reads(
                 if advance is not None:
                     advance(n)
                 if dest is not None and hi > lo:
+                    if tally is not None:
+                        tally.check(task.label, buffer[: hi - lo].view(task.stored_dtype), dest.dtype)
                     staging.copy_out(slot, buffer, dest, task.stored_dtype, start + lo, start + hi)
                     if dest.device.type == "cuda":
                         used_cuda.add(dest.device)

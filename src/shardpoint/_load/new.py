@@ -202,6 +202,8 @@ def _load(
             if mmap:
                 t = _mmap_tensor(ckpt, record, stored, maps)
                 if device.type != "cpu" or (dtype is not None and t.is_floating_point()):
+                    if dtype is not None and t.is_floating_point():
+                        batch.out_of_range.check(stored, t, dtype)
                     t = t.to(device=device, dtype=dtype if t.is_floating_point() else None)
                 out[stored] = t
             else:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .._format.detect import HF_BIN, TORCH_SAVE
+from .._format.dtypes import OutOfRange
 from .._printable import printable
 from .._progress import byte_progress, loading_label
 from .._source import detect_local
@@ -97,10 +98,14 @@ def load_pickled(
             )
         stored = list(dict.fromkeys(comp.aliases.get(k, k) for k in wanted))
         out: dict[str, torch.Tensor] = {}
+        tally = OutOfRange()
         for group in _batches(source, comp, stored):
-            with source.batch([(comp.name, n) for n in group], dtype) as tensors:
+            with source.batch([(comp.name, n) for n in group], None) as tensors:
                 for name, value in zip(group, tensors, strict=True):
-                    out[name] = value.to(device=device, copy=True)
+                    want = dtype if dtype is not None and value.is_floating_point() else value.dtype
+                    tally.check(name, value, want)
+                    out[name] = value.to(device=device, dtype=want, copy=True)
+        tally.warn("load as", f"as read from {os.fspath(path)}")
         return {k: out[comp.aliases.get(k, k)] for k in wanted}
     finally:
         source.close()
@@ -118,6 +123,7 @@ class PickledBatch:
         self.source, self.comp = opened or _open_flat(path, spec)
         self.dests: dict[str, list[tuple[torch.Tensor, tuple[int, ...] | None]]] = {}
         self.bytes_read = 0
+        self.out_of_range = OutOfRange()
 
     def fill(self, record: Any, dest: torch.Tensor, label: str,
              offsets: tuple[int, ...] | None = None) -> None:
@@ -158,7 +164,14 @@ class PickledBatch:
                             if tuple(dest.shape) != tuple(value.shape) or (offsets is not None and any(offsets)):
                                 starts = offsets or (0,) * dest.dim()
                                 part = value[tuple(slice(o, o + n) for o, n in zip(starts, dest.shape, strict=True))]
+                            if dest.dtype != part.dtype:
+                                self.out_of_range.check(name, part, dest.dtype)
                             dest.copy_(part)
+        self.warn_out_of_range()
+
+    def warn_out_of_range(self) -> None:
+        """As :meth:`ReadBatch.warn_out_of_range`."""
+        self.out_of_range.warn("load as", f"as read from {self.location}")
 
     def close(self) -> None:
         self.source.close()

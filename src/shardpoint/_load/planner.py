@@ -533,6 +533,7 @@ class Planner:
         """Read and combine the planned fusions, one group at a time (after the batch)."""
         for planned in self.fusions:
             fusions.run(self.batch, planned, self.location, advance)
+        self.batch.warn_out_of_range()
 
     def _put_fused(self, fit: _ModuleLoad, targets: Mapping[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
         """Give model tensor ``key`` its fused ``value``: copied in place (a DTensor its own
@@ -540,6 +541,7 @@ class Planner:
         ``device_map`` / ``dtype`` put it (a real parameter keeps its identity)."""
         tensor = targets[key]
         home = self._new_home(key, tensor, fit)
+        self.batch.out_of_range.check(key, value, tensor.dtype if home is None else home[1])
         if home is None:
             if type(tensor).__name__ == "DTensor":
                 _global_shape, offsets, local = local_chunk(tensor)

@@ -1,0 +1,100 @@
+"""A load that casts to a narrower float (float32 to float16) turns values past its range into
+inf, as ``from_pretrained(dtype=torch.float16)`` does; it says so, naming the tensors, on
+every read path that casts (never a model computing inf / nan without a word)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardpoint as sp
+
+WIDE = torch.tensor([1.0, 7e4, -1e6, float("inf"), float("nan")])
+"""Two values past float16's range (7e4, -1e6); inf and nan stay what they are."""
+
+
+def _state() -> dict[str, torch.Tensor]:
+    return {"a": WIDE.clone(), "b": torch.ones(3), "i": torch.arange(3)}
+
+
+def _warned(fn: Any) -> tuple[Any, list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn()
+    return out, [str(w.message) for w in caught if "range" in str(w.message)]
+
+
+def _expected(location: Path) -> str:
+    return (f"load as float16: 2 value(s) of 'a' are past float16's range (largest magnitude 1e+06; float16 holds "
+            f"up to 65504) and became inf as read from {location}; a model computes inf / nan there. "
+            "Load as bfloat16 (float32's range) instead")
+
+
+def _saved(tmp_path: Path, kind: str) -> Path:
+    if kind == "safetensors":
+        sp.save(_state(), tmp_path / "ckpt")
+        return tmp_path / "ckpt"
+    torch.save(_state(), tmp_path / "model.pt")
+    return tmp_path / "model.pt"
+
+
+@pytest.mark.parametrize(("kind", "mmap"), [("safetensors", False), ("safetensors", True), ("pt", False)])
+def test_load_as_float16_names_the_values_past_its_range(kind: str, mmap: bool, tmp_path: Path) -> None:
+    path = _saved(tmp_path, kind)
+    out, messages = _warned(lambda: sp.load(path, dtype=torch.float16, mmap=mmap))
+    assert messages == [_expected(path)]
+    assert out["a"].dtype == torch.float16 and out["i"].dtype == torch.int64
+    assert out["a"][:4].tolist() == [1.0, float("inf"), float("-inf"), float("inf")]
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "pt"])
+def test_load_into_float16_tensors_names_them_too(kind: str, tmp_path: Path) -> None:
+    path = _saved(tmp_path, kind)
+    target = {"a": torch.zeros(5, dtype=torch.float16), "b": torch.zeros(3, dtype=torch.float16),
+              "i": torch.zeros(3, dtype=torch.int64)}
+    result, messages = _warned(lambda: sp.load_into(target, path))
+    assert result.ok and messages == [_expected(path)]
+
+
+def test_a_strided_destination_cast_after_the_reads_is_counted(tmp_path: Path) -> None:
+    """A destination that is not contiguous is read into a buffer, then cast into it."""
+    sp.save({"m": torch.tensor([[1.0, 2.0], [3e5, 4.0]])}, tmp_path / "ckpt")
+    target = {"m": torch.zeros(2, 2, dtype=torch.float16).t()}
+    result, messages = _warned(lambda: sp.load_into(target, tmp_path / "ckpt"))
+    assert result.ok and len(messages) == 1 and "1 value(s) of 'm'" in messages[0], messages
+    assert target["m"].tolist() == [[1.0, 2.0], [float("inf"), 4.0]]
+
+
+def test_fused_hub_weights_cast_to_float16_are_counted(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
+                                        num_experts_per_tok=1)
+    model = transformers.MixtralForCausalLM(config)
+    model.save_pretrained(tmp_path)
+    files = sp.load(tmp_path)
+    key = "model.layers.0.block_sparse_moe.experts.1.w2.weight"  # the Hub's name: fused when loaded
+    assert key in files
+    files[key][0, 0] = 1e7
+    sp.save(files, tmp_path / "hub")
+    empty = sp.empty_model(type(model), config)
+    result, messages = _warned(lambda: sp.load_into(empty, tmp_path / "hub", dtype=torch.float16))
+    assert result.ok, result
+    assert len(messages) == 1 and "1 value(s) of 'model.layers.0.mlp.experts.down_proj'" in messages[0], messages
+    assert "largest magnitude 1e+07" in messages[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_casts_that_keep_every_value_say_nothing(dtype: torch.dtype, tmp_path: Path) -> None:
+    """bfloat16 has float32's range; values within float16's range stay finite."""
+    sp.save({"a": torch.tensor([1.0, -6e4, float("inf"), float("nan")]) * (1e30 if dtype == torch.bfloat16 else 1)},
+            tmp_path / "ckpt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = sp.load(tmp_path / "ckpt", dtype=dtype)
+    assert out["a"].dtype == dtype
