@@ -437,3 +437,90 @@ def test_the_fsdp_example_restores_the_same_step_on_every_rank(tmp_path: Path) -
     assert [o["warned"] for o in outcomes] == [True, True]
     assert [o["resumed"] for o in outcomes] == [4, 4]
     assert sp.CheckpointManager(tmp_path / "root").steps() == [4, 6]
+
+
+# ------------------------------------------------------------------ exit and fork
+
+_EXIT_SCRIPT = r"""
+import sys, torch, shardpoint as sp
+root, how = sys.argv[1], sys.argv[2]
+state = {"w": torch.ones(8)}
+if how == "manager":
+    mgr = sp.CheckpointManager(root + "/run", async_save=True)
+    open(root + "/run/step-000001", "w").write("in the way")   # the save fails in the background
+    mgr.save(1, state)
+elif how == "bare":
+    open(root + "/taken", "w").write("in the way")
+    sp.async_save(state, root + "/taken")
+elif how == "looked":
+    open(root + "/taken", "w").write("in the way")
+    assert sp.async_save(state, root + "/taken").exception() is not None
+else:
+    sp.async_save(state, root + "/fine")
+print("the program ends")
+"""
+
+
+@pytest.mark.parametrize("how", ["manager", "bare", "looked", "fine"])
+def test_an_async_failure_nothing_waited_for_is_reported_at_exit(how: str, tmp_path: Path) -> None:
+    """The last save of a run failed in the background and the program ended without a word
+    (exit 0, nothing on stderr): the run's final checkpoint was lost silently."""
+    import subprocess
+    import sys
+
+    (tmp_path / "run").mkdir()
+    done = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(tmp_path), how], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout == "the program ends\n", done
+    lines = done.stderr.strip().splitlines()
+    if how in ("looked", "fine"):
+        assert lines == [], done.stderr  # seen by the program, or committed: nothing to say
+        assert how == "looked" or sp.load(tmp_path / "fine")["w"].tolist() == [1.0] * 8
+        return
+    path = tmp_path / ("run/step-000001" if how == "manager" else "taken")
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"shardpoint: error: the async save to {path} failed, and nothing in this program "
+                               "waited for it (call .result() on its handle, or CheckpointManager.wait(), before "
+                               "the end): "), lines
+    assert "exists" in lines[0]
+
+
+_FORK_SCRIPT = r"""
+import os, sys, torch, shardpoint as sp
+root = sys.argv[1]
+big = {"w": torch.randn(4 << 20)}                       # 16 MiB: still being written at the fork
+mgr = sp.CheckpointManager(root + "/run", async_save=True)
+mgr.save(1, big)
+pending = sp.async_save(big, root + "/parent")
+pid = os.fork()
+if pid == 0:                                            # the child: its own saves, sync and async
+    try:
+        sp.save({"c": torch.ones(2)}, root + "/child-sync")
+        sp.async_save({"c": torch.ones(3)}, root + "/child-async").result(timeout=60)
+        child = sp.CheckpointManager(root + "/child-run", async_save=True)
+        child.save(1, {"c": torch.ones(4)})
+        child.wait()
+        os._exit(0)
+    except BaseException as exc:
+        print("child:", type(exc).__name__, exc, flush=True)
+        os._exit(1)
+_, status = os.waitpid(pid, 0)
+pending.result()
+mgr.wait()
+print("child exit", os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_saves_in_a_forked_child_run_while_the_parent_s_are_in_flight(tmp_path: Path) -> None:
+    """A child forked with a save in flight (a DataLoader worker, an eval process) waited
+    forever: its copy of the queue waited on the parent's thread, which is not in it."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _FORK_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout == "child exit 0\n", done
+    assert sp.load(tmp_path / "child-sync")["c"].tolist() == [1.0, 1.0]
+    assert sp.load(tmp_path / "child-async")["c"].tolist() == [1.0] * 3
+    assert sp.CheckpointManager(tmp_path / "child-run").steps() == [1]
+    assert torch.equal(sp.load(tmp_path / "parent")["w"], sp.load(tmp_path / "run" / "step-000001")["w"])

@@ -15,9 +15,14 @@ of one) share the process's default queue, :func:`default_queue`.
 
 from __future__ import annotations
 
+import atexit
+import os
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -27,6 +32,7 @@ from ._distributed.group import Group, local_chunk
 from ._distributed.regular import mesh_layout
 from ._gc import collector_paused
 from ._prepare import Component, PreparedState
+from ._printable import printable
 from ._write import SaveInfo
 from .errors import PreviousSaveFailedError
 
@@ -137,8 +143,16 @@ class AsyncSave:
         self.observed = True
         return self._future.result(timeout)
 
+    def wait(self) -> None:
+        """Wait for the background work to finish, without taking its error: an error nobody
+        looked at is still raised by the next save, or reported at exit."""
+        futures.wait([self._future])
+
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        return self._future.exception(timeout)
+        """Wait for the background work; return its error (None when it committed)."""
+        exc = self._future.exception(timeout)
+        self.observed = True
+        return exc
 
 
 class AsyncQueue:
@@ -156,6 +170,28 @@ class AsyncQueue:
         self._executor: ThreadPoolExecutor | None = None  # started with the first save
         self._lock = threading.Lock()
         self._twins: dict[int, tuple[Any, Group]] = {}
+        _queues.add(self)
+
+    def _forget_parent(self) -> None:
+        """In a child made by ``fork()``: the parent's thread is not in this process, so its
+        last save is the parent's business; this queue starts afresh (a save here would
+        wait forever for work no thread runs)."""
+        self.last = None
+        self._executor = None
+        self._lock = threading.Lock()
+        self._twins = {}
+
+    def unseen_failure(self) -> str | None:
+        """What to say at exit of a finished save that failed and that nobody looked at."""
+        last = self.last
+        if last is None or last.observed or not last.done():
+            return None
+        exc = last._future.exception()
+        if exc is None:
+            return None
+        return (f"shardpoint: error: the async save to {printable(last.path)} failed, and nothing in this program "
+                f"waited for it (call .result() on its handle, or CheckpointManager.wait(), before the end): "
+                f"{printable(str(exc))}")
 
     def background_group(self, group: Group) -> Group:
         """A gloo group twin of ``group`` for this queue's background collectives.
@@ -185,7 +221,7 @@ class AsyncQueue:
         last = self.last
         if last is None or last.observed:
             return
-        exc = last.exception()  # waits for it to finish
+        exc = last._future.exception()  # waits for it to finish
         if exc is None or last.observed:
             return
         last.observed = True
@@ -199,7 +235,7 @@ class AsyncQueue:
         self.raise_unobserved_failure()
         last = self.last
         if last is not None:
-            last._future.exception()  # an error seen already: just wait for the end
+            last.wait()  # an error seen already: just wait for the end
 
     def submit(
         self,
@@ -227,6 +263,28 @@ class AsyncQueue:
         """Bytes held by this queue's reusable staging buffer."""
         return self.pool.nbytes
 
+
+_queues: weakref.WeakSet[AsyncQueue] = weakref.WeakSet()
+"""Every queue of this process: told of a ``fork()``, and asked at exit for failures
+nobody saw."""
+
+
+def _after_fork_in_child() -> None:
+    for queue in list(_queues):
+        queue._forget_parent()
+
+
+def _report_unseen_failures() -> None:
+    """At exit (after the queues' threads finished their last saves): a save that failed
+    where nothing looked would otherwise end the program without a word."""
+    for queue in list(_queues):
+        message = queue.unseen_failure()
+        if message is not None:
+            print(message, file=sys.stderr, flush=True)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(_report_unseen_failures)
 
 _default = AsyncQueue()
 

@@ -233,7 +233,7 @@ class ShardpointTrainerMixin:
             # training failed: still let a pending checkpoint commit, but raise the training error
             pending, self._shardpoint_pending = self._shardpoint_pending, None
             if pending is not None:
-                pending.exception()
+                pending.wait()  # its own failure, if any, is reported at exit
             raise
         self._wait_for_checkpoint()
         return output
