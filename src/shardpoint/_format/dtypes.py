@@ -147,6 +147,10 @@ def range_lost(stored: torch.dtype, target: torch.dtype) -> float | None:
     return largest if largest * 2 < float(torch.finfo(stored).max) else None
 
 
+_REDUCIBLE = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+"""Floating-point dtypes torch takes the minimum and maximum of directly."""
+
+
 class OutOfRange:
     """A tally, per tensor, of the finite values a cast to a narrower float pushed past its
     range (safe to add to from the reader threads); :meth:`message` says what became of them.
@@ -170,6 +174,10 @@ class OutOfRange:
         if largest is None or source.numel() == 0:
             return
         values = source.detach()
+        if values.dtype not in _REDUCIBLE:  # the float8s: no min / max kernels; widened a part at a time
+            for part in values.reshape(-1).split(1 << 20):
+                self.check(label, part.float(), target)
+            return
         if values.dtype == torch.float32 and values.device.type == "cpu":
             flat = values.numpy()  # numpy's min / max: a third of the time of torch's aminmax
             low, high = float(flat.min()), float(flat.max())
