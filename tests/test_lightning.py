@@ -191,6 +191,8 @@ def _checkpoint_dict() -> dict:
         "hyper_parameters": AttributeDict(lr=0.1, args=argparse.Namespace(depth=2, act="relu")),
         "my key/with slash": {"x": 1},
         "shardpoint": "a key named like a reserved component",
+        "model-00001-of-00002": {"x": 2},  # named like a data file of the model: kept apart
+        "Callbacks": {"x": 3},  # differs from "callbacks" only in case: one file on macOS
     }
 
 
@@ -217,6 +219,7 @@ def test_round_trip_structure_and_types(tmp_path) -> None:
     assert type(got["hyper_parameters"]["args"]) is argparse.Namespace
     assert got["my key/with slash"] == {"x": 1}
     assert got["shardpoint"] == "a key named like a reserved component"
+    assert got["model-00001-of-00002"] == {"x": 2} and got["Callbacks"] == {"x": 3}
     # The model component is a plain safetensors file of the LightningModule's weights.
     assert sorted(sp.load(path, keys=["model"])["model"]) == ["net.bias", "net.weight"]
     assert cli_main(["verify", str(path)]) == 0

@@ -1377,6 +1377,24 @@ def _nothing_written(tmp_path: Path) -> None:
             "top-level key '../evil' of the state",
             id="component-name",
         ),
+        pytest.param(  # its file, model-00001-of-00002.safetensors, would overwrite model's first shard
+            lambda: {"model": {f"w{i}": torch.zeros(64) for i in range(4)}, "model-00001-of-00002": {"n": 1}},
+            "top-level key 'model-00001-of-00002' of the state cannot name a component: "
+            "model-00001-of-00002.safetensors is the name of one of another component's data files, which it "
+            "would overwrite; rename the key (e.g. 'model_00001_of_00002')",
+            id="component-named-like-a-shard",
+        ),
+        pytest.param(
+            lambda: {"optim": {"w": torch.zeros(1)}, "optim-r00000-00000": {"w": torch.zeros(1)}},
+            "top-level key 'optim-r00000-00000' of the state cannot name a component",
+            id="component-named-like-a-rank-file",
+        ),
+        pytest.param(
+            lambda: {"Optim": {"w": torch.zeros(1)}, "optim": {"w": torch.zeros(1)}},
+            "top-level keys 'Optim' and 'optim' of the state differ only in case: their files would be one file "
+            "on a case-insensitive filesystem",
+            id="components-differing-in-case",
+        ),
         pytest.param(lambda: {}, "the state is empty", id="empty"),
         pytest.param(
             lambda: [torch.zeros(1)],

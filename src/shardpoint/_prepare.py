@@ -81,7 +81,17 @@ def split_components(state: Any) -> tuple[dict[str, Any], bool]:
                     f"key {key!r} of the state dict is a {type(key).__name__}; tensor names must be str"
                 )
         return {"model": state}, True
-    return {validate_component_key(k): v for k, v in state.items()}, False
+    components = {validate_component_key(k): v for k, v in state.items()}
+    folded: dict[str, str] = {}
+    for name in components:
+        other = folded.setdefault(name.casefold(), name)
+        if other != name:
+            raise InvalidStateError(
+                f"top-level keys {other!r} and {name!r} of the state differ only in case: their files would be "
+                "one file on a case-insensitive filesystem (macOS, Windows), each overwriting the other's; "
+                "rename one of them"
+            )
+    return components, False
 
 
 def check_tensor(name: str, component: str, tensor: torch.Tensor) -> None:

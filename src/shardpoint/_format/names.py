@@ -88,11 +88,33 @@ def check_component_name(name: object, *, where: str) -> str:
     return name
 
 
+_FILE_STEM = re.compile(r".+-(?:[0-9]+-of-[0-9]+|r[0-9]+-[0-9]+)")
+"""The stem of one of a component's data files (``model-00001-of-00002``, chunked
+``model-r00000-00001``): a component named so would write its file over that one."""
+
+
+def is_component_key(name: object) -> bool:
+    """Whether a top-level key of a saved state can name a component (its files' prefix).
+
+    >>> is_component_key("optim"), is_component_key("model-00001-of-00002"), is_component_key("a/b")
+    (True, False, False)
+    """
+    return (isinstance(name, str) and bool(_COMPONENT_RE.match(name)) and name not in _RESERVED
+            and not _FILE_STEM.fullmatch(name))
+
+
 def validate_component_key(name: object) -> str:
     """Check a top-level key of the state passed to ``save``."""
-    if not isinstance(name, str) or not _COMPONENT_RE.match(name) or name in _RESERVED:
+    if isinstance(name, str) and _FILE_STEM.fullmatch(name):
+        raise InvalidStateError(
+            f"top-level key {name!r} of the state cannot name a component: {name}.safetensors is the name of "
+            "one of another component's data files, which it would overwrite; rename the key "
+            f"(e.g. {name.replace('-', '_')!r})"
+        )
+    if not is_component_key(name):
         raise InvalidStateError(
             f"top-level key {name!r} of the state cannot name a component: components become "
             "file prefixes, so use letters, digits, '_', '.' or '-' (not 'shardpoint' or 'latest')"
         )
+    assert isinstance(name, str)
     return name

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from .._format.names import is_component_key
+
 COMPONENT_OF_KEY = {"state_dict": "model", "optimizer_states": "optim"}
 """Lightning's top-level keys stored under another component name."""
 
@@ -23,14 +25,8 @@ def _component_for(key: Any) -> str:
     """The component a top-level key of a Lightning checkpoint is stored as."""
     if key in COMPONENT_OF_KEY:
         return COMPONENT_OF_KEY[key]
-    if (
-        isinstance(key, str)
-        and key not in _RESERVED_COMPONENTS
-        and 0 < len(key) <= 100
-        and (key[0].isascii() and (key[0].isalnum() or key[0] == "_"))
-        and all(c.isascii() and (c.isalnum() or c in "_.-") for c in key)
-    ):
-        return key
+    if is_component_key(key) and key not in _RESERVED_COMPONENTS:
+        return str(key)
     return EXTRA_COMPONENT
 
 
@@ -59,8 +55,12 @@ def to_shardpoint_state(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], 
     state: dict[str, Any] = {}
     keys: list[list[Any]] = []
     extra: dict[Any, Any] = {}
+    folded = {EXTRA_COMPONENT}
     for key, value in checkpoint.items():
         component = _component_for(key)
+        if component != EXTRA_COMPONENT and component.casefold() in folded:
+            component = EXTRA_COMPONENT  # differs from another's name only in case: one file on macOS
+        folded.add(component.casefold())
         if component == EXTRA_COMPONENT:
             extra[key] = _plain(value)
         else:
