@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -288,3 +289,28 @@ def test_hub_files_load_into_a_wrapped_model_through_its_conversions(family: str
     _assert_same(inner, model)
     ids = torch.randint(0, 64, (1, 7))
     assert torch.equal(inner.eval()(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("empty", [False, True])
+def test_a_tensor_stored_under_the_hub_s_name_and_the_model_s_is_compared(empty: bool, tmp_path: Path) -> None:
+    """Files holding ``embed_out.weight`` and ``lm_head.weight``: the conversions load both
+    into ``lm_head.weight``. The last one in the files won, with ok=True and nothing
+    unexpected; now equal copies load and different ones are refused, naming both."""
+    cls, config, model = _hub_files("gpt_neox", tmp_path / "hub")
+    files = sp.load(tmp_path / "hub")
+    sp.save({**files, "lm_head.weight": files["embed_out.weight"].clone()}, tmp_path / "same")
+    sp.save({**files, "lm_head.weight": files["embed_out.weight"] + 1}, tmp_path / "other")
+
+    def target() -> torch.nn.Module:
+        torch.manual_seed(1)
+        return sp.empty_model(cls, config) if empty else cls(config).eval()
+
+    same = target()
+    result = sp.load_into(same, tmp_path / "same")
+    assert result.ok and result.unexpected_keys == [], result
+    _assert_same(same, model)
+    with pytest.raises(sp.LoadMismatchError, match=re.escape(
+            "the checkpoint holds 'lm_head.weight' twice, as 'embed_out.weight' and as 'lm_head.weight' (the "
+            "model's weight conversions load both into it, as from_pretrained renames them), with different "
+            "values; loading both into one tensor would drop one")):
+        sp.load_into(target(), tmp_path / "other")

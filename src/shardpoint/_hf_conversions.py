@@ -106,11 +106,26 @@ class Conversions:
     """Checkpoint key -> model key, for each key a rename changes."""
     fusions: list[Fusion] = field(default_factory=list)
 
-    def remaining(self, saved: Mapping[str, str]) -> dict[str, str]:
+    def remaining(self, saved: Mapping[str, str]) -> tuple[dict[str, str], dict[str, list[tuple[str, str]]]]:
         """``saved`` (checkpoint key -> stored name) less the fusions' sources, renamed as
-        the conversions rename: what is left to match by name."""
+        the conversions rename: what is left to match by name; and, for each renamed key
+        that two or more checkpoint keys become (files holding a tensor under the Hub's name
+        and the model's, ``embed_out.weight`` and ``lm_head.weight``), the (checkpoint key,
+        stored name) of each one after the first, whose values must be the first's."""
         consumed = {k for fusion in self.fusions for k, _ in fusion.sources}
-        return {self.renamed.get(k, k): name for k, name in saved.items() if k not in consumed}
+        out: dict[str, str] = {}
+        first: dict[str, str] = {}
+        also: dict[str, list[tuple[str, str]]] = {}
+        for k, name in saved.items():
+            if k in consumed:
+                continue
+            key = self.renamed.get(k, k)
+            if key in out:
+                also.setdefault(key, []).append((k, name))
+                continue
+            out[key] = name
+            first[key] = k
+        return out, also
 
 
 def _transforms(module: Any) -> list[Any]:

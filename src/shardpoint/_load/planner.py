@@ -232,11 +232,14 @@ class Planner:
 
     def tensors_into(self, targets: Mapping[str, torch.Tensor], names: Mapping[str, str],
                      comp: ComponentRecord, prefix: str, module: torch.nn.Module | None,
-                     fit: _ModuleLoad | None = None, saved_names: Mapping[str, str] | None = None) -> None:
+                     fit: _ModuleLoad | None = None, saved_names: Mapping[str, str] | None = None,
+                     also: Mapping[str, list[tuple[str, str]]] | None = None) -> None:
         """Fill target tensors in place; ``names`` maps a target key to its saved tensor name.
 
         ``saved_names`` (saved tensor name -> the key it has in the checkpoint's tree) names
         the unexpected keys when ``names`` was renamed; by default they are ``names``' keys.
+        ``also``: target key -> (checkpoint key, stored name) of the other stored tensors the
+        conversions load into it, read aside and compared with what it gets.
         """
         matched = []
         lossy: list[tuple[str, str | torch.dtype, torch.dtype]] = []
@@ -351,18 +354,50 @@ class Planner:
                 self.batch.fill(record, _writable(local.detach(), prefix + key), stored, offsets)
             else:
                 self.batch.fill(record, _writable(tensor.detach(), prefix + key), stored)
+        for key, others in (also or {}).items():
+            if key not in is_matched:
+                continue
+            tensor = targets[key]
+            earlier = materialized.get(id(tensor))
+            region: tuple[int, ...] | None = None
+            holds: torch.Tensor | None
+            if earlier is not None:
+                holds = earlier[3]
+            elif self._new_home(key, tensor, fit) is not None:
+                holds = None  # kept off this process by the device map
+            elif type(tensor).__name__ == "DTensor":
+                _global_shape, region, local = local_chunk(tensor)
+                holds = local.detach()
+            else:
+                holds = tensor.detach()
+            for checkpoint_key, stored in others:
+                if holds is not None:
+                    record = comp.tensors[comp.aliases.get(stored, stored)]
+                    self._same_values(holds, record, stored, prefix, names[key], key, offsets=region,
+                                      twice=checkpoint_key)
 
     def _same_values(self, filled: torch.Tensor, record: Any, stored: str, prefix: str, first: str,
-                     key: str) -> None:
+                     key: str, *, offsets: tuple[int, ...] | None = None, twice: str | None = None) -> None:
         """``key`` and ``first`` name one tensor of the target (tied) but two stored tensors:
         read ``stored`` aside and, once the load has run, refuse the load if its values are not
-        those ``first`` read into ``filled`` (one of the two would be dropped without a word)."""
+        those ``first`` read into ``filled`` (one of the two would be dropped without a word).
+        ``twice``: instead, ``key`` is one target tensor that the checkpoint holds twice, as
+        ``first`` (a stored name) and as checkpoint key ``twice``, both of which the model's
+        conversions load into it. ``offsets``: where ``filled`` (a DTensor's shard) begins."""
         aside = allocate(tuple(filled.shape), filled.dtype, filled.device, self.location, stored)
-        self.batch.fill(record, aside, stored)
+        self.batch.fill(record, aside, stored, offsets)
 
         def compare() -> None:
             same = torch.equal(aside, filled) or (
                 filled.is_floating_point() and bool(((aside == filled) | (aside.isnan() & filled.isnan())).all()))
+            if not same and twice is not None:
+                raise LoadMismatchError(
+                    f"{self.location}: the checkpoint holds {prefix + key!r} twice, as {first!r} and as {twice!r} "
+                    "(the model's weight conversions load both into it, as from_pretrained renames them), with "
+                    "different values; loading both into one tensor would drop one. Keep one of the two in the "
+                    "files (sp.load, delete one key, sp.save). The target may now hold part of this checkpoint's "
+                    "values"
+                )
             if not same:  # bit-identical copies holding NaN are the same values
                 raise LoadMismatchError(
                     f"{self.location}: {prefix + first!r} and {prefix + key!r} share one tensor in the target "
@@ -409,6 +444,7 @@ class Planner:
         """:meth:`module_into` of ``target`` itself, its state dict ``targets`` and the
         conversions its files need already known."""
         prefix = f"{path}/" if path else ""
+        twice: dict[str, list[tuple[str, str]]] = {}
         everything = _module_fit.module_tensors(target)
         float_dtype, buffer_dtypes = _module_fit.float_dtypes(target, self.dtype)
         fit = _ModuleLoad(
@@ -424,7 +460,7 @@ class Planner:
             fit.fused.update(k for f in conversions.fusions for k in f.outputs)
             self.fusions.extend(planned)
             self.mismatched.extend((prefix + k, made, have) for k, made, have in wrong)
-            saved = conversions.remaining(saved)
+            saved, twice = conversions.remaining(saved)
             targets = {k: t for k, t in targets.items() if k not in fit.fused}
         base = getattr(target, "base_model_prefix", None)
         rename = _module_fit.match_prefix(targets, saved, base if isinstance(base, str) else None)
@@ -434,8 +470,9 @@ class Planner:
         if rename is not None:
             self.prefix_mapping[path] = rename
         names = {k: saved[s] for k, s in by_target.items()}
+        also = {k: twice[s] for k, s in by_target.items() if s in twice}
         missing_from, unexpected_from = len(self.missing), len(self.unexpected)
-        self.tensors_into(targets, names, comp, prefix, target, fit, {v: k for k, v in saved.items()})
+        self.tensors_into(targets, names, comp, prefix, target, fit, {v: k for k, v in saved.items()}, also)
         ignore_missing, ignore_unexpected = _module_fit.ignored_on_load(target)
         if ignore_unexpected is not None:  # never read; from_pretrained does not report them either
             self.unexpected[unexpected_from:] = [
