@@ -149,10 +149,10 @@ class AsyncSave:
         futures.wait([self._future])
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        """Wait for the background work; return its error (None when it committed)."""
-        exc = self._future.exception(timeout)
-        self.observed = True
-        return exc
+        """Wait for the background work; return its error (None when it committed). Only
+        ``result()`` counts as seeing it: an error not raised there is still raised by the
+        next save, or reported at exit."""
+        return self._future.exception(timeout)
 
 
 class AsyncQueue:

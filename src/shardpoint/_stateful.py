@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, cast, runtime_checkable
 
@@ -285,6 +286,11 @@ class RNGState:
     CPU generator and, when CUDA is available, every CUDA device's generator. Put it in the
     state to save, and in the target to restore.
 
+    Under ``torch.distributed`` (more than one rank) each rank's generators are kept under
+    its rank (``{"ranks": {"3": ...}}``): a collective save keeps every rank's, and each
+    rank restores its own. A rank the checkpoint holds none for (saved by rank 0 alone, or
+    by fewer ranks) keeps its generators as they are, with a warning.
+
     Example:
         >>> import torch, shardpoint as sp
         >>> rng = sp.RNGState()
@@ -296,7 +302,8 @@ class RNGState:
     def state_dict(self) -> dict[str, Any]:
         version, internal, gauss = random.getstate()
         sd: dict[str, Any] = {
-            "python": {"version": version, "state": list(internal), "gauss": gauss},
+            # A tensor, not 625 JSON numbers: a collective save holds one per rank.
+            "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
             "torch": torch.get_rng_state(),
         }
         try:
@@ -319,21 +326,45 @@ class RNGState:
             }
         if torch.cuda.is_available():
             sd["cuda"] = list(torch.cuda.get_rng_state_all())
-        return sd
+        rank = _distributed_rank()
+        return sd if rank is None else {"ranks": {str(rank): sd}}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        py = state_dict["python"]
-        random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
-        torch.set_rng_state(state_dict["torch"].to(torch.uint8).cpu())
-        if "numpy" in state_dict:
+        own: Mapping[str, Any] | None = state_dict
+        if "ranks" in state_dict:
+            ranks = state_dict["ranks"]
+            rank = _distributed_rank() or 0
+            own = ranks.get(str(rank))
+            if own is None:
+                held = ", ".join(sorted(ranks, key=lambda r: int(r) if str(r).isdigit() else -1))
+                warnings.warn(
+                    f"RNGState: the checkpoint holds the random generators of rank(s) {held} only, not rank {rank}'s "
+                    "(it was saved by rank 0 alone, or by fewer ranks); this rank's generators are left as they are",
+                    stacklevel=2,
+                )
+                return
+        py = own["python"]
+        internal = py["state"]
+        internal = internal.tolist() if isinstance(internal, torch.Tensor) else internal
+        random.setstate((py["version"], tuple(int(v) for v in internal), py["gauss"]))
+        torch.set_rng_state(own["torch"].to(torch.uint8).cpu())
+        if "numpy" in own:
             import numpy as np
 
-            npst = state_dict["numpy"]
+            npst = own["numpy"]
             np.random.set_state(
                 (npst["kind"], npst["keys"].numpy().astype("uint32"), npst["pos"], npst["has_gauss"], npst["cached_gaussian"])
             )
-        if "cuda" in state_dict and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([t.cpu() for t in state_dict["cuda"]])
+        if "cuda" in own and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([t.cpu() for t in own["cuda"]])
+
+
+def _distributed_rank() -> int | None:
+    """This process's rank when ``torch.distributed`` runs more than one, else None."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return int(dist.get_rank())
+    return None
 
 
 def empty_model(factory: Callable[..., torch.nn.Module], *args: Any, **kwargs: Any) -> torch.nn.Module:

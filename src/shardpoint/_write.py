@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ._checksum import crc32c
-from ._distributed import regular
+from ._distributed import regular, trees
 from ._distributed import save as steps
 from ._distributed.group import Group
 from ._distributed.plan_cache import PLANS, Offer, fingerprint
@@ -99,6 +99,8 @@ class _Assignment(NamedTuple):
 
 
 RESEND = "resend"
+RESEND_TREES = "resend-trees"
+"""The coordinator's answer when the ranks' trees differ: (it, the components whose trees it needs)."""
 """The coordinator's answer when a rank left out a chunk list the coordinator does not hold."""
 
 
@@ -187,24 +189,34 @@ def write_checkpoint(
     hf_files: steps.HfFiles | None = None
     by_rules = chunked and group.distributed  # a regular state is then planned by rules
     resend = False
+    trees_wanted: list[str] | None = None  # components whose trees the coordinator asked for
+    merged_trees: dict[str, Any] = {}  # the coordinator's: component -> every rank's tree merged
 
     # Messages travel as plain tuples (``Offer``, ``_Assignment`` rebuilt on arrival): a
     # coordinator of 16 384 ranks pickles and unpickles one per rank, every save.
     def plan() -> tuple[_Local, tuple[Any, ...]]:
         host = socket.gethostname()
+        # Each component's tree as a digest; the trees themselves when the coordinator asks.
+        shape = ((trees.digests(prepared), None if trees_wanted is None else trees.trees_of(prepared, trees_wanted))
+                 if group.distributed else ({}, None))
         if by_rules:
             desc = regular.describe(prepared, group.ranks)
             if desc is not None:
                 fp = "rules:" + regular.digest(desc.entries, group.world_size)
-                return _Local(desc, [], {}, fp), tuple(PLANS.offer(fp, None, host, rules=True))
+                return _Local(desc, [], {}, fp), (tuple(PLANS.offer(fp, None, host, rules=True)), *shape)
         mine, local_tensors = steps._plan_local(prepared)
         fp = fingerprint(layout, group.world_size, group.rank, mine)
-        return _Local(None, mine, local_tensors, fp), tuple(PLANS.offer(fp, mine, host, rules=False, full=resend))
+        return _Local(None, mine, local_tensors, fp), (tuple(PLANS.offer(fp, mine, host, rules=False, full=resend)),
+                                                       *shape)
 
     def assign(sent: list[tuple[Any, ...]]) -> list[tuple[Any, ...] | str]:
         """The coordinator: who writes what (or the plan agreed before), then the transaction."""
-        nonlocal txn, all_plans, hf_files
-        offers = [Offer._make(o) for o in sent]
+        nonlocal txn, all_plans, hf_files, merged_trees
+        offers = [Offer._make(o[0]) for o in sent]
+        differ = trees.differing([o[1] for o in sent]) if group.distributed else []
+        if differ and sent[0][2] is None:
+            return [(RESEND_TREES, differ)] * len(offers)  # some ranks hold entries of their own
+        merged_trees = trees.merged([o[2] for o in sent], differ) if differ else {}
         agreed = PLANS.agreed(offers)
         rules = all(o.fingerprint == offers[0].fingerprint for o in offers) and offers[0].fingerprint.startswith("rules:")
         total = 0
@@ -218,7 +230,7 @@ def write_checkpoint(
             if lists is None:
                 PLANS.resend()
                 return [RESEND] * len(offers)  # a rank left out a list this coordinator does not hold
-            steps.check_names(prepared, lists)
+            steps.check_names(prepared, lists, {(c, n) for c, t in merged_trees.items() for n in trees.tensor_names(t)})
             steps.check_agreement(lists)
             all_plans, writes, total = steps.assign(lists, chunked=chunked)
             plan_id = PLANS.agree(offers, (all_plans, writes, total), lists)
@@ -235,7 +247,7 @@ def write_checkpoint(
                 for w, part, o in zip(writes, parts, offers, strict=True)]
 
     try:
-        for _attempt in range(2):
+        for _attempt in range(3):
             local_state, answer = group.exchange(
                 "planning the save", plan, assign, deciding="creating the checkpoint directory",
                 # The call's arguments too: a rank asking not to overwrite, or for another layout or
@@ -243,6 +255,9 @@ def write_checkpoint(
                 identity=(f"saving to {store.location} (overwrite={overwrite}, layout={layout}, "
                           f"max_shard_size={max_shard_bytes})"),
             )
+            if isinstance(answer, tuple) and answer[0] == RESEND_TREES:
+                by_rules, trees_wanted = False, list(answer[1])  # merged from every rank's: planned from lists
+                continue
             if answer != RESEND:
                 break
             by_rules, resend = False, True  # someone's chunk list is needed: every rank sends its own
@@ -299,20 +314,21 @@ def write_checkpoint(
         def commit(reports: list[_RankReport]) -> list[dict[str, int] | None]:
             """The coordinator, once every rank has written: extras, indexes, the manifest, commit."""
             assert txn is not None
+            whole = trees.with_trees(prepared, merged_trees)  # every rank's entries in the manifest's trees
             if job.by_rules:
                 assert local_state.desc is not None
-                comps = regular.records(prepared, local_state.desc, rules_held)
+                comps = regular.records(whole, local_state.desc, rules_held)
                 everything = {name: size for files, _ in reports for name, size in files.items()}
                 written = Written(job.save_id, layout, group.world_size, comps, {}, {},
                                   tuple(table for _, table in reports))
-                commit_written(txn, prepared, written, metadata=metadata, durable=durable, extras=extras)
+                commit_written(txn, whole, written, metadata=metadata, durable=durable, extras=extras)
                 return [everything] + [None] * (group.world_size - 1)  # the others know their own
             if hf_files is None:
-                records = steps.chunked_records(prepared, all_plans, reports)
+                records = steps.chunked_records(whole, all_plans, reports)
             else:
-                records = steps.hf_records(prepared, reports, hf_files)
+                records = steps.hf_records(whole, reports, hf_files)
             written = Written(job.save_id, layout, group.world_size, *records)
-            commit_written(txn, prepared, written, metadata=metadata, durable=durable, extras=extras)
+            commit_written(txn, whole, written, metadata=metadata, durable=durable, extras=extras)
             return [written.files] * group.world_size
 
         own_files, data_files = group.exchange(

@@ -28,7 +28,7 @@ from __future__ import annotations
 import datetime as _dt
 import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Any, NamedTuple
 
 import torch
@@ -90,10 +90,12 @@ def _wanted(plan: ChunkPlan) -> bool:
     return plan.nbytes > 0 or math.prod(plan.global_shape) == 0
 
 
-def check_names(prepared: PreparedState, all_plans: Sequence[Sequence[ChunkPlan]]) -> None:
-    """Refuse a tensor some rank holds that the coordinator's state does not have: the
-    manifest's tree is the coordinator's, so it would be saved but never loaded."""
-    known = {(comp.name, name) for comp in prepared.components for name in comp.stored}
+def check_names(prepared: PreparedState, all_plans: Sequence[Sequence[ChunkPlan]],
+                merged: Set[tuple[str, str]] = frozenset()) -> None:
+    """Refuse a tensor some rank holds that the coordinator's state does not have, unless
+    the trees merged from every rank's (``merged``: (component, name) of their tensors)
+    refer to it: else it would be saved but never loaded."""
+    known = {(comp.name, name) for comp in prepared.components for name in comp.stored} | merged
     for rank, plans in enumerate(all_plans):
         for p in plans:
             if (p.component, p.name) not in known:
