@@ -330,12 +330,11 @@ class RNGState:
         return sd if rank is None else {"ranks": {str(rank): sd}}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        own: Mapping[str, Any] | None = state_dict
+        own: Mapping[str, Any] = state_dict
         if "ranks" in state_dict:
             ranks = state_dict["ranks"]
             rank = _distributed_rank() or 0
-            own = ranks.get(str(rank))
-            if own is None:
+            if str(rank) not in ranks:
                 held = ", ".join(sorted(ranks, key=lambda r: int(r) if str(r).isdigit() else -1))
                 warnings.warn(
                     f"RNGState: the checkpoint holds the random generators of rank(s) {held} only, not rank {rank}'s "
@@ -343,6 +342,7 @@ class RNGState:
                     stacklevel=2,
                 )
                 return
+            own = ranks[str(rank)]
         py = own["python"]
         internal = py["state"]
         internal = internal.tolist() if isinstance(internal, torch.Tensor) else internal
