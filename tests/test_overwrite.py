@@ -766,3 +766,59 @@ def test_an_existing_empty_directory_is_written_into_without_overwrite(tmp_path:
     with pytest.raises(sp.CheckpointExistsError):
         sp.save({"w": torch.zeros(2)}, link)
     assert os.listdir(tmp_path / "elsewhere") == []
+
+
+def _overwrite_read_only(root: Path, notes: bool) -> str:
+    d = root / "ck"
+    sp.save({"w": torch.ones(1 << 16)}, d)
+    if notes:
+        (d / "notes.txt").write_text("mine")
+    os.chmod(d, 0o555)  # the owner protects the finished checkpoint
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sp.save({"w": torch.full((1 << 16,), 2.0)}, d, overwrite=True)
+    return f"{sp.load(d)['w'][0].item()} {oct(os.stat(d).st_mode & 0o777)} {sorted(os.listdir(root))} " \
+           f"{sorted(os.listdir(d))}"
+
+
+@pytest.mark.parametrize("notes", [True, False])
+def test_overwriting_a_folder_its_owner_made_read_only_leaves_nothing_behind(notes: bool, tmp_path: Path) -> None:
+    """chmod 555 on a checkpoint, then an overwrite by its (unprivileged) owner: the new
+    folder took the mode before the files were carried in (a StorageError that said the
+    temporary directory was removed, with a whole checkpoint left hidden), and the old one
+    could not be removed (kept hidden, without a word, through every later save)."""
+    if os.geteuid() != 0:
+        root = tmp_path / "run"
+        root.mkdir()
+        got = _overwrite_read_only(root, notes)
+    else:  # root writes anywhere: the owner is the unprivileged "nobody", in a child process
+        import pwd
+        import tempfile
+
+        nobody = pwd.getpwnam("nobody")
+        root = Path(tempfile.mkdtemp(prefix="sp-read-only-"))  # under /tmp, which nobody may reach
+        os.chown(root, nobody.pw_uid, nobody.pw_gid)
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child's outcome comes back through the pipe
+            text = "the child failed"
+            try:
+                os.setgid(nobody.pw_gid)
+                os.setuid(nobody.pw_uid)
+                text = _overwrite_read_only(root, notes)
+            except BaseException as exc:
+                text = f"{type(exc).__name__}: {exc}"
+            finally:
+                os.write(write_end, text.encode())
+                os._exit(0)
+        os.close(write_end)
+        with os.fdopen(read_end) as pipe:
+            got = pipe.read()
+        os.waitpid(pid, 0)
+    try:
+        files = ["model.safetensors", "shardpoint.json"] + (["notes.txt"] if notes else [])
+        assert got == f"2.0 0o555 ['ck'] {sorted(files)}", got
+    finally:
+        if (root / "ck").exists():
+            os.chmod(root / "ck", 0o755)
+        shutil.rmtree(root, ignore_errors=True)

@@ -98,6 +98,9 @@ class LocalTransaction(Transaction):
         self._done = False
         self._components: set[str] = set()
         """The components of the new checkpoint (read from its manifest before the swap)."""
+        self._mode_after: int | None = None
+        """The permission bits a replaced folder had that its owner could not write: the
+        new one gets them once the replacement is done."""
 
     def _check_target(self) -> None:
         if not os.path.lexists(self.final):
@@ -194,6 +197,9 @@ class LocalTransaction(Transaction):
                     moved = finish_replaced(
                         old, str(self.final), replaced=replaced, carried=carried, components=self._components
                     )
+                    if self._mode_after is not None:
+                        with contextlib.suppress(OSError):
+                            os.chmod(self.final, self._mode_after)
                 if durable and moved:
                     fsync_dir(self.final)
         finally:
@@ -210,9 +216,12 @@ class LocalTransaction(Transaction):
         fd = os.open(old, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         try:
             lock_nowait(fd)
-            # The folder keeps its permission bits (a group-shared 2775 model folder stays so).
+            # The folder keeps its permission bits (a group-shared 2775 model folder stays so);
+            # one its owner may not write (chmod 555) gets them once the replacement is done.
+            mode = stat.S_IMODE(os.fstat(fd).st_mode)
+            self._mode_after = None if mode & stat.S_IRWXU == stat.S_IRWXU else mode
             with contextlib.suppress(OSError):
-                os.chmod(self.directory, stat.S_IMODE(os.fstat(fd).st_mode))
+                os.chmod(self.directory, mode | stat.S_IRWXU)
             names = os.listdir(old)
             replaced = owned_names(old, names, components) | new_names
             carried = carry_over(old, self.directory, replaced, durable=durable)

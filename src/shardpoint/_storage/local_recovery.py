@@ -128,10 +128,37 @@ def marker_name(directory: str) -> str:
     return f"{SAVE_MARKER}-{os.path.basename(directory).rpartition(TMP_MARKER)[2][-_HEX:]}"
 
 
+def remove_tree(path: str) -> bool:
+    """Remove a directory tree of ours (a save's temporary directory, a replaced checkpoint);
+    directories in it that were made read-only (``chmod 555`` of a checkpoint folder) are
+    made writable first, as ``rm -rf`` by their owner would need. True when it is gone."""
+    shutil.rmtree(path, ignore_errors=True)
+    if not os.path.lexists(path):
+        return True
+    _writable_dirs(path)
+    shutil.rmtree(path, ignore_errors=True)
+    return not os.path.lexists(path)
+
+
+def _writable_dirs(path: str) -> None:
+    """Give the owner write and search permission on ``path`` and every directory under it."""
+    def own(directory: str) -> None:
+        with contextlib.suppress(OSError):
+            mode = os.lstat(directory).st_mode
+            if stat.S_ISDIR(mode) and mode & stat.S_IRWXU != stat.S_IRWXU:
+                os.chmod(directory, stat.S_IMODE(mode) | stat.S_IRWXU)
+
+    own(path)
+    for root, dirs, _ in os.walk(path):
+        for name in dirs:
+            own(os.path.join(root, name))
+
+
 def remove_temp(directory: str) -> None:
     """Remove a save's own temporary directory, its marker last: cut short (a kill), what
     is left is still recognised as a dead save's and removed by the next save."""
     marker = marker_name(directory)
+    _writable_dirs(directory)
     try:
         entries = list(os.scandir(directory))
     except OSError:
@@ -139,7 +166,7 @@ def remove_temp(directory: str) -> None:
     for entry in entries:
         if entry.name != marker:
             if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path, ignore_errors=True)
+                remove_tree(entry.path)
             else:
                 with contextlib.suppress(OSError):
                     os.unlink(entry.path)
@@ -344,10 +371,15 @@ def finish_replaced(old: str, final: str, *, replaced: set[str] | None = None,
             stacklevel=3,
         )
         return moved > 0
-    shutil.rmtree(old, ignore_errors=True)
-    if not os.path.lexists(old):  # the record is needed until the old directory is gone
+    if remove_tree(old):  # the record is needed until the old directory is gone
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(final, marker_name(old)))
+    else:
+        warnings.warn(
+            f"{final} was replaced, but the previous checkpoint could not be removed from {old} (its files "
+            "or folders may not be ours to delete); delete it yourself to free its space",
+            stacklevel=3,
+        )
     return moved > 0
 
 
