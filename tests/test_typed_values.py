@@ -77,6 +77,17 @@ def _values() -> dict[str, Any]:
         "day": datetime.date(1999, 12, 31),
         "clock": datetime.time(23, 59, 59, 999999),
         "span": datetime.timedelta(days=-2, seconds=5, microseconds=7),
+        # What torch.load(weights_only=True) rebuilds too (a Lightning module's hyperparameters).
+        "dtype": torch.bfloat16,
+        "fp8": torch.float8_e4m3fn,
+        "device": torch.device("cuda", 1),
+        "cpu": torch.device("cpu"),
+        "size": torch.Size([2, 3]),
+        "layout": torch.strided,
+        "memory_format": torch.channels_last,
+        "bytes": b"\x00\xffab",
+        "bytearray": bytearray(b"x"),
+        "complex": complex(float("inf"), -0.1),
     }
 
 
@@ -91,6 +102,11 @@ def test_typed_values_round_trip_equal_with_their_types(tmp_path) -> None:
     assert items["span"] == {"type": "datetime", "class": "timedelta", "value": [-2, 5, 7]}
     assert items["ist"]["value"] == "2024-03-01T00:00:00+05:30"
     assert items["dc"]["class"] == f"{__name__}:Optim"
+    assert items["dtype"] == {"type": "torch", "class": "dtype", "value": "bfloat16"}
+    assert items["device"] == {"type": "torch", "class": "device", "value": "cuda:1"}
+    assert items["size"] == {"type": "torch", "class": "Size", "value": [2, 3]}
+    assert items["bytes"] == {"type": "bytes", "class": "bytes", "value": "AP9hYg=="}
+    assert items["complex"] == {"type": "complex", "value": ["inf", "-0x1.999999999999ap-4"]}
     jsonschema.validate(doc, json.loads(resources.files("shardpoint._format").joinpath("manifest.schema.json").read_text()))
 
     got = sp.load(tmp_path / "ck")["hp"]
@@ -178,6 +194,13 @@ def _forge(tmp_path, node: dict[str, Any]) -> pathlib.Path:
         ({"type": "datetime", "class": "timedelta", "value": [10**12, 0, 0]}, "is not a valid timedelta"),
         ({"type": "datetime", "class": "date", "value": "2024-01-01", "fold": 2}, "'fold' is not 0 or 1"),
         ({"type": "namespace", "value": {"type": "list", "items": []}}, "namespace node's 'value' is not a dict with str keys"),
+        ({"type": "torch", "class": "dtype", "value": "system"}, "torch has no dtype named 'system'"),
+        ({"type": "torch", "class": "dtype", "value": "device"}, "torch has no dtype named 'device'"),
+        ({"type": "torch", "class": "Tensor", "value": "ones"}, "torch node's class 'Tensor' is not one of Size, dtype"),
+        ({"type": "torch", "class": "device", "value": "gpu0"}, "torch device node's value 'gpu0' is not a device"),
+        ({"type": "torch", "class": "Size", "value": [-1]}, "torch Size node's 'value' is not a list of sizes"),
+        ({"type": "bytes", "class": "bytes", "value": "not base64!"}, "bytes node's 'value' is not base64"),
+        ({"type": "complex", "value": ["1.0", "x"]}, "complex node's 'value' is not [real, imaginary]"),
         ({"type": "dataclass", "class": "x:Y", "value": {"type": "dict", "items": [["int", 0, {"type": "json", "value": 1}]]}},
          "dataclass node's 'value' is not a dict with str keys"),
     ],

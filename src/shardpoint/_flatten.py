@@ -131,6 +131,8 @@ def flatten_state(
                     continue
                 items.append([kind, stored, walk(child, [*parts, part], depth + 1)])
             return {"type": "dict", "items": items}
+        if type(obj) is torch.Size:  # a tuple, kept a Size (as torch.load gives it back)
+            return leaf_node(obj)  # type: ignore[return-value]
         if isinstance(obj, (list, tuple)):
             kind = "tuple" if isinstance(obj, tuple) else "list"
             return {
@@ -169,8 +171,8 @@ def flatten_state(
             f"state at {where} is a {type(obj).__module__}.{type(obj).__qualname__}, which "
             f"shardpoint cannot store{f' without pickle ({reason})' if reason else ''}: use tensors, "
             "nn.Modules, optimizers, objects with state_dict()/load_state_dict(), dict/list/tuple, "
-            "int/float/bool/str/None, pathlib paths, Enum members, argparse.Namespace, dataclasses "
-            "or datetime values (or pass allow_pickle=True to pickle such values, trusting whoever "
+            "int/float/bool/str/None, bytes, complex, torch dtypes and devices, pathlib paths, Enum "
+            "members, argparse.Namespace, dataclasses or datetime values (or pass allow_pickle=True to pickle such values, trusting whoever "
             "loads them)"
         )
 

@@ -1,5 +1,7 @@
 """Typed JSON nodes: values the default ``torch.save`` keeps that are neither containers nor
-JSON, stored without pickle (``path``, ``enum``, ``datetime``, ``namespace``, ``dataclass``).
+JSON, stored without pickle (``path``, ``enum``, ``datetime``, ``namespace``, ``dataclass``,
+and what ``torch.load(weights_only=True)`` rebuilds: ``torch`` for a ``torch.dtype``,
+``device``, ``layout``, ``memory_format`` or ``Size``, ``bytes``, ``complex``).
 
 An Enum or a dataclass is rebuilt only from a class whose module is already imported
 (``sys.modules``): a checkpoint never makes shardpoint import a module, so loading one runs
@@ -10,6 +12,7 @@ no code that the process had not already loaded (a dataclass's ``__init__`` /
 from __future__ import annotations
 
 import argparse
+import base64
 import dataclasses
 import datetime
 import enum
@@ -17,6 +20,8 @@ import pathlib
 import sys
 import types
 from typing import Any
+
+import torch
 
 from .errors import LoadMismatchError
 
@@ -30,7 +35,14 @@ PATH_CLASSES: dict[str, type[pathlib.PurePath]] = {
 TIME_CLASSES = ("datetime", "date", "time", "timedelta")
 TYPED_VALUE_NODES = ("namespace", "dataclass")
 """Typed nodes with a ``value`` child (a dict node with str keys) that holds their content."""
-TYPED_LEAVES = ("path", "enum", "datetime")
+TORCH_CLASSES: dict[str, type] = {
+    "dtype": torch.dtype,
+    "device": torch.device,
+    "layout": torch.layout,
+    "memory_format": torch.memory_format,
+}
+"""torch's plain value types a ``torch`` node holds by name (``Size`` too, as a list)."""
+TYPED_LEAVES = ("path", "enum", "datetime", "torch", "bytes", "complex")
 """Typed nodes made of JSON only (no tensors, no children)."""
 
 
@@ -90,9 +102,26 @@ def _plain_timezone(tz: Any) -> bool:
     return tz.tzname(None) == datetime.timezone(offset).tzname(None)
 
 
+def _torch_name(obj: Any) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``, ``torch.channels_last`` -> ``"channels_last"``."""
+    return str(obj).removeprefix("torch.")
+
+
 def leaf_node(obj: Any) -> Tree | str:
-    """A ``path`` or ``datetime`` node, or why ``obj`` cannot be one ('' if not such a type)."""
+    """A ``path``, ``datetime``, ``torch``, ``bytes`` or ``complex`` node, or why ``obj``
+    cannot be one ('' if not such a type)."""
     kind = type(obj)
+    if kind is torch.device:
+        return {"type": "torch", "class": "device", "value": str(obj)}
+    if kind is torch.Size:
+        return {"type": "torch", "class": "Size", "value": [int(n) for n in obj]}
+    for name, cls in TORCH_CLASSES.items():
+        if kind is cls and getattr(torch, _torch_name(obj), None) is obj:
+            return {"type": "torch", "class": name, "value": _torch_name(obj)}
+    if kind in (bytes, bytearray):
+        return {"type": "bytes", "class": kind.__name__, "value": base64.b64encode(obj).decode("ascii")}
+    if kind is complex:
+        return {"type": "complex", "value": [obj.real.hex(), obj.imag.hex()]}  # exact, inf and nan too
     if kind in (pathlib.PosixPath, pathlib.WindowsPath):
         return {"type": "path", "class": "Path", "value": str(obj)}
     if kind in (pathlib.PurePosixPath, pathlib.PureWindowsPath):
@@ -126,6 +155,18 @@ def dataclass_fields(obj: Any) -> tuple[str, dict[str, Any]] | str:
 
 def build_typed(kind: str, node: Tree, value: Any, where: str) -> Any:
     """The value of a typed node (``value``: the built child of a namespace/dataclass)."""
+    if kind == "torch":
+        raw = node["value"]
+        if node["class"] == "device":
+            return torch.device(raw)
+        if node["class"] == "Size":
+            return torch.Size(raw)
+        return getattr(torch, raw)
+    if kind == "bytes":
+        data = base64.b64decode(node["value"], validate=True)
+        return bytearray(data) if node["class"] == "bytearray" else data
+    if kind == "complex":
+        return complex(float.fromhex(node["value"][0]), float.fromhex(node["value"][1]))
     if kind == "path":
         return PATH_CLASSES[node["class"]](node["value"])
     if kind == "datetime":
@@ -173,6 +214,12 @@ def typed_leaf_text(node: Tree) -> str:
     kind = node.get("type")
     if kind == "enum":
         return f"{node.get('class')}.{node.get('member')}"
+    if kind == "complex":
+        value = node.get("value")
+        try:
+            return repr(complex(float.fromhex(value[0]), float.fromhex(value[1])))  # type: ignore[index]
+        except (TypeError, ValueError, IndexError):
+            return f"complex({value})"
     value = node.get("value")
     if isinstance(value, list):
         value = ", ".join(map(str, value))
@@ -198,8 +245,42 @@ def is_class_name(name: Any) -> bool:
 
 
 def typed_leaf_problem(kind: str, node: Tree) -> str:
-    """What is wrong with a ``path``, ``enum`` or ``datetime`` node ('' if nothing)."""
+    """What is wrong with a typed leaf node ('' if nothing)."""
     value = node.get("value")
+    if kind == "torch":
+        cls = node.get("class")
+        if cls == "Size":
+            ok = isinstance(value, list) and len(value) <= 64 and all(type(v) is int and v >= 0 for v in value)
+            return "" if ok else "torch Size node's 'value' is not a list of sizes"
+        if cls == "device":
+            try:
+                if not isinstance(value, str):
+                    raise TypeError
+                torch.device(value)
+            except (TypeError, RuntimeError, ValueError):
+                return f"torch device node's value {str(value)[:40]!r} is not a device"
+            return ""
+        if cls not in TORCH_CLASSES or not isinstance(value, str) or not value.isidentifier():
+            return f"torch node's class {str(cls)[:40]!r} is not one of Size, {', '.join(TORCH_CLASSES)}"
+        if not isinstance(vars(torch).get(value), TORCH_CLASSES[cls]):
+            return f"torch has no {cls} named {value[:40]!r}"
+        return ""
+    if kind == "bytes":
+        if node.get("class") not in ("bytes", "bytearray") or not isinstance(value, str):
+            return "bytes node needs a 'class' (bytes, bytearray) and a base64 str 'value'"
+        try:
+            base64.b64decode(value, validate=True)
+        except ValueError:
+            return "bytes node's 'value' is not base64"
+        return ""
+    if kind == "complex":
+        try:
+            if not (isinstance(value, list) and len(value) == 2):
+                raise ValueError
+            float.fromhex(value[0]), float.fromhex(value[1])
+        except (TypeError, ValueError):
+            return "complex node's 'value' is not [real, imaginary] as float.hex strings"
+        return ""
     if kind == "path":
         cls = node.get("class")
         if not isinstance(cls, str) or cls not in PATH_CLASSES or not isinstance(value, str):
