@@ -527,3 +527,54 @@ def test_saves_in_a_forked_child_run_while_the_parent_s_are_in_flight(tmp_path: 
     assert sp.load(tmp_path / "child-async")["c"].tolist() == [1.0] * 3
     assert sp.CheckpointManager(tmp_path / "child-run").steps() == [1]
     assert torch.equal(sp.load(tmp_path / "parent")["w"], sp.load(tmp_path / "run" / "step-000001")["w"])
+
+
+def _two_subgroups_worker(rank: int, world: int, root_str: str) -> None:
+    import torch.distributed as dist
+
+    root = Path(root_str)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes both, as torch asks
+    mine = pairs[rank // 2]
+    handle = sp.async_save({"w": torch.full((4,), float(rank // 2))}, root / f"g{rank // 2}", process_group=mine)
+    handle.result()
+    everyone = dist.new_group(list(range(world)))  # the job's groups still agree afterwards
+    total = torch.ones(1)
+    dist.all_reduce(total, group=everyone)
+    (root / f"rank{rank}.json").write_text(json.dumps({"sum": total.item()}))
+
+
+def test_two_subgroups_saving_asynchronously_at_once_neither_hang_nor_cross(tmp_path: Path) -> None:
+    """Each queue's background group was made with every rank's new_group call expected: the
+    two subgroups' calls made one group between them (the ranks out of step, then a hang),
+    and after one subgroup's async save the next new_group of the whole job hung."""
+    run_ranks(_two_subgroups_worker, 4, str(tmp_path), timeout=120)
+    for g in (0, 1):
+        assert sp.load(tmp_path / f"g{g}")["w"].tolist() == [float(g)] * 4
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text())["sum"] for r in range(4)] == [4.0] * 4
+
+
+def _non_member_worker(rank: int, world: int, root_str: str) -> None:
+    import torch.distributed as dist
+
+    root = Path(root_str)
+    pair = dist.new_group([0, 1])
+    if rank == 2:  # not in the group it passes
+        for name, call in (("save", lambda: sp.save({"w": torch.ones(2)}, root / "ck", process_group=pair)),
+                           ("load", lambda: sp.load_into({"w": torch.zeros(2)}, root / "ck", process_group=pair))):
+            try:
+                call()
+                outcome = "returned"
+            except sp.CheckpointError as exc:
+                outcome = f"{type(exc).__name__}: {exc}"
+            (root / f"{name}-rank2.txt").write_text(outcome)
+
+
+def test_a_process_outside_the_group_it_passes_is_refused(tmp_path: Path) -> None:
+    """A rank outside process_group: save raised IndexError after writing as a group of one
+    into the path the group writes; load_into ran alone without a word."""
+    run_ranks(_non_member_worker, 3, str(tmp_path), timeout=120)
+    for name in ("save", "load"):
+        assert (tmp_path / f"{name}-rank2.txt").read_text() == (
+            "InvalidArgumentError: process_group: this process (global rank 2) is not one of its ranks ([0, 1]); "
+            "only the group's ranks make the call")
+    assert not (tmp_path / "ck").exists()

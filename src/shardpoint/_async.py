@@ -208,7 +208,10 @@ class AsyncQueue:
             import torch.distributed as dist
 
             ranks = dist.get_process_group_ranks(group.pg)
-            entry = (group.pg, Group(dist.new_group(ranks=ranks, backend="gloo")))
+            # Made by the group's own ranks alone (torch's default asks every rank of the job:
+            # two subgroups making theirs at once got one group between them, and hung).
+            local = len(ranks) < dist.get_world_size()
+            entry = (group.pg, Group(dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=local)))
             self._twins[id(group.pg)] = entry
         return entry[1]
 

@@ -24,7 +24,12 @@ import torch
 
 from .._io.memory import local_tensor
 from .._options import current_options
-from ..errors import CheckpointError, DistributedCheckpointError, InvalidStateError
+from ..errors import (
+    CheckpointError,
+    DistributedCheckpointError,
+    InvalidArgumentError,
+    InvalidStateError,
+)
 
 T = TypeVar("T")
 
@@ -124,6 +129,11 @@ class Group:
         else:
             dist = _dist()
             self.rank = dist.get_rank(pg)
+            if self.rank < 0:  # torch's answer for a process outside the group
+                raise InvalidArgumentError(
+                    f"process_group: this process (global rank {dist.get_rank()}) is not one of its ranks "
+                    f"({list(dist.get_process_group_ranks(pg))[:16]}); only the group's ranks make the call"
+                )
             self.world_size = dist.get_world_size(pg)
 
     @property
