@@ -304,6 +304,13 @@ class Planner:
             stored = comp.aliases.get(saved, saved)
             record = comp.tensors[stored]
             home = self._new_home(key, tensor, fit)
+            if home is not None and type(tensor).__name__ == "DTensor":
+                raise InvalidStateError(
+                    f"target tensor {prefix + key!r} is a DTensor on the meta device (a model sharded before its "
+                    "weights had memory): a new tensor in its place would not be the shard FSDP or tensor "
+                    "parallelism manages. Give the sharded model its memory first, model.to_empty(device=...) "
+                    "(as torch's FSDP2 docs do), then load_into fills each rank's shard; nothing was loaded"
+                )
             if home is not None:
                 if module is None:
                     raise InvalidStateError(
@@ -344,7 +351,10 @@ class Planner:
                 if first is not None:
                     break
             if first is not None:  # tied to a tensor already being filled
-                if first[1] != stored and type(tensor).__name__ != "DTensor":  # another stored tensor: same values?
+                if first[1] != stored and type(tensor).__name__ == "DTensor":  # another stored tensor: same values?
+                    _global_shape, region, local = local_chunk(tensor)  # (each rank its own region)
+                    self._same_values(local.detach(), record, stored, prefix, first[0], key, offsets=region)
+                elif first[1] != stored:
                     self._same_values(tensor.detach(), record, stored, prefix, first[0], key)
                 continue
             for ident in idents:
@@ -359,21 +369,21 @@ class Planner:
                 continue
             tensor = targets[key]
             earlier = materialized.get(id(tensor))
-            region: tuple[int, ...] | None = None
+            at: tuple[int, ...] | None = None
             holds: torch.Tensor | None
             if earlier is not None:
                 holds = earlier[3]
             elif self._new_home(key, tensor, fit) is not None:
                 holds = None  # kept off this process by the device map
             elif type(tensor).__name__ == "DTensor":
-                _global_shape, region, local = local_chunk(tensor)
+                _global_shape, at, local = local_chunk(tensor)
                 holds = local.detach()
             else:
                 holds = tensor.detach()
             for checkpoint_key, stored in others:
                 if holds is not None:
                     record = comp.tensors[comp.aliases.get(stored, stored)]
-                    self._same_values(holds, record, stored, prefix, names[key], key, offsets=region,
+                    self._same_values(holds, record, stored, prefix, names[key], key, offsets=at,
                                       twice=checkpoint_key)
 
     def _same_values(self, filled: torch.Tensor, record: Any, stored: str, prefix: str, first: str,
@@ -625,7 +635,7 @@ class Planner:
             def load_optimizer(value: Any, opt: torch.optim.Optimizer = target) -> None:
                 renamed = renamed_parameter_names(self.modules, self.prefix_mapping)  # known once planned
                 sd = optimizer_state_for(opt, value, param_names, where=where, renamed=renamed) if by_name else value
-                opt.load_state_dict(sd)
+                opt.load_state_dict(_sharded_like_params(opt, sd))
 
             def check_optimizer(opt: torch.optim.Optimizer = target) -> None:
                 """The same pairing on the saved structure alone, before anything is read: a
@@ -672,6 +682,37 @@ class Planner:
                 "optimizer, Stateful, tensor nor a mutable container"
             )
         self.build(comp, node, setter, path)
+
+
+def _sharded_like_params(opt: torch.optim.Optimizer, sd: Any) -> Any:
+    """``sd`` (an optimizer state dict read whole) with each state tensor of a DTensor
+    parameter's shape made a DTensor like it, holding this rank's region: an FSDP2 or
+    tensor-parallel optimizer loaded whole tensors, ``ok``, and its next ``step()`` failed
+    mixing them with the DTensor parameters."""
+    state = sd.get("state") if isinstance(sd, Mapping) else None
+    if not isinstance(state, Mapping):
+        return sd
+    params = [p for group in opt.param_groups for p in group["params"]]
+    if not any(type(p).__name__ == "DTensor" for p in params):
+        return sd
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for index, entry in state.items():
+        param = params[index] if isinstance(index, int) and 0 <= index < len(params) else None
+        if param is None or type(param).__name__ != "DTensor" or not isinstance(entry, Mapping):
+            out[index] = entry
+            continue
+        _global_shape, offsets, local = local_chunk(param)
+        region = tuple(slice(o, o + n) for o, n in zip(offsets, local.shape, strict=True))
+        entry = dict(entry)
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and type(value) is torch.Tensor and value.shape == param.shape:
+                mine = value[region].to(device=local.device).contiguous()
+                entry[key] = DTensor.from_local(mine, param.device_mesh, param.placements, run_check=False,
+                                                shape=param.shape, stride=param.stride())
+        out[index] = entry
+    return {**sd, "state": out}
 
 
 def _apply_saved(apply: Callable[[Any], None], value: Any, where: str) -> None:
