@@ -105,3 +105,50 @@ def test_fsdp2_targets(tmp_path: Path) -> None:
         assert report["tied-same"] is True
         assert "'embed.weight' and 'head.weight' share one tensor in the target (tied weights), but the " \
                "checkpoint stores different values for them" in report["tied-other"], report
+
+
+def _mismatch_worker(rank: int, world: int, root_str: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    root = Path(root_str)
+    mesh = init_device_mesh("cpu", (world,))
+    report: dict[str, str] = {}
+    for kind in ("sp", "hf"):  # each rank handed another folder: a shardpoint save, save_pretrained-like files
+        target = {"w": distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)])}
+        try:
+            sp.load_into(target, root / f"{kind}{rank}")
+            report[kind] = "loaded"
+        except sp.CheckpointError as exc:
+            report[kind] = str(exc)
+    # One rank loads while the other saves: both fail, named, and nothing is written.
+    target = {"w": distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)])}
+    try:
+        if rank == 0:
+            sp.load_into(target, root / "sp0")
+        else:
+            sp.save(target, root / "new")
+        report["cross"] = "returned"
+    except sp.CheckpointError as exc:
+        report["cross"] = f"{type(exc).__name__}: {exc}"
+    (root / f"mismatch{rank}.json").write_text(json.dumps(report))
+
+
+def test_ranks_handed_different_checkpoints_or_calls_are_refused(tmp_path: Path) -> None:
+    """Two save_pretrained folders loaded a mix of both (ok=True); two shardpoint saves were
+    called 'being overwritten'; a rank loading while another saved raised TypeError."""
+    from safetensors.torch import save_file
+
+    for rank in range(WORLD):
+        sp.save({"w": torch.full((4, 2), float(rank))}, tmp_path / f"sp{rank}")
+        (tmp_path / f"hf{rank}").mkdir()
+        save_file({"w": torch.full((4, 2), float(rank))}, str(tmp_path / f"hf{rank}" / "model.safetensors"))
+    run_ranks(_mismatch_worker, WORLD, str(tmp_path), timeout=240)
+    for rank in range(WORLD):
+        report = json.loads((tmp_path / f"mismatch{rank}.json").read_text())
+        for kind in ("sp", "hf"):
+            assert (f"the ranks opened different checkpoints (rank 0: {tmp_path / (kind + '0')}; rank 1: "
+                    f"{tmp_path / (kind + '1')}): every rank must load the same one") in report[kind], report
+        assert report["cross"].startswith("DistributedCheckpointError"), report
+        assert "the ranks are out of step" in report["cross"] and "'loading a checkpoint'" in report["cross"]
+    assert not (tmp_path / "new").exists()

@@ -29,7 +29,14 @@ from .._source import OPEN_TRIES, open_checkpoint
 from .._sources.contract import SourceSpec
 from .._stateful import find_modules, parameter_names
 from .._storage.store import open_store
-from ..errors import CheckpointError, InvalidStateError, LoadMismatchError, StorageError, _extended
+from ..errors import (
+    CheckpointError,
+    InvalidArgumentError,
+    InvalidStateError,
+    LoadMismatchError,
+    StorageError,
+    _extended,
+)
 from .pickled import PickledBatch, route
 from .planner import Planner
 from .result import LoadResult, mismatch_message
@@ -187,17 +194,30 @@ def _open_on_every_rank(group: Group, path: str | os.PathLike[str],
         hub_path, options = resolve_hub(path, storage_options)
         store, pickled = route(open_store(hub_path, options))
         if pickled is not None:
-            return None, (None, host)
+            return None, (None, host, store.location)
         ckpt = open_checkpoint(store, lazy=True)
-        return ckpt, (ckpt.manifest.save_id if ckpt.manifest is not None else None, host)
+        return ckpt, (ckpt.manifest.save_id if ckpt.manifest is not None else None, host, store.location)
 
-    def decide(reports: list[tuple[str | None, str]]) -> list[tuple[bool, int]]:
-        same = len({save_id for save_id, _ in reports}) == 1
-        per_host = Counter(h for _, h in reports)
-        return [(same, per_host[h]) for _, h in reports]
+    def decide(reports: list[tuple[str | None, str, str]]) -> list[tuple[bool, int]]:
+        save_ids = {save_id for save_id, _, _ in reports}
+        places = {place for _, _, place in reports}
+        if len(places) > 1 and (None in save_ids or len(save_ids) > 1):
+            # Folders without a save id (save_pretrained's, .bin) are the same only at the same place.
+            shown = "; ".join(f"rank {r}: {place}" for r, (_, _, place) in enumerate(reports[:4]))
+            raise InvalidArgumentError(
+                f"the ranks opened different checkpoints ({shown}{' ...' if len(reports) > 4 else ''}): every rank "
+                "must load the same one (an hf:// reference resolved to another revision in some machine's cache?). "
+                "Nothing was loaded"
+            )
+        same = len(save_ids) == 1
+        per_host = Counter(h for _, h, _ in reports)
+        return [(same, per_host[h]) for _, h, _ in reports]
 
     for _ in range(OPEN_TRIES):
-        ckpt, (same, ranks_here) = group.exchange(f"opening {where}", open_here, decide=decide)
+        # The identity: a rank loading while another saves fails both, named, instead of one
+        # rank taking the other's reply for its own.
+        ckpt, (same, ranks_here) = group.exchange(f"opening {where}", open_here, decide=decide,
+                                                  identity="loading a checkpoint")
         if same:
             return ckpt, ranks_here
         if ckpt is not None:
