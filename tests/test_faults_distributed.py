@@ -454,6 +454,12 @@ def disagreeing_worker(rank: int, world: int, root_str: str) -> None:
         if rank in (0, 1):
             record(root, "mesh", rank, lambda: sp.save({"w": w}, root / "mesh", process_group=pair))
         dist.barrier()
+        # Local shards of 2, 2 and 3 rows declared a (7, 3) tensor: torch's placements give 3, 3 and 1.
+        from torch.distributed.tensor import DTensor
+
+        odd = DTensor.from_local(torch.ones(3 if rank == 2 else 2, 3), mesh, [Shard(0)], shape=(7, 3),
+                                 stride=(3, 1), run_check=False)
+        record(root, "bounds", rank, lambda: sp.save({"w": odd}, root / "bounds"))
 
 
 def test_ranks_that_disagree_on_a_tensor_save_nothing(tmp_path: Path) -> None:
@@ -466,6 +472,8 @@ def test_ranks_that_disagree_on_a_tensor_save_nothing(tmp_path: Path) -> None:
         "dtype": "tensor 'a' of component 'model' is F32[4] on rank 0 but I64[4] on rank 1",
         "mesh": "tensor 'w' of component 'model': the ranks of this save hold 12 of its 15 elements in chunks that "
                 "do not tile it (a DTensor whose mesh has ranks outside process_group?)",
+        "bounds": "tensor 'w' of component 'model': rank 2's chunk at [6, 0] of shape [3, 3] lies outside its shape "
+                  "[7, 3]",
     }
     for name, text in expected.items():
         ranks = [0, 1] if name == "mesh" else list(range(WORLD))

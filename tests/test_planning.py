@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
+import shardpoint as sp
 from shardpoint._planning.chunks import ChunkPlan, assign_writers, split_replicated
 
 
@@ -265,3 +267,19 @@ def test_shard_offsets_agree_with_torch_for_every_shard_and_replicate_layout():
     assert checked == 2358  # 3^d placements x 6 shapes x every coordinate, summed over the meshes
     assert shard_offsets((8, 2), (2, 2), (0, 1), [Shard(0), _StridedShard(0, split_factor=2)]) is None
     assert shard_offsets((8, 2), (2,), None, [Shard(0)]) is None
+
+
+def test_chunks_that_overlap_and_leave_a_gap_are_refused() -> None:
+    """Two ranks' chunks of 3 and 2 elements of a 5-element tensor, at 0 and 2: the count is
+    whole, the tensor is not (element 4 is in no chunk); the save committed it."""
+    from shardpoint._distributed.save import check_agreement
+    from shardpoint._planning.chunks import ChunkPlan
+
+    def chunk(at: int, n: int) -> ChunkPlan:
+        return ChunkPlan("model", "w", "F32", (5,), (at,), (n,), 4 * n)
+
+    check_agreement([[chunk(0, 3)], [chunk(3, 2)]])  # a tiling
+    with pytest.raises(sp.InvalidStateError, match=re.escape(
+            "tensor 'w' of component 'model': two ranks' chunks overlap (at [0] of shape [3] and at [2] of shape "
+            "[2]) and leave a gap elsewhere")):
+        check_agreement([[chunk(0, 3)], [chunk(2, 2)]])

@@ -41,7 +41,7 @@ from .._format.safetensors import TensorSpec
 from .._io.threads import writer_threads
 from .._io.writes import FileWrite, write_files
 from .._options import current_options
-from .._planning.chunks import ChunkPlan, assign_writers, byte_runs, split_replicated
+from .._planning.chunks import ChunkPlan, assign_writers, byte_runs, intersect, split_replicated
 from .._planning.files import PlannedFile, hf_index, plan_hf_files, plan_rank_files
 from .._prepare import PreparedState, hf_sizes
 from .._storage import Transaction
@@ -108,6 +108,11 @@ def check_names(prepared: PreparedState, all_plans: Sequence[Sequence[ChunkPlan]
                 )
 
 
+_PAIRWISE = 256
+"""Up to this many distinct chunks of a tensor are checked pair by pair for overlaps (a
+count of elements equal to the whole can hide an overlap and a gap)."""
+
+
 def check_agreement(all_plans: Sequence[Sequence[ChunkPlan]]) -> None:
     """Refuse, before anything is written, a tensor the ranks describe differently (a plain
     tensor taken as replicated but of another shape or dtype on some rank), or whose chunks
@@ -126,9 +131,27 @@ def check_agreement(all_plans: Sequence[Sequence[ChunkPlan]]) -> None:
                     "taken as the same on every rank (replicated); make it so, or make it a DTensor, or save "
                     "what differs per rank to a path of its own. Nothing was saved"
                 )
+            if len(p.offsets) != len(p.global_shape) or any(
+                    o < 0 or o + n > g for o, n, g in zip(p.offsets, p.shape, p.global_shape, strict=False)):
+                raise InvalidStateError(
+                    f"tensor {p.name!r} of component {p.component!r}: rank {rank}'s chunk at {list(p.offsets)} of "
+                    f"shape {list(p.shape)} lies outside its shape {list(p.global_shape)} (a DTensor made with "
+                    "DTensor.from_local and local shards other than its placements give?). Nothing was saved"
+                )
             chunks.setdefault(key, {})[(p.offsets, p.shape)] = math.prod(p.shape)
     for (component, name), held in chunks.items():
         whole = math.prod(first[(component, name)][2])
+        if sum(held.values()) == whole and 1 < len(held) <= _PAIRWISE:
+            boxes = [box for box, n in held.items() if n]
+            for i, (a_at, a_shape) in enumerate(boxes):
+                for b_at, b_shape in boxes[i + 1:]:
+                    if intersect(a_at, a_shape, b_at, b_shape) is not None:
+                        raise InvalidStateError(
+                            f"tensor {name!r} of component {component!r}: two ranks' chunks overlap (at "
+                            f"{list(a_at)} of shape {list(a_shape)} and at {list(b_at)} of shape {list(b_shape)}) and "
+                            "leave a gap elsewhere; save DTensors whose local shards are the ones their placements "
+                            "give. Nothing was saved"
+                        )
         if sum(held.values()) != whole:
             raise InvalidStateError(
                 f"tensor {name!r} of component {component!r}: the ranks of this save hold {sum(held.values())} of its "
