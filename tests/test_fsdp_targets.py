@@ -121,6 +121,17 @@ def _mismatch_worker(rank: int, world: int, root_str: str) -> None:
             report[kind] = "loaded"
         except sp.CheckpointError as exc:
             report[kind] = str(exc)
+    # A strict load refused on one rank only (its target has a key the checkpoint lacks): no
+    # rank reads a byte (rank 0 had loaded while rank 1 refused, and both said nothing was loaded).
+    target = {"w": distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)])}
+    if rank == 1:
+        target["extra"] = torch.zeros(1)
+    try:
+        sp.load_into(target, root / "sp0")
+        report["strict"] = "loaded"
+    except sp.CheckpointError as exc:
+        report["strict"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    report["untouched"] = bool((target["w"].to_local() == 0).all())
     # One rank loads while the other saves: both fail, named, and nothing is written.
     target = {"w": distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)])}
     try:
@@ -136,7 +147,8 @@ def _mismatch_worker(rank: int, world: int, root_str: str) -> None:
 
 def test_ranks_handed_different_checkpoints_or_calls_are_refused(tmp_path: Path) -> None:
     """Two save_pretrained folders loaded a mix of both (ok=True); two shardpoint saves were
-    called 'being overwritten'; a rank loading while another saved raised TypeError."""
+    called 'being overwritten'; a rank loading while another saved raised TypeError; a strict
+    refusal on one rank came after the other ranks had read."""
     from safetensors.torch import save_file
 
     for rank in range(WORLD):
@@ -149,6 +161,9 @@ def test_ranks_handed_different_checkpoints_or_calls_are_refused(tmp_path: Path)
         for kind in ("sp", "hf"):
             assert (f"the ranks opened different checkpoints (rank 0: {tmp_path / (kind + '0')}; rank 1: "
                     f"{tmp_path / (kind + '1')}): every rank must load the same one") in report[kind], report
+        assert report["strict"].startswith(f"DistributedCheckpointError: planning the load of {tmp_path / 'sp0'} "
+                                           "failed on rank 1"), report
+        assert report["untouched"] is True, f"rank {rank} read part of the checkpoint"
         assert report["cross"].startswith("DistributedCheckpointError"), report
         assert "the ranks are out of step" in report["cross"] and "'loading a checkpoint'" in report["cross"]
     assert not (tmp_path / "new").exists()

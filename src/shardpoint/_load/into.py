@@ -8,10 +8,11 @@ the batch runs only once the whole target is planned (and, under ``strict``, mat
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import socket
 from collections import Counter
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -161,7 +162,7 @@ def load_into(
     with applied(options):
         group = resolve_group(process_group, target)
 
-        def load_here() -> LoadResult:  # in the phase: a refused argument fails alike on every rank
+        def plan_here() -> Callable[[], LoadResult]:  # in a phase: a refusal fails alike on every rank
             cast = parse_dtype(dtype)
             settings = IntoSettings(strict, progress, resolve_verify(verify), allow_pickle, device_arg(device),
                                     cast, device_map_arg(device_map, target, cast), staging_size(max_buffer_bytes),
@@ -172,7 +173,12 @@ def load_into(
             # the ranks on this machine share its CPUs (1 without a group)
             opened, ranks_here = _open_on_every_rank(group, path, storage_options)
             try:
-                return group.phase(f"loading {os.fspath(path)}", load_here)
+                if not group.distributed:
+                    return plan_here()()
+                # Planned and checked on every rank before any rank reads a byte: a refusal on
+                # one rank (strict, a misfit) leaves every target as it was.
+                read = group.phase(f"planning the load of {os.fspath(path)}", plan_here)
+                return group.phase(f"loading {os.fspath(path)}", read)
             finally:
                 if opened is not None:
                     opened.close()
@@ -229,7 +235,9 @@ def _open_on_every_rank(group: Group, path: str | os.PathLike[str],
 
 
 def _load_into(target: Any, path: str | os.PathLike[str], settings: IntoSettings,
-               storage_options: Mapping[str, Any] | None, opened: Checkpoint | None) -> LoadResult:
+               storage_options: Mapping[str, Any] | None, opened: Checkpoint | None) -> Callable[[], LoadResult]:
+    """Plan the load and check it (``strict``); return what reads it (a checkpoint this opens
+    itself is read before it returns)."""
     if opened is not None:  # opened (and later closed) by load_into, agreed on by every rank
         return _load_into_checkpoint(target, opened, settings)
     path, storage_options = resolve_hub(path, storage_options)
@@ -237,11 +245,12 @@ def _load_into(target: Any, path: str | os.PathLike[str], settings: IntoSettings
     if pickled is not None:
         return _load_pickled_into(target, path, pickled, settings)
     with open_checkpoint(store, lazy=True) as ckpt:
-        return _load_into_checkpoint(target, ckpt, settings)
+        result = _load_into_checkpoint(target, ckpt, settings)()
+    return lambda: result
 
 
 @torch.no_grad()  # planning makes views of the targets' memory to read into: no autograd nodes
-def _load_into_checkpoint(target: Any, ckpt: Checkpoint, settings: IntoSettings) -> LoadResult:
+def _load_into_checkpoint(target: Any, ckpt: Checkpoint, settings: IntoSettings) -> Callable[[], LoadResult]:
     batch = ReadBatch(ckpt, verify=settings.verify, staging_bytes=settings.staging_bytes,
                       ranks_here=settings.ranks_here)
     planner = Planner(ckpt.location, batch, allow_pickle=settings.allow_pickle, device=settings.device,
@@ -264,9 +273,9 @@ def _load_into_checkpoint(target: Any, ckpt: Checkpoint, settings: IntoSettings)
 
 
 def _load_pickled_into(target: Any, path: str | os.PathLike[str], spec: SourceSpec,
-                       settings: IntoSettings) -> LoadResult:
+                       settings: IntoSettings) -> Callable[[], LoadResult]:
     """``load_into`` of ``.bin`` weights (a flat state dict): the same planning, then the
-    tensors read a batch at a time."""
+    tensors read a batch at a time (the files closed once read)."""
     batch = PickledBatch(path, spec)
     try:
         planner = Planner(batch.location, batch, allow_pickle=False, device=settings.device, dtype=settings.dtype,
@@ -279,20 +288,35 @@ def _load_pickled_into(target: Any, path: str | os.PathLike[str], spec: SourceSp
             planner.dict_into(target, names, comp)
         else:
             raise InvalidStateError(f"{batch.location} holds a flat state dict; load it into a module or a dict of tensors")
-        return _run(planner, batch, batch.location, settings)
-    finally:
+        read = _run(planner, batch, batch.location, settings)
+    except BaseException:
         batch.close()
+        raise
+
+    def read_and_close() -> LoadResult:
+        try:
+            return read()
+        finally:
+            batch.close()
+
+    return read_and_close
 
 
-def _run(planner: Planner, batch: ReadBatch | PickledBatch, location: str, settings: IntoSettings) -> LoadResult:
+def _run(planner: Planner, batch: ReadBatch | PickledBatch, location: str,
+         settings: IntoSettings) -> Callable[[], LoadResult]:
     """The planned load's report, refused under ``strict`` when not ok (nothing read yet);
-    else the batch run, the target's fix-ups applied, and the bytes read counted."""
+    else what runs the batch, applies the target's fix-ups and counts the bytes read."""
     result = LoadResult(planner.missing, planner.unexpected, planner.mismatched, 0, planner.meta_left,
                         planner.prefix_mapping)
     if settings.strict and not result.ok:
         raise LoadMismatchError(mismatch_message(location, result), result)
     for check in planner.checks:
         check()
+    return functools.partial(_read_planned, planner, batch, location, settings, result)
+
+
+def _read_planned(planner: Planner, batch: ReadBatch | PickledBatch, location: str, settings: IntoSettings,
+                  result: LoadResult) -> LoadResult:
     with byte_progress(batch.planned_bytes + planner.fusion_bytes, loading_label(location),
                        settings.progress) as advance:
         try:
