@@ -245,6 +245,32 @@ def test_errors_name_what_to_do(tmp_path: Path) -> None:
     )
 
 
+def test_accelerate_s_own_arguments_are_answered_by_name(tmp_path: Path) -> None:
+    """Accelerator.save_state / load_state arguments passed through: a bare TypeError naming
+    shardpoint's save() / load_into(). The ones that mean what shardpoint does are taken."""
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(torch.nn.Linear(2, 2))
+    save_state(accelerator, tmp_path / "a", safe_serialization=True)
+    assert load_state(accelerator, tmp_path / "a", map_location="on_device").ok
+    refused = {
+        "save_state(safe_serialization=False): shardpoint writes safetensors only; drop the argument":
+            lambda: save_state(accelerator, tmp_path / "b", safe_serialization=False),
+        "save_state: save_on_each_node is Accelerate's: a collective save writes one checkpoint, committed once, "
+        "to a filesystem every node sees. It takes allow_pickle, durable, layout, max_shard_size":
+            lambda: save_state(accelerator, tmp_path / "b", save_on_each_node=True),
+        "load_state: load_kwargs is Accelerate's options of torch.load: shardpoint unpickles nothing, it loads in "
+        "place. It takes allow_pickle, device, device_map, dtype":
+            lambda: load_state(accelerator, tmp_path / "a", load_kwargs={"weights_only": True}),
+        "load_state(map_location='cuda:1'): shardpoint loads in place into the prepared objects":
+            lambda: load_state(accelerator, tmp_path / "a", map_location="cuda:1"),
+    }
+    for message, call in refused.items():
+        with pytest.raises(sp.CheckpointError, match=re.escape(message)):
+            call()
+    assert not (tmp_path / "b").exists()
+
+
 def test_readme_accelerate_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     scope: dict[str, Any] = {}

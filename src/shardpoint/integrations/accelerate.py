@@ -47,6 +47,7 @@ iterator starts, which the resumed run does mid-epoch and the uninterrupted run 
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import shutil
@@ -72,6 +73,7 @@ from ..errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     InvalidArgumentError,
+    InvalidArgumentTypeError,
     LoadMismatchError,
 )
 
@@ -312,6 +314,27 @@ def _delete_oldest(root: Path, total_limit: int, accelerator: Any, saved: Path |
         shutil.rmtree(hidden, ignore_errors=True)
 
 
+def _check_kwargs(call: str, given: Mapping[str, Any], passed_to: Any, taken: frozenset[str]) -> dict[str, Any]:
+    """``given`` less Accelerate's own arguments this integration takes as Accelerate means
+    them (``taken``); any other that ``passed_to`` does not accept is refused by name (it was
+    a ``TypeError`` naming shardpoint's inner function)."""
+    accepted = set(inspect.signature(passed_to).parameters) - {"state", "path", "target", "process_group", "strict"}
+    unknown = [k for k in given if k not in accepted and k not in taken]
+    if unknown:
+        accelerate_own = {
+            "load_kwargs": "Accelerate's options of torch.load: shardpoint unpickles nothing, it loads in place",
+            "save_on_each_node": "Accelerate's: a collective save writes one checkpoint, committed once, to a "
+                                 "filesystem every node sees",
+        }
+        why = [f"{k} is {accelerate_own[k]}" if k in accelerate_own else f"{k} is not an argument of it"
+               for k in unknown]
+        raise InvalidArgumentTypeError(
+            f"{call}: {'; '.join(why)}. It takes {', '.join(sorted(accepted))} (passed to shardpoint."
+            f"{passed_to.__name__})"
+        )
+    return {k: v for k, v in given.items() if k not in taken}
+
+
 def save_state(
     accelerator: Any,
     output_dir: str | os.PathLike[str] | None = None,
@@ -346,6 +369,12 @@ def save_state(
     Example:
         >>> save_state(accelerator, "run/step-100")  # doctest: +SKIP
     """
+    if save_kwargs.get("safe_serialization", True) is False:
+        raise InvalidArgumentError(
+            "save_state(safe_serialization=False): shardpoint writes safetensors only; drop the argument "
+            "(or use accelerator.save_state for pickled files)"
+        )
+    save_kwargs = _check_kwargs("save_state", save_kwargs, save, frozenset({"safe_serialization"}))
     config = accelerator.project_configuration
     automatic = bool(config.automatic_checkpoint_naming)
     root = _checkpoints_root(accelerator) if automatic else None
@@ -441,6 +470,12 @@ def load_state(
     Example:
         >>> load_state(accelerator)  # doctest: +SKIP
     """
+    if load_kwargs.get("map_location", "cpu") not in ("cpu", "on_device"):
+        raise InvalidArgumentError(
+            f"load_state(map_location={load_kwargs['map_location']!r}): shardpoint loads in place into the prepared "
+            "objects, on their devices (Accelerate's 'cpu' and 'on_device' both mean that here); drop the argument"
+        )
+    load_kwargs = _check_kwargs("load_state", load_kwargs, load_into, frozenset({"map_location"}))
     config = accelerator.project_configuration
     resumed_from: int | None = None
     if input_dir is None:
