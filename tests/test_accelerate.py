@@ -269,6 +269,17 @@ def test_accelerate_s_own_arguments_are_answered_by_name(tmp_path: Path) -> None
         with pytest.raises(sp.CheckpointError, match=re.escape(message)):
             call()
     assert not (tmp_path / "b").exists()
+    # Model state hooks (diffusers' EMA): not run by this integration, so refused, not skipped.
+    handle = accelerator.register_save_state_pre_hook(lambda models, weights, output_dir: None)
+    with pytest.raises(sp.InvalidArgumentError, match=re.escape(
+            "save_state: this Accelerator has 1 hook(s) registered with register_save_state_pre_hook (diffusers' "
+            "scripts save an EMA model or adapter weights that way), which shardpoint's integration does not run")):
+        save_state(accelerator, tmp_path / "b")
+    handle.remove()
+    accelerator.register_load_state_pre_hook(lambda models, input_dir: None)
+    with pytest.raises(sp.InvalidArgumentError, match="load_state: this Accelerator has 1 hook"):
+        load_state(accelerator, tmp_path / "a")
+    assert not (tmp_path / "b").exists()
 
 
 def test_readme_accelerate_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -237,6 +237,22 @@ def _suffix(i: int) -> str:
     return "" if i == 0 else f"_{i}"
 
 
+def _check_no_hooks(accelerator: Any, call: str) -> None:
+    """Refuse an Accelerator with model state hooks: they save and load what they choose
+    (diffusers' EMA model, LoRA weights) through files of their own in the folder, and
+    drop models from Accelerate's lists; run without them, an EMA was lost without a word."""
+    hooks = getattr(accelerator, "_save_model_state_pre_hook" if call == "save_state" else
+                    "_load_model_state_pre_hook", None)
+    if hooks:
+        register = "register_save_state_pre_hook" if call == "save_state" else "register_load_state_pre_hook"
+        raise InvalidArgumentError(
+            f"{call}: this Accelerator has {len(hooks)} hook(s) registered with {register} (diffusers' scripts "
+            "save an EMA model or adapter weights that way), which shardpoint's integration does not run: what "
+            "they save would be lost. Use accelerator.save_state / load_state for this run, or remove the hooks "
+            "and save those objects with register_for_checkpointing"
+        )
+
+
 def _state(accelerator: Any, per_rank: _PerRank) -> dict[str, Any]:
     """The objects to save / load into, keyed like Accelerate's files."""
     unsupported = str(getattr(accelerator, "distributed_type", "NO"))
@@ -375,6 +391,7 @@ def save_state(
             "(or use accelerator.save_state for pickled files)"
         )
     save_kwargs = _check_kwargs("save_state", save_kwargs, save, frozenset({"safe_serialization"}))
+    _check_no_hooks(accelerator, "save_state")
     config = accelerator.project_configuration
     automatic = bool(config.automatic_checkpoint_naming)
     root = _checkpoints_root(accelerator) if automatic else None
@@ -476,6 +493,7 @@ def load_state(
             "objects, on their devices (Accelerate's 'cpu' and 'on_device' both mean that here); drop the argument"
         )
     load_kwargs = _check_kwargs("load_state", load_kwargs, load_into, frozenset({"map_location"}))
+    _check_no_hooks(accelerator, "load_state")
     config = accelerator.project_configuration
     resumed_from: int | None = None
     if input_dir is None:
