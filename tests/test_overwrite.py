@@ -20,6 +20,7 @@ import errno
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -741,7 +742,10 @@ def test_a_link_or_file_named_like_a_step_is_the_users_never_a_step(tmp_path: Pa
     for step in (1, 3):
         with pytest.raises(sp.CheckpointExistsError) as exc:
             mgr.save(step, {"w": torch.zeros(2)})
-        assert str(exc.value).startswith(f"{root / f'step-{step:06d}'} exists and is not a shardpoint checkpoint")
+        assert str(exc.value).startswith({
+            1: f"{root / 'step-000001'} is a symlink (to {users}); a save never follows one, as it would replace the "
+               "link or what it points to: save to the path it points to, or remove the link",
+            3: f"{root / 'step-000003'} exists and is not a shardpoint checkpoint"}[step]), exc.value
     assert torch.equal(sp.load(users)["w"], torch.ones(2))
 
 
@@ -822,3 +826,43 @@ def test_overwriting_a_folder_its_owner_made_read_only_leaves_nothing_behind(not
         if (root / "ck").exists():
             os.chmod(root / "ck", 0o755)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _mount_tmpfs(where: Path) -> bool:
+    where.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(where)],
+                          capture_output=True).returncode == 0
+
+
+def test_a_mount_point_as_the_destination_or_inside_it_is_refused_before_writing(tmp_path: Path) -> None:
+    """A volume as the destination (a container's /output): the whole checkpoint was written
+    beside it, then the commit's rename failed with EBUSY ('check the filesystem'). A volume
+    mounted inside a checkpoint folder ended up inside a hidden leftover on overwrite."""
+    volume, inner = tmp_path / "volume", tmp_path / "ck" / "data"
+    if not _mount_tmpfs(volume):
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        with pytest.raises(sp.InvalidArgumentError, match=re.escape(
+                f"cannot save to {volume}: it is a mount point (a volume), and a save is committed by renaming its "
+                f"finished folder into place, which a mount point refuses; save into a folder inside it, e.g. "
+                f"{volume / 'checkpoint'}. Nothing was written")):
+            sp.save({"w": torch.ones(4)}, volume, overwrite=True)
+        assert os.listdir(volume) == [] and sorted(os.listdir(tmp_path)) == ["volume"]
+        sp.save({"w": torch.ones(4)}, volume / "checkpoint")
+        assert sp.load(volume / "checkpoint")["w"].tolist() == [1.0] * 4
+
+        sp.save({"w": torch.ones(4)}, tmp_path / "ck")
+        assert _mount_tmpfs(inner)
+        (inner / "mine.txt").write_text("the user's")
+        with pytest.raises(sp.InvalidArgumentError, match=re.escape(
+                f"cannot overwrite {tmp_path / 'ck'}: 'data' in it is a mount point, which the overwrite (the folder "
+                "renamed into place) cannot carry over")):
+            sp.save({"w": torch.zeros(4)}, tmp_path / "ck", overwrite=True)
+        assert os.path.ismount(inner) and (inner / "mine.txt").read_text() == "the user's"
+        assert sp.load(tmp_path / "ck")["w"].tolist() == [1.0] * 4
+        assert sorted(os.listdir(tmp_path)) == ["ck", "volume"]
+    finally:
+        for where in (inner, volume):
+            subprocess.run(["umount", str(where)], capture_output=True)

@@ -117,7 +117,18 @@ class LocalTransaction(Transaction):
             # Made ahead (mkdtemp, makedirs): nothing to lose, as save_pretrained writes
             # into it. Replaced as an overwrite, which keeps whatever appears meanwhile.
             self.overwrite = True
-        if not self.final.is_dir() or self.final.is_symlink():  # said first: overwrite=True would not help
+        if self.final.is_symlink():  # said first: overwrite=True would not help
+            raise CheckpointExistsError(
+                f"{self.final} is a symlink (to {os.readlink(self.final)}); a save never follows one, as it would "
+                "replace the link or what it points to: save to the path it points to, or remove the link"
+            )
+        if self.final.is_dir() and os.path.ismount(self.final):
+            raise InvalidArgumentError(
+                f"cannot save to {self.final}: it is a mount point (a volume), and a save is committed by renaming "
+                f"its finished folder into place, which a mount point refuses; save into a folder inside it, e.g. "
+                f"{self.final / 'checkpoint'}. Nothing was written"
+            )
+        if not self.final.is_dir():
             raise CheckpointExistsError(
                 f"{self.final} exists and is not a shardpoint checkpoint, nor a directory "
                 "(a file or a symlink); refusing to replace it even with overwrite=True. "
@@ -223,6 +234,13 @@ class LocalTransaction(Transaction):
             with contextlib.suppress(OSError):
                 os.chmod(self.directory, mode | stat.S_IRWXU)
             names = os.listdir(old)
+            mounted = [n for n in names if os.path.ismount(os.path.join(old, n))]
+            if mounted:
+                raise InvalidArgumentError(
+                    f"cannot overwrite {self.final}: {mounted[0]!r} in it is a mount point, which the overwrite (the "
+                    "folder renamed into place) cannot carry over; unmount it, or keep mounts out of checkpoint "
+                    "folders. Nothing was replaced"
+                )
             replaced = owned_names(old, names, components) | new_names
             carried = carry_over(old, self.directory, replaced, durable=durable)
             record = {"replaced": sorted(replaced), "carried": {n: list(v) for n, v in carried.items()}}

@@ -331,9 +331,16 @@ def _move_out(
                 kept.append(name)
         except FileNotFoundError:
             continue
-        except OSError:
-            kept.append(name)
+        except OSError as exc:
+            kept.append(f"{name} ({_why_not_moved(exc)})")
     return kept, moved
+
+
+def _why_not_moved(exc: OSError) -> str:
+    """Why an entry of a replaced folder could not be renamed into the new one."""
+    if exc.errno in (errno.EBUSY, errno.EXDEV):
+        return "a mount point, which cannot be moved: unmount it, move its mount, or keep it out of checkpoint folders"
+    return os.strerror(exc.errno) if exc.errno else str(exc)
 
 
 def finish_replaced(old: str, final: str, *, replaced: set[str] | None = None,
@@ -366,8 +373,8 @@ def finish_replaced(old: str, final: str, *, replaced: set[str] | None = None,
     if kept:
         warnings.warn(
             f"{final} was replaced, but {old} still holds {sorted(kept)[:5]} "
-            f"({len(kept)} entries) whose names are taken in {final} by other files; "
-            "it is kept: move what you need out of it, then delete it",
+            f"({len(kept)} entries) that could not be moved into it (a name taken there by other files, "
+            "unless said otherwise); it is kept: move what you need out of it, then delete it",
             stacklevel=3,
         )
         return moved > 0
