@@ -395,6 +395,17 @@ def test_unstorable_dtypes_get_advice_that_keeps_their_values(tmp_path) -> None:
         "`.to(torch.complex64)` (complex values in float32 parts) before saving"
     )
     assert not (tmp_path / "c").exists()
+    # FP4 packs two values a byte, and torch casts it to nothing: `.to(torch.float32)` failed.
+    fp4 = torch.tensor([[0x12, 0x34]], dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    with pytest.raises(sp.InvalidStateError) as exc:
+        sp.save({"q": fp4}, tmp_path / "q")
+    assert str(exc.value) == (
+        "tensor 'q' has dtype torch.float4_e2m1fn_x2, which safetensors cannot store; store its bytes, "
+        "`.view(torch.uint8)` (two 4-bit values each), and view them back with `.view(torch.float4_e2m1fn_x2)` "
+        "after loading"
+    )
+    sp.save({"q": fp4.view(torch.uint8)}, tmp_path / "q")
+    assert sp.load(tmp_path / "q")["q"].view(torch.float4_e2m1fn_x2).view(torch.uint8).tolist() == [[0x12, 0x34]]
 
 
 def test_a_device_map_key_that_names_nothing_is_refused(tmp_path) -> None:

@@ -74,6 +74,9 @@ def _storable_hint(dtype: torch.dtype) -> str:
         return "convert it with `.to(torch.complex64)` (complex values in float32 parts) before saving"
     if dtype in (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4):
         return "store `.dequantize()` (float32 values), or its `.int_repr()` with its scale and zero point, instead"
+    if str(dtype).startswith("torch.float4"):  # packed two to a byte; torch casts it to nothing
+        return ("store its bytes, `.view(torch.uint8)` (two 4-bit values each), and view them back with "
+                f"`.view({dtype})` after loading")
     if dtype.is_floating_point:
         return "convert it with `.to(torch.float32)` before saving"
     return "convert it to a dtype safetensors stores (int64, int32, int16, int8, uint8, bool, a float) before saving"
