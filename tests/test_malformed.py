@@ -1384,6 +1384,11 @@ def _nothing_written(tmp_path: Path) -> None:
             "would overwrite; rename the key (e.g. 'model_00001_of_00002')",
             id="component-named-like-a-shard",
         ),
+        pytest.param(  # `$` let a trailing newline through: a file named "model\n.safetensors"
+            lambda: {"model\n": {"w": torch.zeros(1)}, "n": {"w": torch.zeros(1)}},
+            "top-level key 'model\\n' of the state cannot name a component",
+            id="component-name-with-a-newline",
+        ),
         pytest.param(
             lambda: {"optim": {"w": torch.zeros(1)}, "optim-r00000-00000": {"w": torch.zeros(1)}},
             "top-level key 'optim-r00000-00000' of the state cannot name a component",

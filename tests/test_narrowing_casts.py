@@ -117,3 +117,12 @@ def test_every_stored_float_dtype_loads_cast_to_float16(stored: torch.dtype, kin
     want = values.to(torch.float16)
     assert out["w"].dtype == torch.float16 and torch.equal(out["w"], want)
     assert len(messages) == (1 if torch.isinf(want).any() else 0), messages
+
+
+def test_float16_into_float8_e5m2_counts_values_past_its_range(tmp_path: Path) -> None:
+    """float8_e5m2 has float16's exponents but tops out at 57344: 61440-65504 become inf.
+    The rule (half the source's range) let it through without a word."""
+    sp.save({"w": torch.tensor([1.0, 65000.0, -60000.0], dtype=torch.float16)}, tmp_path / "ckpt")
+    out, messages = _warned(lambda: sp.load(tmp_path / "ckpt", dtype=torch.float8_e5m2))
+    assert out["w"].float().tolist() == [1.0, float("inf"), -57344.0]
+    assert len(messages) == 1 and "2 value(s) of 'w' are past float8_e5m2's range" in messages[0], messages

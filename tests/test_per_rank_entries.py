@@ -36,10 +36,11 @@ def _state(rank: int) -> dict[str, Any]:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (WORLD,))
+    mine = torch.full((3,), float(rank))
     return {
         "model": {"w": distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])},
         "loader": {f"dp_rank_{rank}": {"sample_idx": 40 + rank}},
-        "extra": {f"r{rank}": torch.full((3,), float(rank))},  # a tensor only this rank has
+        "extra": {f"r{rank}": mine, f"r{rank}.same": mine},  # a tensor only this rank has, held twice
         "rng": sp.RNGState(),
         "step": 7,
     }
@@ -99,7 +100,7 @@ def test_entries_of_each_rank_are_kept_and_each_rank_restores_its_own(tmp_path: 
             assert got["ok"] and got["step"] == 7, (rank, layout, got)
             assert got["draws_match"], f"rank {rank} ({layout}) did not restore its own random generators"
             assert got["loader"] == {"dp_rank_0": {"sample_idx": 40}, "dp_rank_1": {"sample_idx": 41}}, got
-            assert got["extra"] == {"r0": [0.0] * 3, "r1": [1.0] * 3}, got
+            assert got["extra"] == {"r0": [0.0] * 3, "r0.same": [0.0] * 3, "r1": [1.0] * 3, "r1.same": [1.0] * 3}, got
         assert "InvalidStateError: cfg['lr'] is not the same on rank 0 and rank 1: a collective save stores one " \
                "copy of what is not a tensor, so one rank's value would be lost" in report["conflict"], report
     assert not (tmp_path / "conflict").exists()

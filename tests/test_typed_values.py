@@ -199,6 +199,7 @@ def _forge(tmp_path, node: dict[str, Any]) -> pathlib.Path:
         ({"type": "torch", "class": "Tensor", "value": "ones"}, "torch node's class 'Tensor' is not one of Size, dtype"),
         ({"type": "torch", "class": "device", "value": "gpu0"}, "torch device node's value 'gpu0' is not a device"),
         ({"type": "torch", "class": "Size", "value": [-1]}, "torch Size node's 'value' is not a list of sizes"),
+        ({"type": "torch", "class": "Size", "value": [2**64]}, "torch Size node's 'value' is not a list of sizes"),
         ({"type": "bytes", "class": "bytes", "value": "not base64!"}, "bytes node's 'value' is not base64"),
         ({"type": "complex", "value": ["1.0", "x"]}, "complex node's 'value' is not [real, imaginary]"),
         ({"type": "dataclass", "class": "x:Y", "value": {"type": "dict", "items": [["int", 0, {"type": "json", "value": 1}]]}},
@@ -245,3 +246,13 @@ def test_a_forged_class_name_never_runs_a_modules_lazy_getattr(tmp_path) -> None
     finally:
         del sys.modules[module.__name__]
     assert asked == []
+
+
+def test_diff_compares_the_typed_values(tmp_path) -> None:
+    """diff skipped the torch / bytes / complex nodes: two checkpoints differing only there
+    were reported equal."""
+    sp.save({"hp": {"dtype": torch.bfloat16, "b": b"a", "c": 1 + 2j}, "w": torch.ones(2)}, tmp_path / "a")
+    sp.save({"hp": {"dtype": torch.float16, "b": b"a", "c": 1 + 2j}, "w": torch.ones(2)}, tmp_path / "b")
+    report = sp.diff(tmp_path / "a", tmp_path / "b")
+    assert not report.equal
+    assert [d for d in report.values if "dtype" in str(d)], report.values

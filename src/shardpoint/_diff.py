@@ -32,7 +32,7 @@ from ._hub import local_path
 from ._progress import byte_progress
 from ._sources.contract import BATCH_BYTES, Ref, TensorSource, batches
 from ._sources.open import open_source
-from ._typed_nodes import TYPED_VALUE_NODES, typed_leaf_text
+from ._typed_nodes import TYPED_LEAVES, TYPED_VALUE_NODES, typed_leaf_text
 from .errors import (
     InvalidArgumentError,
     InvalidArgumentTypeError,
@@ -256,7 +256,7 @@ def _json_leaves(source: TensorSource, view: dict[str, str]) -> dict[str, Any]:
                 walk(child, f"{path}.{i}" if path else str(i))
         elif kind in WRAPPER_TYPES or kind in TYPED_VALUE_NODES:
             walk(node.get("value"), path)
-        elif kind in ("path", "enum", "datetime"):
+        elif kind in TYPED_LEAVES:
             out[path] = typed_leaf_text(node)
 
     for comp in source.components:

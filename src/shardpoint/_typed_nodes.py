@@ -250,7 +250,7 @@ def typed_leaf_problem(kind: str, node: Tree) -> str:
     if kind == "torch":
         cls = node.get("class")
         if cls == "Size":
-            ok = isinstance(value, list) and len(value) <= 64 and all(type(v) is int and v >= 0 for v in value)
+            ok = isinstance(value, list) and len(value) <= 64 and all(type(v) is int and 0 <= v < 2**63 for v in value)
             return "" if ok else "torch Size node's 'value' is not a list of sizes"
         if cls == "device":
             try:

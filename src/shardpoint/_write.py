@@ -99,9 +99,9 @@ class _Assignment(NamedTuple):
 
 
 RESEND = "resend"
+"""The coordinator's answer when a rank left out a chunk list the coordinator does not hold."""
 RESEND_TREES = "resend-trees"
 """The coordinator's answer when the ranks' trees differ: (it, the components whose trees it needs)."""
-"""The coordinator's answer when a rank left out a chunk list the coordinator does not hold."""
 
 
 _RankReport = tuple[Any, Any]
@@ -190,7 +190,7 @@ def write_checkpoint(
     by_rules = chunked and group.distributed  # a regular state is then planned by rules
     resend = False
     trees_wanted: list[str] | None = None  # components whose trees the coordinator asked for
-    merged_trees: dict[str, Any] = {}  # the coordinator's: component -> every rank's tree merged
+    merged_trees: dict[str, Any] = {}  # the coordinator's: component -> every rank's (tree, aliases) merged
 
     # Messages travel as plain tuples (``Offer``, ``_Assignment`` rebuilt on arrival): a
     # coordinator of 16 384 ranks pickles and unpickles one per rank, every save.
@@ -230,7 +230,7 @@ def write_checkpoint(
             if lists is None:
                 PLANS.resend()
                 return [RESEND] * len(offers)  # a rank left out a list this coordinator does not hold
-            steps.check_names(prepared, lists, {(c, n) for c, t in merged_trees.items() for n in trees.tensor_names(t)})
+            steps.check_names(prepared, lists, trees.tensor_names(merged_trees))
             steps.check_agreement(lists)
             all_plans, writes, total = steps.assign(lists, chunked=chunked)
             plan_id = PLANS.agree(offers, (all_plans, writes, total), lists)

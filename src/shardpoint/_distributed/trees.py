@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .._flatten import tree_tensor_names
 from .._prepare import PreparedState
 from ..errors import InvalidStateError
 from .plan_cache import fingerprint
@@ -38,13 +39,17 @@ def differing(all_digests: Sequence[Mapping[str, str]]) -> list[str]:
 
 
 def trees_of(prepared: PreparedState, names: Sequence[str]) -> dict[str, Any]:
-    """This rank's trees of the components ``names`` (those it has)."""
-    return {c.name: c.tree for c in prepared.components if c.name in names}
+    """This rank's (tree, aliases) of the components ``names`` (those it has): an entry of
+    its own may hold a tensor twice (tied weights of a pipeline stage)."""
+    return {c.name: (c.tree, dict(c.aliases)) for c in prepared.components if c.name in names}
 
 
-def merged(trees_by_rank: Sequence[Mapping[str, Any]], names: Sequence[str]) -> dict[str, Any]:
-    """Component -> the union of every rank's tree of it; refused where two ranks hold one
-    entry with different values, or where a component is missing on rank 0."""
+def merged(sent_by_rank: Sequence[Mapping[str, Any]],
+           names: Sequence[str]) -> dict[str, tuple[Any, dict[str, str]]]:
+    """Component -> (the union of every rank's tree of it, of their aliases); refused where
+    two ranks hold one entry with different values, or where a component is missing on
+    rank 0."""
+    trees_by_rank = [{n: tree for n, (tree, _) in sent.items()} for sent in sent_by_rank]
     out = {}
     for name in names:
         if name not in trees_by_rank[0]:
@@ -62,7 +67,10 @@ def merged(trees_by_rank: Sequence[Mapping[str, Any]], names: Sequence[str]) -> 
                     "rank passes the same components. Nothing was saved"
                 )
             tree = _merge(tree, trees[name], name, rank)
-        out[name] = tree
+        aliases: dict[str, str] = {}
+        for sent in sent_by_rank:
+            aliases.update(sent[name][1])
+        out[name] = (tree, aliases)
     return out
 
 
@@ -90,23 +98,15 @@ def _rest(node: Mapping[str, Any], skip: str) -> dict[str, Any]:
     return {k: v for k, v in node.items() if k != skip}
 
 
-def tensor_names(tree: Any) -> Iterator[str]:
-    """The names of the tensors a tree refers to."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            if node.get("type") == "tensor" and isinstance(node.get("name"), str):
-                yield node["name"]
-            else:
-                stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
+def tensor_names(merged_trees: Mapping[str, tuple[Any, dict[str, str]]]) -> set[tuple[str, str]]:
+    """(component, name) of every tensor (and pickled value) the merged trees refer to."""
+    return {(c, n) for c, (tree, _) in merged_trees.items() for n in tree_tensor_names(tree)}
 
 
-def with_trees(prepared: PreparedState, trees: Mapping[str, Any]) -> PreparedState:
-    """``prepared`` with the trees of some components replaced (for the manifest)."""
+def with_trees(prepared: PreparedState, trees: Mapping[str, tuple[Any, dict[str, str]]]) -> PreparedState:
+    """``prepared`` with the trees and aliases of some components replaced (for the manifest)."""
     if not trees:
         return prepared
-    components = [dataclasses.replace(c, tree=trees[c.name]) if c.name in trees else c for c in prepared.components]
+    components = [dataclasses.replace(c, tree=trees[c.name][0], aliases=trees[c.name][1]) if c.name in trees else c
+                  for c in prepared.components]
     return dataclasses.replace(prepared, components=components)

@@ -136,18 +136,19 @@ def parse_dtype(dtype: object) -> torch.dtype | None:
 
 def range_lost(stored: torch.dtype, target: torch.dtype) -> float | None:
     """The largest finite value of ``target`` when a cast from ``stored`` to it loses range
-    (float32 or bfloat16 to float16, a wider float to float8), else None: values past it
-    become inf (float16, float8_e5m2) or are clipped or made NaN (the other float8s).
+    (float32 or bfloat16 to float16, a wider float to float8, float16 to float8_e5m2), else
+    None: values past it become inf (float16, float8_e5m2) or are clipped or made NaN (the
+    other float8s). A cast to bfloat16 is not counted (float32's exponent range).
 
     >>> range_lost(torch.float32, torch.float16)
     65504.0
     >>> range_lost(torch.float32, torch.bfloat16) is None  # float32's exponent range
     True
     """
-    if not (stored.is_floating_point and target.is_floating_point):
-        return None
+    if not (stored.is_floating_point and target.is_floating_point) or target == torch.bfloat16:
+        return None  # bfloat16 has float32's exponents: only values past 3.39e38 would be lost
     largest = float(torch.finfo(target).max)
-    return largest if largest * 2 < float(torch.finfo(stored).max) else None
+    return largest if largest < float(torch.finfo(stored).max) else None
 
 
 _REDUCIBLE = (torch.float64, torch.float32, torch.bfloat16, torch.float16)

@@ -6,7 +6,8 @@ import re
 
 from ..errors import InvalidStateError, UnsafePathError
 
-_COMPONENT_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}$")
+_COMPONENT_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
+"""A component name, whole (``fullmatch``: ``$`` would let a trailing newline through)."""
 _RESERVED = {"shardpoint", "latest"}
 
 
@@ -83,7 +84,7 @@ def check_tensor_name(name: object, *, where: str) -> str:
 
 def check_component_name(name: object, *, where: str) -> str:
     """Component names become file prefixes: letters, digits, ``_ . -``, not reserved."""
-    if not isinstance(name, str) or not _COMPONENT_RE.match(name) or name in _RESERVED:
+    if not isinstance(name, str) or not _COMPONENT_RE.fullmatch(name) or name in _RESERVED:
         raise UnsafePathError(f"{where}: component name {str(name)[:100]!r} is not allowed")
     return name
 
@@ -99,7 +100,7 @@ def is_component_key(name: object) -> bool:
     >>> is_component_key("optim"), is_component_key("model-00001-of-00002"), is_component_key("a/b")
     (True, False, False)
     """
-    return (isinstance(name, str) and bool(_COMPONENT_RE.match(name)) and name not in _RESERVED
+    return (isinstance(name, str) and bool(_COMPONENT_RE.fullmatch(name)) and name not in _RESERVED
             and not _FILE_STEM.fullmatch(name))
 
 

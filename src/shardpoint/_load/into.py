@@ -162,12 +162,15 @@ def load_into(
     with applied(options):
         group = resolve_group(process_group, target)
 
+        planned: list[Callable[[], LoadResult]] = []
+
         def plan_here() -> Callable[[], LoadResult]:  # in a phase: a refusal fails alike on every rank
             cast = parse_dtype(dtype)
             settings = IntoSettings(strict, progress, resolve_verify(verify), allow_pickle, device_arg(device),
                                     cast, device_map_arg(device_map, target, cast), staging_size(max_buffer_bytes),
                                     ranks_here)
-            return _load_into(target, path, settings, storage_options, opened)
+            planned.append(_load_into(target, path, settings, storage_options, opened))
+            return planned[-1]
 
         with collector_paused():
             # the ranks on this machine share its CPUs (1 without a group)
@@ -180,6 +183,10 @@ def load_into(
                 read = group.phase(f"planning the load of {os.fspath(path)}", plan_here)
                 return group.phase(f"loading {os.fspath(path)}", read)
             finally:
+                for read in planned:  # a plan another rank refused is never read: its files close here
+                    discard = getattr(read, "discard", None)
+                    if discard is not None:
+                        discard()
                 if opened is not None:
                     opened.close()
 
@@ -299,6 +306,7 @@ def _load_pickled_into(target: Any, path: str | os.PathLike[str], spec: SourceSp
         finally:
             batch.close()
 
+    read_and_close.discard = batch.close  # type: ignore[attr-defined]
     return read_and_close
 
 
