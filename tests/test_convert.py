@@ -804,6 +804,11 @@ def test_a_cast_past_the_dtypes_range_is_named(tmp_path: Path, capsys: pytest.Ca
     with pytest.warns(UserWarning) as seen:
         sp.convert(tmp_path / "model.pt", tmp_path / "out", dtype="fp16")
     assert [str(w.message) for w in seen] == [message]
+    # From safetensors files (read through the load path, which warns of its own casts): one warning.
+    sp.save(torch.load(tmp_path / "model.pt"), tmp_path / "st")
+    with pytest.warns(UserWarning) as seen:
+        sp.convert(tmp_path / "st", tmp_path / "out-st", dtype="fp16")
+    assert [str(w.message) for w in seen] == [message.replace(str(tmp_path / "out"), str(tmp_path / "out-st"))]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         sp.convert(tmp_path / "model.pt", tmp_path / "bf16", dtype="bf16")  # in range: no warning

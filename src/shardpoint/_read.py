@@ -35,9 +35,13 @@ class ReadBatch:
     """Collects reads from one checkpoint and runs them together on the I/O pool."""
 
     def __init__(
-        self, ckpt: Checkpoint, *, verify: bool, staging_bytes: int | None = None, ranks_here: int = 1
+        self, ckpt: Checkpoint, *, verify: bool, staging_bytes: int | None = None, ranks_here: int = 1,
+        warn_casts: bool = True,
     ) -> None:
         self.ckpt = ckpt
+        self.warn_casts = warn_casts
+        """Whether values a cast pushes past a narrower float's range are warned about here
+        (``convert`` counts them itself, naming its destination)."""
         self.verify = verify
         self.staging_bytes = staging_bytes
         self.ranks_here = ranks_here
@@ -115,7 +119,8 @@ class ReadBatch:
 
     def sub(self) -> ReadBatch:
         """A new, empty batch of reads from the same checkpoint, with the same settings."""
-        return ReadBatch(self.ckpt, verify=self.verify, staging_bytes=self.staging_bytes, ranks_here=self.ranks_here)
+        return ReadBatch(self.ckpt, verify=self.verify, staging_bytes=self.staging_bytes, ranks_here=self.ranks_here,
+                         warn_casts=self.warn_casts)
 
     def _fd(self, file: str) -> int:
         """The checkpoint's held descriptor of ``file`` (-1 on an object store)."""
@@ -224,4 +229,5 @@ class ReadBatch:
     def warn_out_of_range(self) -> None:
         """Warn of the values a cast pushed past a narrower float's range (they became inf, as
         ``from_pretrained(dtype=torch.float16)`` makes them, but never without a word)."""
-        self.out_of_range.warn("load as", f"as read from {self.ckpt.location}")
+        if self.warn_casts:
+            self.out_of_range.warn("load as", f"as read from {self.ckpt.location}")

@@ -85,7 +85,7 @@ class SafetensorsSource(TensorSource):
         self.ckpt: Checkpoint = ckpt
 
     def read(self, refs: Sequence[Ref], dtype: torch.dtype | None) -> list[torch.Tensor]:
-        batch = ReadBatch(self.ckpt, verify=True)
+        batch = ReadBatch(self.ckpt, verify=True, warn_casts=False)  # the caller (convert) counts them
         cpu = torch.device("cpu")
         out = [
             batch.new(self.ckpt.components[c].tensors[n], n, device=cpu, dtype=dtype)
