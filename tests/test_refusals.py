@@ -608,3 +608,36 @@ def test_manager_steps_of_any_integer_type_and_dict_targets_renamed_only_by_wrap
     sp.save({"p.a": torch.ones(2), "p.b": torch.ones(2)}, tmp_path / "p")
     with pytest.raises(sp.LoadMismatchError, match=r"not one of its 2 keys matches the 2 keys of the target"):
         sp.load_into({"q.a": torch.zeros(2), "q.b": torch.zeros(2)}, tmp_path / "p", strict=False)
+
+
+def test_targets_sharing_part_of_their_memory_are_refused_before_loading(tmp_path) -> None:
+    """x[0:10] and x[5:15] as two targets: the second load overwrote half of the first, with
+    ok=True (load_state_dict does the same). Views that interleave without sharing an
+    element (the halves of a fused weight's columns) still load."""
+    sp.save({"a": torch.ones(10), "b": torch.full((10,), 2.0)}, tmp_path / "ab")
+    base = torch.zeros(15)
+    with pytest.raises(sp.LoadMismatchError) as exc:
+        sp.load_into({"a": base[0:10], "b": base[5:15]}, tmp_path / "ab")
+    assert str(exc.value) == (
+        f"{tmp_path / 'ab'}: 'a' and 'b' share part of their memory in the target (overlapping views of one "
+        "storage, not one tensor): loading both would leave one holding part of the other's values. Give each "
+        "memory of its own (.clone()), or read the checkpoint with sp.load and copy what you need; nothing was "
+        "loaded"
+    )
+    assert base.tolist() == [0.0] * 15
+
+    class Overlapping(torch.nn.Module):  # a parameter and a buffer over one storage
+        def __init__(self) -> None:
+            super().__init__()
+            store = torch.zeros(6)
+            self.p = torch.nn.Parameter(store[0:4])
+            self.register_buffer("q", store[2:6])
+
+    sp.save({"p": torch.ones(4), "q": torch.full((4,), 2.0)}, tmp_path / "pq")
+    with pytest.raises(sp.LoadMismatchError, match=r"'p' and 'q' share part of their memory"):
+        sp.load_into(Overlapping(), tmp_path / "pq")
+
+    fused = torch.zeros(3, 8)  # column halves: their spans meet, their elements do not
+    sp.save({"left": torch.ones(3, 4), "right": torch.full((3, 4), 2.0)}, tmp_path / "halves")
+    assert sp.load_into({"left": fused[:, :4], "right": fused[:, 4:]}, tmp_path / "halves").ok
+    assert fused[:, :4].eq(1).all() and fused[:, 4:].eq(2).all()

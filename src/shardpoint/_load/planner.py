@@ -53,6 +53,55 @@ def identity_table(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[Any, 
     }
 
 
+_OVERLAP_CHECK_LIMIT = 20_000
+"""Targets of up to this many tensors are checked for partly overlapping views (about
+1 us a tensor; a model has hundreds to thousands, a flat state of 10^5 small tensors is
+left unchecked)."""
+
+
+def _partial_overlap(targets: Mapping[str, torch.Tensor], keys: list[str],
+                     ids: Mapping[str, tuple[Any, ...]]) -> tuple[str, str] | None:
+    """Two keys of ``targets`` whose tensors share some memory without being one tensor
+    (``x[0:10]`` and ``x[5:15]``), or None. Spans are compared in address order; views whose
+    spans meet are checked element by element (``W[:, :8]`` and ``W[:, 8:]`` interleave
+    without sharing an element)."""
+    if not 1 < len(keys) <= _OVERLAP_CHECK_LIMIT:
+        return None
+    spans = []
+    for key in keys:
+        t = targets[key]
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_meta or t.numel() == 0:
+            continue
+        reach = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True)) + 1
+        spans.append((t.data_ptr(), t.data_ptr() + reach * t.element_size(), key))
+    spans.sort()
+    active: list[tuple[int, str]] = []  # (end, key) of the spans still open at this address
+    for start, end, key in spans:
+        active = [(e, k) for e, k in active if e > start]
+        for _, other in active:
+            if ids[key] != ids[other] and _share_an_element(targets[other], targets[key]):
+                return other, key
+        active.append((end, key))
+    return None
+
+
+def _share_an_element(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two views whose spans meet share an element (counted over their joint span)."""
+    if a.dtype != b.dtype or a.device.type != "cpu" or b.device.type != "cpu":
+        return True  # not told apart here: taken as sharing
+    item = a.element_size()
+    base = min(a.data_ptr(), b.data_ptr())
+    top = max(x.data_ptr() + (sum((n - 1) * s for n, s in zip(x.shape, x.stride(), strict=True)) + 1) * item
+              for x in (a, b))
+    counts = torch.zeros((top - base) // item, dtype=torch.int16)
+    try:
+        for x in (a, b):
+            counts.as_strided(tuple(x.shape), tuple(x.stride()), (x.data_ptr() - base) // item).add_(1)
+    except RuntimeError:  # a view that overlaps itself (expand): refused elsewhere
+        return True
+    return bool((counts > 1).any())
+
+
 def _assign(module: torch.nn.Module, name: str, value: torch.Tensor) -> bool:
     """Replace parameter/buffer ``name`` of ``module`` by ``value``; False if not found."""
     owner_name, _, leaf = name.rpartition(".")
@@ -266,8 +315,16 @@ class Planner:
                 "or the imaginary part. Make the target that dtype, or read the values with sp.load "
                 "and convert them yourself; nothing was loaded"
             )
-        first_with: dict[Any, str] = {}
         ids = identity_table(targets)  # asked again below: once each
+        overlap = _partial_overlap(targets, matched, ids)
+        if overlap is not None:
+            raise LoadMismatchError(
+                f"{self.location}: {prefix + overlap[0]!r} and {prefix + overlap[1]!r} share part of their memory in "
+                "the target (overlapping views of one storage, not one tensor): loading both would leave one "
+                "holding part of the other's values. Give each memory of its own (.clone()), or read the "
+                "checkpoint with sp.load and copy what you need; nothing was loaded"
+            )
+        first_with: dict[Any, str] = {}
         for m in matched:
             for ident in ids[m]:
                 first_with.setdefault(ident, m)
