@@ -72,8 +72,7 @@ def _partial_overlap(targets: Mapping[str, torch.Tensor], keys: list[str],
         t = targets[key]
         if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_meta or t.numel() == 0:
             continue
-        reach = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True)) + 1
-        spans.append((t.data_ptr(), t.data_ptr() + reach * t.element_size(), key))
+        spans.append((*_byte_span(t), key))
     spans.sort()
     active: list[tuple[int, str]] = []  # (end, key) of the spans still open at this address
     for start, end, key in spans:
@@ -85,15 +84,20 @@ def _partial_overlap(targets: Mapping[str, torch.Tensor], keys: list[str],
     return None
 
 
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The addresses of a view's first byte and one past its last (strides are not negative)."""
+    start = t.data_ptr()
+    return start, start + (sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
+
+
 def _share_an_element(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two views whose spans meet share an element (counted over their joint span)."""
     if a.dtype != b.dtype or a.device.type != "cpu" or b.device.type != "cpu":
         return True  # not told apart here: taken as sharing
     item = a.element_size()
-    base = min(a.data_ptr(), b.data_ptr())
-    top = max(x.data_ptr() + (sum((n - 1) * s for n, s in zip(x.shape, x.stride(), strict=True)) + 1) * item
-              for x in (a, b))
-    counts = torch.zeros((top - base) // item, dtype=torch.int16)
+    (a_start, a_end), (b_start, b_end) = _byte_span(a), _byte_span(b)
+    base = min(a_start, b_start)
+    counts = torch.zeros((max(a_end, b_end) - base) // item, dtype=torch.int16)
     try:
         for x in (a, b):
             counts.as_strided(tuple(x.shape), tuple(x.stride()), (x.data_ptr() - base) // item).add_(1)
