@@ -48,7 +48,9 @@ def test_meta_model_materialized_with_dtype_and_device_map(tmp_path):
     model = sp.empty_model(_mlp)
     assert model[0].weight.device.type == "meta"
     result = sp.load_into(model, tmp_path / "ck", dtype=torch.bfloat16, device_map={"": "cpu", "3": "meta"})
-    assert result.ok
+    # Asked for, so strict=True loads; but the model cannot run, so not ok.
+    assert result.kept_off_keys == ["3.weight", "3.bias"] and result.matched and not result.ok
+    assert "left on the meta device as device_map asked" in result.summary()
     assert model[0].weight.dtype == torch.bfloat16 and model[0].weight.device.type == "cpu"
     assert torch.equal(model[0].weight, src[0].weight.bfloat16())
     assert model[3].weight.device.type == "meta"  # kept off this process by the device map

@@ -174,3 +174,28 @@ def test_a_fifo_named_as_the_checkpoint_is_refused_as_such_not_as_missing(tmp_pa
         f"{fifo} is not a regular file (a FIFO, device, socket or directory); "
         "the checkpoint is damaged or forged",
     )
+
+
+def test_a_leading_tilde_is_the_home_directory_for_every_entry_point(tmp_path, monkeypatch) -> None:
+    """``sp.save(model, "~/ckpt")`` writes under $HOME, as a shell would: a directory named
+    ``~`` in the working directory is a trap (``rm -rf ~`` is how it gets cleaned up)."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir(), work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    model = torch.nn.Linear(2, 2)
+    sp.save(model, "~/a")
+    sp.save(model, Path("~/a"), overwrite=True)
+    sp.async_save(model, "~/b").result()
+    manager = sp.CheckpointManager("~/run")
+    manager.save(1, {"model": model})
+    manager.wait()
+    sp.convert("~/a", "~/c")
+    sp.convert("~/a", "~/c", overwrite=True)
+    assert torch.equal(sp.load("~/c")["weight"], model.weight)
+    assert sp.load_into(torch.nn.Linear(2, 2), "~/b").ok
+    assert sp.diff("~/a", "~/b").equal
+    assert verify_checkpoint("~/a").ok
+    assert manager.step_path(1) == home / "run" / "step-000001"
+    assert sorted(os.listdir(home)) == ["a", "b", "c", "run"] and os.listdir(work) == []
+    assert main(["verify", "~/c"]) == 0

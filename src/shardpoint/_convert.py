@@ -32,6 +32,7 @@ from ._source import list_directory
 from ._sources.contract import BATCH_BYTES, Ref, SourceSpec, TensorSource, batches, meta_like
 from ._sources.open import open_source, open_spec
 from ._storage.paths import member_path, read_small_file
+from ._storage.store import home_expanded
 from ._write import SaveInfo, json_metadata, write_checkpoint
 from .errors import (
     CheckpointError,
@@ -507,7 +508,7 @@ def convert(
     check_flags("convert", trust_pickle=trust_pickle, overwrite=overwrite, progress=progress, optional=("progress",))
     if isinstance(workers, bool) or not isinstance(workers, int):
         raise InvalidArgumentTypeError(f"convert(workers={workers!r}): pass a whole number of processes (1 or more)")
-    src = local_path(src, cache_dir)
+    src, dst = local_path(src, cache_dir), home_expanded(dst)
     max_bytes = parse_size(max_shard_size)
     want = parse_dtype(dtype)
     if workers < 1:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 from ._storage.paths import cache_blobs_dir, hf_download_command, read_small_file
+from ._storage.store import home_expanded
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -219,6 +220,7 @@ def local_path(path: Any, cache_dir: str | os.PathLike[str] | None = None) -> An
     """
     if is_hub_ref(path):
         return resolve_hub_ref(path, cache_dir)
+    path = home_expanded(path)
     if isinstance(path, str) and _REPO_LIKE.fullmatch(path) and not os.path.lexists(path):
         try:
             from huggingface_hub.file_download import repo_folder_name

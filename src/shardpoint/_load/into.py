@@ -129,7 +129,8 @@ def load_into(
             Tensors of plain dicts in the target are filled in place and keep their dtype
             (an EMA kept in float32 beside a bfloat16 model stays float32).
         device_map: module-name prefix -> device for ``meta`` parameters (the longest
-            prefix wins; ``"meta"`` leaves them unmaterialized), as Accelerate's; or one
+            prefix wins; ``"meta"`` leaves them unmaterialized, listed in
+            ``LoadResult.kept_off_keys``), as Accelerate's; or one
             device for all (``"cpu"``, ``0``); or ``"auto"`` / ``"balanced"`` /
             ``"balanced_low_0"`` / ``"sequential"``: accelerate's map for the target module.
             Disk offload is not supported.
@@ -315,8 +316,8 @@ def _run(planner: Planner, batch: ReadBatch | PickledBatch, location: str,
     """The planned load's report, refused under ``strict`` when not ok (nothing read yet);
     else what runs the batch, applies the target's fix-ups and counts the bytes read."""
     result = LoadResult(planner.missing, planner.unexpected, planner.mismatched, 0, planner.meta_left,
-                        planner.prefix_mapping)
-    if settings.strict and not result.ok:
+                        planner.prefix_mapping, planner.kept_off)
+    if settings.strict and not result.matched:
         raise LoadMismatchError(mismatch_message(location, result), result)
     for check in planner.checks:
         check()

@@ -235,6 +235,7 @@ class Planner:
         self.unexpected: list[str] = []
         self.mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
         self.meta_left: list[str] = []
+        self.kept_off: list[str] = []  # on meta because the device map sends them there
         self.prefix_mapping: dict[str, tuple[str, str]] = {}
         self.post: list[Callable[[], None]] = []
         self.checks: list[Callable[[], None]] = []
@@ -560,7 +561,7 @@ class Planner:
         """Load files in the Hub's names into a ``transformers`` model under ``torch.compile`` or
         DDP: into the model itself (its weight conversions need it: GPT-NeoX's ``embed_out``,
         Mixtral's fused experts), then report its keys under the wrapper's prefix."""
-        marks = (len(self.missing), len(self.mismatched), len(self.meta_left))
+        marks = (len(self.missing), len(self.mismatched), len(self.meta_left), len(self.kept_off))
         self._module_into(inner, saved, comp, path, targets, conversions)
         prefix = f"{path}/" if path else ""
 
@@ -570,6 +571,7 @@ class Planner:
         self.missing[marks[0]:] = [wrapped(k) for k in self.missing[marks[0]:]]
         self.mismatched[marks[1]:] = [(wrapped(k), a, b) for k, a, b in self.mismatched[marks[1]:]]
         self.meta_left[marks[2]:] = [wrapped(k) for k in self.meta_left[marks[2]:]]
+        self.kept_off[marks[3]:] = [wrapped(k) for k in self.kept_off[marks[3]:]]
         old, new = self.prefix_mapping.get(path, ("", ""))
         self.prefix_mapping[path] = (old, wrapper + new)
 
@@ -582,8 +584,8 @@ class Planner:
             off = isinstance(tensor, torch.Tensor) and tensor.device.type == "meta" and key not in fit.materialized
             if key in fit.rebuild and key not in fit.materialized and (there := _module_fit.tensor_of(fit.module, key)):
                 found[key] = there  # rebuilt below (or reported there), or given the dtype dtype= asks
-            elif off and self.placement(key, tensor)[0].type != "meta":
-                self.meta_left.append(prefix + key)
+            elif off:
+                (self.meta_left if self.placement(key, tensor)[0].type != "meta" else self.kept_off).append(prefix + key)
         rebuild: dict[str, tuple[torch.nn.Module, list[str]]] = {}
         for full, (owner, name, tensor) in found.items():
             device, want = self._finish_home(fit, full, owner, name, tensor)
@@ -591,6 +593,8 @@ class Planner:
                 if device.type != "meta":
                     owner_path = full.rpartition(".")[0]
                     rebuild.setdefault(owner_path, (owner, []))[1].append(name)
+                elif prefix + full not in self.kept_off:
+                    self.kept_off.append(prefix + full)
             elif device.type != "meta" and (device != tensor.device or want != tensor.dtype):
                 self._assign_later(fit.module, full, tensor.to(device=device, dtype=want))
         for owner_path, (owner, names) in rebuild.items():

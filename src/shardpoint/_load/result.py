@@ -23,16 +23,32 @@ class LoadResult:
     """Parameters and buffers still on the ``meta`` device after the load (a model that
     cannot run): missing from the checkpoint, or non-persistent buffers the module's own
     initialization could not rebuild. Those a ``device_map`` sends to ``"meta"`` are not
-    listed."""
+    listed (see ``kept_off_keys``)."""
     prefix_mapping: dict[str, tuple[str, str]] = field(default_factory=dict)
     """Module path (``""`` for the whole target) -> ``(checkpoint prefix, target prefix)``
     where the keys matched only after a rename, as ``from_pretrained`` does: ``("",
     "model.")`` loaded the checkpoint's ``norm.weight`` into ``model.norm.weight`` (a base
     model's checkpoint into a model with a head), ``("model.", "")`` the other way."""
+    kept_off_keys: list[str] = field(default_factory=list)
+    """Parameters and buffers a ``device_map`` sent to ``"meta"``: left unloaded as asked
+    (``strict=True`` does not raise for them), but the model cannot run until they are
+    loaded, so ``ok`` is False."""
 
     @property
     def ok(self) -> bool:
-        """True when every key matched and no tensor is left on ``meta``."""
+        """True when every key matched and no tensor is left on ``meta``: the model is whole.
+
+        Example:
+            >>> import shardpoint as sp
+            >>> sp.LoadResult().ok, sp.LoadResult(kept_off_keys=["lm_head.weight"]).ok
+            (True, False)
+        """
+        return self.matched and not self.kept_off_keys
+
+    @property
+    def matched(self) -> bool:
+        """True when every key matched and nothing is on ``meta`` that the call did not send
+        there (what ``strict=True`` requires): ``ok`` but for ``kept_off_keys``."""
         return not (self.missing_keys or self.unexpected_keys or self.mismatched_keys or self.meta_keys)
 
     def summary(self) -> str:
@@ -71,6 +87,11 @@ def report_lines(result: LoadResult) -> list[str]:
     if result.meta_keys:
         lines.append(
             f"left on the meta device (the model cannot run): {_show(result.meta_keys, len(result.meta_keys))}"
+        )
+    if result.kept_off_keys:
+        lines.append(
+            "left on the meta device as device_map asked (the model cannot run until they are loaded): "
+            f"{_show(result.kept_off_keys)}"
         )
     if not lines:
         lines.append("every key matched")

@@ -121,7 +121,9 @@ def open_store(path: Any, storage_options: Mapping[str, Any] | None = None) -> S
 
 
 def path_arg(path: object) -> str | os.PathLike[str]:
-    """A local path argument, refused clearly where it cannot name a file."""
+    """A local path argument, refused clearly where it cannot name a file; a leading ``~``
+    is the user's home, as a shell would read it (a directory literally named ``~`` in the
+    working directory is a trap: ``rm -rf ~`` is how users would clean it up)."""
     if not isinstance(path, (str, os.PathLike)):
         raise InvalidArgumentTypeError(
             f"the path must be a str or os.PathLike (a directory, a file or a URL), not {type(path).__name__}"
@@ -131,6 +133,13 @@ def path_arg(path: object) -> str | os.PathLike[str]:
         raise InvalidArgumentTypeError(f"the path must be text, not {type(text).__name__}")
     if "\x00" in text or not text:
         raise InvalidArgumentError(f"the path {text[:80]!r} is empty or holds a NUL character; no file has that name")
+    return home_expanded(path)
+
+
+def home_expanded(path: Any) -> Any:
+    """``path`` with a leading ``~`` read as the user's home; anything else as it is."""
+    if isinstance(path, (str, os.PathLike)) and not isinstance(text := os.fspath(path), bytes) and text[:1] == "~":
+        return os.path.expanduser(text)
     return path
 
 

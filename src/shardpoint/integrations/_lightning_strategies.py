@@ -310,7 +310,7 @@ class ShardpointStrategyMixin:
         if strict and skipped:
             result = dataclasses.replace(
                 result, unexpected_keys=[k for k in result.unexpected_keys if k not in skipped])
-            if not result.ok:
+            if not result.matched:
                 raise LoadMismatchError(
                     "\n  ".join([f"loading {path} into this run's model does not match "
                                   "(the LightningModule's strict_loading is True):", *report_lines(result),
