@@ -23,7 +23,7 @@ import torch
 
 from ._flags import check_flags
 from ._format.companions import travels_with_weights
-from ._format.dtypes import OutOfRange, parse_dtype
+from ._format.dtypes import OutOfRange, parse_dtype, range_lost
 from ._hub import local_path
 from ._io.writes import FileWrite, write_files
 from ._prepare import Component, PreparedState
@@ -116,22 +116,20 @@ def _write_job(
 
 
 def _overflow(source: TensorSource, ref: Ref, cast: torch.Tensor) -> tuple[int, float] | None:
-    """(finite values the cast made infinite, largest magnitude of the source), or None: a
-    cast to a narrower float (float32 to float16) turns values past its range into inf.
-    The source is read again only where the cast holds an infinity."""
-    original = source.descriptor(ref).dtype
-    if not cast.is_floating_point() or original == cast.dtype or not original.is_floating_point:
-        return None
-    largest = torch.finfo(cast.dtype).max
-    if largest >= torch.finfo(original).max:
+    """(finite values the cast made infinite or clipped, largest magnitude of the source), or
+    None, counted as loads count them (:class:`OutOfRange`). The source is read again only
+    where the cast holds a value at the edge of its range or past it."""
+    largest = range_lost(source.descriptor(ref).dtype, cast.dtype)
+    if largest is None:
         return None
     wide = cast if cast.element_size() > 1 else cast.float()  # float8 has no isfinite
     if not bool((~torch.isfinite(wide) | (wide.abs() >= largest)).any()):
         return None  # nothing at inf, nan or the edge of the range: nothing overflowed
+    tally = OutOfRange()
     with source.batch([ref], None) as (before,):  # float8_e4m3fn saturates at 448: no inf
-        made = int((torch.isfinite(before) & (before.abs() > largest)).sum())
-        largest = float(before[torch.isfinite(before)].abs().max()) if made else 0.0
-    return (made, largest) if made else None
+        tally.check("", before, cast.dtype)
+    found = tally.found.get("")
+    return None if found is None else found[1:]
 
 
 # Worker processes (``workers > 1``): each opens the source once and writes whole files.
