@@ -641,3 +641,25 @@ def test_targets_sharing_part_of_their_memory_are_refused_before_loading(tmp_pat
     sp.save({"left": torch.ones(3, 4), "right": torch.full((3, 4), 2.0)}, tmp_path / "halves")
     assert sp.load_into({"left": fused[:, :4], "right": fused[:, 4:]}, tmp_path / "halves").ok
     assert fused[:, :4].eq(1).all() and fused[:, 4:].eq(2).all()
+
+
+def test_overlapping_targets_are_found_among_many_tensors_and_many_interleaved_views(tmp_path) -> None:
+    """The check has no size cap (a model of 10^5 tensors is checked too), and a fused weight
+    cut into many column views is one pass over its memory, not a comparison per pair."""
+    n = 30_000
+    sp.save({f"k{i}": torch.full((2,), float(i)) for i in range(n)}, tmp_path / "many")
+    base = torch.zeros(2 * n + 1)
+    target = {f"k{i}": base[2 * i:2 * i + 2] for i in range(n)}
+    target[f"k{n - 1}"] = base[2 * n - 3:2 * n - 1]  # shares an element with k{n-2}
+    with pytest.raises(sp.LoadMismatchError, match=rf"'k{n - 2}' and 'k{n - 1}' share part of their memory"):
+        sp.load_into(target, tmp_path / "many")
+    assert not base.any()
+
+    columns = torch.zeros(4, 256)
+    sp.save({f"c{i}": torch.full((4, 1), float(i)) for i in range(256)}, tmp_path / "columns")
+    assert sp.load_into({f"c{i}": columns[:, i:i + 1] for i in range(256)}, tmp_path / "columns").ok
+    assert columns.equal(torch.arange(256.0).expand(4, 256))
+    sp.save({**{f"c{i}": torch.ones(4, 1) for i in range(256)}, "c7b": torch.ones(2, 2)}, tmp_path / "block")
+    with pytest.raises(sp.LoadMismatchError, match=r"'c7' and 'c7b' share part of their memory"):
+        sp.load_into({**{f"c{i}": columns[:, i:i + 1] for i in range(256)}, "c7b": columns[1:3, 7:9]},
+                     tmp_path / "block")

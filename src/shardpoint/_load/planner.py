@@ -53,20 +53,13 @@ def identity_table(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[Any, 
     }
 
 
-_OVERLAP_CHECK_LIMIT = 20_000
-"""Targets of up to this many tensors are checked for partly overlapping views (about
-1 us a tensor; a model has hundreds to thousands, a flat state of 10^5 small tensors is
-left unchecked)."""
-
-
 def _partial_overlap(targets: Mapping[str, torch.Tensor], keys: list[str],
                      ids: Mapping[str, tuple[Any, ...]]) -> tuple[str, str] | None:
     """Two keys of ``targets`` whose tensors share some memory without being one tensor
-    (``x[0:10]`` and ``x[5:15]``), or None. Spans are compared in address order; views whose
-    spans meet are checked element by element (``W[:, :8]`` and ``W[:, 8:]`` interleave
-    without sharing an element)."""
-    if not 1 < len(keys) <= _OVERLAP_CHECK_LIMIT:
-        return None
+    (``x[0:10]`` and ``x[5:15]``), or None. Spans are sorted by address (a model's tensors
+    rarely meet: a pass over them); views whose spans chain together (the column halves
+    ``W[:, :8]`` and ``W[:, 8:]`` of a fused weight) are checked element by element, each
+    group in one pass over its memory."""
     spans = []
     for key in keys:
         t = targets[key]
@@ -74,26 +67,52 @@ def _partial_overlap(targets: Mapping[str, torch.Tensor], keys: list[str],
             continue
         spans.append((*_byte_span(t), key))
     spans.sort()
-    active: list[tuple[int, str]] = []  # (end, key) of the spans still open at this address
+    group: list[str] = []
+    reach = 0
     for start, end, key in spans:
-        active = [(e, k) for e, k in active if e > start]
-        for _, other in active:
-            if ids[key] != ids[other] and _share_an_element(targets[other], targets[key]):
-                return other, key
-        active.append((end, key))
+        if group and start >= reach:
+            if len(group) > 1 and (found := _overlap_within(targets, group, ids)):
+                return found
+            group = []
+        reach = max(reach, end) if group else end
+        group.append(key)
+    return _overlap_within(targets, group, ids) if len(group) > 1 else None
+
+
+def _overlap_within(targets: Mapping[str, torch.Tensor], group: list[str],
+                    ids: Mapping[str, tuple[Any, ...]]) -> tuple[str, str] | None:
+    """Two keys of ``group`` (views whose spans chain together, in address order) that share
+    an element and are not one tensor, or None: the views mark the elements they cover in
+    one bitmap of the group's span, each checking first that none is marked yet."""
+    views = list({ids[key]: key for key in reversed(group)}.values())[::-1]  # ties are one tensor
+    if len(views) < 2:
+        return None
+    first = targets[views[0]]
+    item, base = first.element_size(), _byte_span(first)[0]
+    if any(targets[k].dtype != first.dtype or targets[k].device.type != "cpu"
+           or (targets[k].data_ptr() - base) % item for k in views):
+        return views[0], views[1]  # not told apart here (the first two meet): taken as sharing
+    top = max(_byte_span(targets[k])[1] for k in views)
+    marked = torch.zeros((top - base) // item, dtype=torch.bool)
+    for i, key in enumerate(views):
+        t = targets[key]
+        region = marked.as_strided(tuple(t.shape), tuple(t.stride()), (t.data_ptr() - base) // item)
+        if bool(region.any()):
+            return next((o for o in views[:i] if _share_an_element(targets[o], t)), views[0]), key
+        region.fill_(True)
     return None
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     """The addresses of a view's first byte and one past its last (strides are not negative)."""
     start = t.data_ptr()
+    if t.is_contiguous():
+        return start, start + t.numel() * t.element_size()
     return start, start + (sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
 
 
 def _share_an_element(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two views whose spans meet share an element (counted over their joint span)."""
-    if a.dtype != b.dtype or a.device.type != "cpu" or b.device.type != "cpu":
-        return True  # not told apart here: taken as sharing
+    """Whether two views of one dtype on the CPU share an element (the error's pair)."""
     item = a.element_size()
     (a_start, a_end), (b_start, b_end) = _byte_span(a), _byte_span(b)
     base = min(a_start, b_start)
