@@ -181,6 +181,30 @@ def test_base_checkpoint_loads_into_head_model_with_prefix_reported(tmp_path: Pa
         assert torch.equal(head.state_dict()[f"model.{key}"], value), key
 
 
+def test_a_module_is_never_renamed_into_another_of_the_same_shape(tmp_path: Path) -> None:
+    """A pretrained encoder + decoder into an encoder + new head: the decoder's weights
+    landed in the head with ok=True (the rename decoder. -> head. matched more keys). Only
+    wrappers stand for one another; a causal LM's lm_head is not a classifier's score."""
+    torch.manual_seed(0)
+    pretrained = torch.nn.ModuleDict({"encoder": torch.nn.Linear(4, 4), "decoder": torch.nn.Linear(4, 4)})
+    sp.save(pretrained, tmp_path / "ae")
+    tuned = torch.nn.ModuleDict({"encoder": torch.nn.Linear(4, 4), "head": torch.nn.Linear(4, 4)})
+    before = tuned.head.weight.clone()
+    result = sp.load_into(tuned, tmp_path / "ae", strict=False)
+    assert result.prefix_mapping == {}
+    assert result.missing_keys == ["head.weight", "head.bias"]
+    assert result.unexpected_keys == ["decoder.weight", "decoder.bias"]
+    assert torch.equal(tuned.head.weight, before) and torch.equal(tuned.encoder.weight, pretrained.encoder.weight)
+
+    config = _llama_config()
+    config.num_labels, config.pad_token_id = config.vocab_size, 0  # score shaped like lm_head
+    sp.save(transformers.LlamaForCausalLM(config), tmp_path / "lm")
+    with pytest.raises(sp.LoadMismatchError) as info:
+        sp.load_into(transformers.LlamaForSequenceClassification(config), tmp_path / "lm")
+    assert "missing from the checkpoint: 'score.weight'\n" in str(info.value)
+    assert "unexpected (in the checkpoint, not the target): 'lm_head.weight'\n" in str(info.value)
+
+
 def test_head_checkpoint_loads_into_base_model_with_prefix_reported(tmp_path: Path) -> None:
     torch.manual_seed(0)
     head = transformers.LlamaForCausalLM(_llama_config())

@@ -42,7 +42,10 @@ def match_prefix(
     matches more than the names as they are; else None.
 
     Candidates are ``base_prefix`` and, on each side, the three leading components most
-    keys have (added or removed, or one side's replaced by the other's); the rename must
+    keys have, added or removed (the rest of each key's path must then match whole); one
+    side's prefix replaced by the other's only where both are wrapper components (DDP's
+    ``module.`` for ``torch.compile``'s ``_orig_mod.``): ``decoder.weight`` is no evidence
+    that a checkpoint's ``decoder`` is the target's ``head``. The rename must
     match strictly more keys than no rename. ``wrappers_only`` (a plain dict target, which
     has no model structure to vouch for a rename): only prefixes of wrapper components
     (``module.``, ``_orig_mod.``, ...) are tried. A saved key that matches as it is keeps its name
@@ -77,11 +80,12 @@ def match_prefix(
                      | {run for run, _count in wrapped.most_common(2)})
         candidates.update(sides[-1])
     if wrappers_only:
-        candidates = {c for c in candidates if all(part in _WRAPPERS for part in c.rstrip(".").split("."))}
+        candidates = {c for c in candidates if _is_wrapper_run(c)}
         sides = [{c for c in side if c in candidates} for side in sides]
     renames = [r for prefix in sorted(candidates) for r in (("", prefix), (prefix, ""))]
     # One wrapper for another (saved under DDP's module., loaded under torch.compile's _orig_mod.).
-    renames += [(old, new) for old in sorted(sides[1]) for new in sorted(sides[0]) if old != new]
+    renames += [(old, new) for old in sorted(sides[1]) for new in sorted(sides[0])
+                if old != new and _is_wrapper_run(old) and _is_wrapper_run(new)]
     choice: tuple[str, str] | None = None
     for rename in renames:
         count = len(rename_keys(targets, saved, rename))
@@ -93,6 +97,10 @@ def match_prefix(
 _WRAPPERS = ("_orig_mod", "module", *INNER_WRAPPERS)
 """Attribute names wrappers put in front of a model's keys: ``torch.compile``, DDP /
 DataParallel, and the inner ones."""
+
+
+def _is_wrapper_run(prefix: str) -> bool:
+    return all(part in _WRAPPERS for part in prefix.rstrip(".").split("."))
 
 
 def _wrapper_run(key: str) -> str:

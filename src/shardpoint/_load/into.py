@@ -336,6 +336,9 @@ def _read_planned(planner: Planner, batch: ReadBatch | PickledBatch, location: s
             _extended(exc, "The target may now hold part of this checkpoint's values: load a whole "
                            "checkpoint into it before using it")
             raise
+        finally:
+            for tensor in planner.in_place:
+                torch.autograd.graph.increment_version(tensor)
     for fix in planner.post:
         fix()
     read = batch.planned_bytes if isinstance(batch, ReadBatch) else batch.bytes_read

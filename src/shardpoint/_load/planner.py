@@ -257,6 +257,9 @@ class Planner:
         self.kept_off: list[str] = []  # on meta because the device map sends them there
         self.prefix_mapping: dict[str, tuple[str, str]] = {}
         self.post: list[Callable[[], None]] = []
+        self.in_place: list[torch.Tensor] = []
+        """Target tensors the batch fills in place: their autograd version is bumped after,
+        as ``copy_`` bumps it (a graph built before the load refuses to backward)."""
         self.checks: list[Callable[[], None]] = []
         """Run once planning is done, before anything is read: refusals that need the whole plan."""
         self.param_names: dict[int, str] = {}
@@ -443,8 +446,10 @@ class Planner:
             if type(tensor).__name__ == "DTensor":
                 _global_shape, offsets, local = local_chunk(tensor)
                 self.batch.fill(record, _writable(local.detach(), prefix + key), stored, offsets)
+                self.in_place.append(local)
             else:
                 self.batch.fill(record, _writable(tensor.detach(), prefix + key), stored)
+                self.in_place.append(tensor)
         for key, others in (also or {}).items():
             if key not in is_matched:
                 continue
