@@ -459,3 +459,63 @@ def module_tensors(module: torch.nn.Module) -> Mapping[str, torch.Tensor]:
     for name, buffer in module.named_buffers(remove_duplicate=False):
         out[name] = buffer
     return out
+
+
+def self_loading(module: torch.nn.Module, targets: Mapping[str, torch.Tensor],
+                 everything: Mapping[str, torch.Tensor]) -> dict[str, torch.nn.Module]:
+    """Submodules whose own ``load_state_dict`` must load them (key prefix, ``"sub.sub."``
+    or ``""`` for ``module`` itself -> submodule; outermost ones only): filling their state
+    dict's tensors in place would not load them, or not the way they load.
+
+    That is a module whose class writes its own ``_save_to_state_dict`` (its state dict may
+    hold values it computes: packed or quantized layers) or ``_load_from_state_dict``
+    (QAT observers resize their buffers there; a lazy module materializes), except the
+    batch norms, whose own code only supplies a default; one holding a parameter not yet
+    materialized (``nn.LazyLinear``); and the owner of a state-dict tensor that is no
+    parameter or buffer of ``module`` (a state-dict hook's computed value).
+
+    >>> class Packed(torch.nn.Linear):
+    ...     def _save_to_state_dict(self, destination, prefix, keep_vars):
+    ...         destination[prefix + "weight"] = self.weight.detach().half()
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), Packed(2, 2))
+    >>> sorted(self_loading(net, net.state_dict(keep_vars=True), module_tensors(net)))
+    ['1.']
+    """
+    base = torch.nn.Module
+    modules = dict(module.named_modules(remove_duplicate=False))
+    found: set[str] = set()
+    for path, sub in modules.items():
+        cls = type(sub)
+        own_load = cls._load_from_state_dict is not base._load_from_state_dict and not isinstance(sub, _IN_PLACE_LOADERS)
+        lazy = any(torch.nn.parameter.is_lazy(t) for t in [*sub._parameters.values(), *sub._buffers.values()]
+                   if t is not None)
+        if own_load or cls._save_to_state_dict is not base._save_to_state_dict or lazy:
+            found.add(path)
+    real = {id(t) for t in everything.values()}
+    for key, tensor in targets.items():
+        if id(tensor) not in real:  # a value the state dict computes: its module's own code loads it
+            owner = key.rpartition(".")[0]
+            while owner and owner not in modules:
+                owner = owner.rpartition(".")[0]
+            found.add(owner)
+    outermost = {p for p in found if not any(q == "" or p.startswith(q + ".") for q in found if q != p)}
+    return {f"{p}." if p else "": modules[p] for p in sorted(outermost)}
+
+
+_IN_PLACE_LOADERS = (torch.nn.modules.batchnorm._NormBase,)
+"""torch classes whose own ``_load_from_state_dict`` only fills in a missing default
+(``num_batches_tracked`` of an old checkpoint): their tensors load in place like any."""
+
+
+def offloaded(module: torch.nn.Module) -> str | None:
+    """The name of the first submodule of ``module`` that accelerate has offloaded (its
+    weights held in a hook's ``weights_map`` and put back at every forward: ``cpu_offload``,
+    ``disk_offload``, ``from_pretrained`` with a ``device_map`` sending modules to ``"cpu"``
+    or ``"disk"`` beside a GPU), or None."""
+    for path, sub in module.named_modules():
+        hook = getattr(sub, "_hf_hook", None)
+        for one in [hook, *getattr(hook, "hooks", ())]:
+            if getattr(one, "offload", False) and getattr(one, "weights_map", None) is not None:
+                return path
+    return None
+

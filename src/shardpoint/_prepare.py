@@ -11,7 +11,8 @@ import torch
 from ._flatten import flatten_state
 from ._format.dtypes import dtype_name
 from ._format.names import check_tensor_name, validate_component_key
-from ._io.memory import local_tensor
+from ._io.memory import local_tensor, storage_less
+from ._module_fit import offloaded
 from ._stateful import find_modules, make_to_state, parameter_names
 from .errors import InvalidStateError
 
@@ -98,6 +99,11 @@ def check_tensor(name: str, component: str, tensor: torch.Tensor) -> None:
     """Refuse what safetensors cannot hold, naming the tensor and what to do."""
     where = f"tensor {name!r}" + (f" of component {component!r}" if component != "model" else "")
     check_tensor_name(name, where="the state to save")
+    if torch.nn.parameter.is_lazy(tensor):
+        raise InvalidStateError(
+            f"{where} is a parameter of a lazy module (nn.LazyLinear, ...) that has no shape yet; "
+            "run the model once on an input (or call its initialize_parameters) before saving"
+        )
     if tensor.is_nested:
         raise InvalidStateError(
             f"{where} is a nested (ragged) tensor; safetensors stores dense tensors only. "
@@ -117,6 +123,12 @@ def check_tensor(name: str, component: str, tensor: torch.Tensor) -> None:
         raise InvalidStateError(
             f"{where} is on the meta device and holds no data; materialize the module "
             "(e.g. `module.to_empty(device='cpu')` and initialize it) before saving"
+        )
+    if storage_less(tensor):
+        raise InvalidStateError(
+            f"{where} is a {type(tensor).__name__}, a tensor subclass with no memory of its own (as "
+            "torchao's quantized and float8 tensors are); safetensors stores plain tensors. Save plain "
+            "values (its dequantized form, or the plain tensors it is made of), or torch.save it"
         )
     dtype_name(tensor.dtype, key=name)
 
@@ -287,6 +299,15 @@ def prepare_state(state: Any, *, allow_pickle: bool = False, keep: Collection[st
     ``keep``: tensor names to store rather than record as aliases where names are tied
     (see :func:`dedup`); a ``transformers`` model passed as ``state`` brings its own.
     """
+    for _path, module in find_modules(state):
+        where = offloaded(module)
+        if where is not None:
+            raise InvalidStateError(
+                f"module {where or type(module).__name__!r} is offloaded by accelerate: its state dict holds meta "
+                "tensors, its weights are in a hook's weights_map. Put them back before saving "
+                "(accelerate.hooks.remove_hook_from_module(model, recurse=True)), or save the model with "
+                "its own save_pretrained; do not materialize it with to_empty (that would lose the weights)"
+            )
     raw, flat = split_components(state)
     to_state = make_to_state(parameter_names(find_modules(state)))
     components = []
@@ -295,11 +316,11 @@ def prepare_state(state: Any, *, allow_pickle: bool = False, keep: Collection[st
         comp = Component(cname, tree, tensors)
         module = state if flat and isinstance(state, torch.nn.Module) else value
         comp_keep: Collection[str] = keep if flat else ()
+        for name, tensor in tensors.items():
+            check_tensor(name, cname, tensor)
         if isinstance(module, torch.nn.Module):
             comp.parameters = module_parameters(module)
             comp_keep = comp_keep or transformers_kept_names(module)
-        for name, tensor in tensors.items():
-            check_tensor(name, cname, tensor)
         dedup(comp, comp_keep)
         components.append(comp)
     return PreparedState(components, flat)

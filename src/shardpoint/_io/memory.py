@@ -59,3 +59,15 @@ def unchanged_size(key: str, got: int, planned: int, *, where: str = "") -> None
             f"{where + ': ' if where else ''}tensor {key!r} changed size while it was being saved "
             "(another thread resized it); nothing was committed. Save when the state is not being changed"
         )
+
+
+def storage_less(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` has no memory of its own to read into: a wrapper subclass (as
+    torchao's quantized and float8 tensors are), whose values only its own ``copy_`` sets."""
+    if type(tensor) in (torch.Tensor, torch.nn.Parameter) or type(tensor).__name__ == "DTensor" or tensor.is_meta:
+        return False
+    try:
+        tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return True
+    return False

@@ -9,6 +9,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+import torch
+
 from .._options import adopt, current_options
 
 _T = TypeVar("_T")
@@ -95,7 +97,7 @@ def run_all(
     started are skipped) and is raised once the running ones have finished.
 
     ``fn`` may watch ``cancelled`` to stop early (an upload in the middle of an object). The
-    other threads run under the caller's options. Each thread takes the next item when it is
+    other threads run under the caller's options (and its ``torch.inference_mode``). Each thread takes the next item when it is
     done with one, so a few large items and many small ones share the threads evenly.
 
         >>> done = []
@@ -114,6 +116,7 @@ def run_all(
     queue = iter(items)
     lock = threading.Lock()
     options = current_options()
+    inference = torch.is_inference_mode_enabled()  # thread-local: a target made under it is changed under it
 
     def work() -> None:
         while not stop.is_set():
@@ -130,7 +133,11 @@ def run_all(
 
     def helper() -> None:
         adopt(options)
-        work()
+        if inference:
+            with torch.inference_mode():
+                work()
+        else:
+            work()
 
     # Threads started one by one (each start waits for the thread to run), not a pool fed
     # from a queue: a pool's threads wait for the interpreter lock while the caller submits,

@@ -21,6 +21,7 @@ from .. import _hf_conversions, _module_fit
 from .._distributed.group import local_chunk
 from .._flatten import WRAPPER_TYPES, tree_tensor_names, unflatten_state
 from .._format.manifest import ComponentRecord
+from .._io.memory import storage_less
 from .._prepare import storage_key
 from .._read import ReadBatch
 from .._stateful import Stateful, optimizer_state_for, renamed_parameter_names
@@ -35,7 +36,7 @@ def identities(tensor: torch.Tensor) -> tuple[Any, ...]:
     """Keys under which two tensors are the same memory: the same object, or the same view
     of the same storage (looked up in sets and dicts: a model of thousands of tensors must
     not compare every pair)."""
-    key = storage_key(tensor)
+    key = None if storage_less(tensor) else storage_key(tensor)
     return (id(tensor),) if key is None else (id(tensor), key)
 
 
@@ -160,6 +161,20 @@ def _writable(tensor: torch.Tensor, key: str) -> torch.Tensor:
             "or overlapping view); load into a tensor of its own (.clone() it first)"
         )
     return tensor
+
+
+def _copy_into(tensor: torch.Tensor, value: torch.Tensor, key: str) -> None:
+    """Give a tensor with no memory of its own (a wrapper subclass) its values through its
+    own ``copy_``, as ``load_state_dict`` does."""
+    try:
+        with torch.no_grad():
+            tensor.copy_(value)
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        raise InvalidStateError(
+            f"target tensor {key!r} is a {type(tensor).__name__} (a tensor subclass with no memory of its own), and "
+            f"its copy_ refused the checkpoint's values: {' '.join(str(exc).split())[:300]}. The target may now "
+            "hold part of this checkpoint's values: load into plain tensors (sp.load) and convert them yourself"
+        ) from exc
 
 
 def _item_setter(
@@ -319,10 +334,17 @@ class Planner:
         """
         matched = []
         lossy: list[tuple[str, str | torch.dtype, torch.dtype]] = []
+        inference = not torch.is_inference_mode_enabled()
         for key, tensor in targets.items():
             saved = names.get(key)
             if saved is None:
                 continue
+            if inference and tensor.is_inference():
+                raise InvalidStateError(
+                    f"target tensor {prefix + key!r} was made under torch.inference_mode(), and torch lets such "
+                    "a tensor change only inside it: call load_into inside `with torch.inference_mode():`, or "
+                    "build the target outside it; nothing was loaded"
+                )
             record = comp.tensors[comp.aliases.get(saved, saved)]
             if tensor.shape != record.shape:
                 self.mismatched.append((prefix + key, record.shape, tuple(tensor.shape)))
@@ -443,7 +465,10 @@ class Planner:
                 continue
             for ident in idents:
                 filled[ident] = (key, stored)
-            if type(tensor).__name__ == "DTensor":
+            if storage_less(tensor):  # a wrapper subclass: read aside, given by its own copy_
+                value = self.batch.new(record, stored, device=torch.device("cpu"), dtype=None)
+                self.post.append(functools.partial(_copy_into, tensor, value, prefix + key))
+            elif type(tensor).__name__ == "DTensor":
                 _global_shape, offsets, local = local_chunk(tensor)
                 self.batch.fill(record, _writable(local.detach(), prefix + key), stored, offsets)
                 self.in_place.append(local)
@@ -524,6 +549,15 @@ class Planner:
         """Fill a module from a saved state dict (its keys -> saved tensor names): keys
         renamed by a base-model prefix where that matches more, meta tensors materialized,
         non-persistent buffers rebuilt, and whatever stays on ``meta`` reported."""
+        where = _module_fit.offloaded(target)
+        if where is not None:
+            raise InvalidStateError(
+                f"{self.location}: module {where or type(target).__name__!r} of the target is offloaded by accelerate "
+                "(its weights live in a hook's weights_map and are put back at every forward), so values loaded "
+                "into its parameters would be undone by the next forward. Load into the model before offloading "
+                "it (load_into, then accelerate's dispatch_model / cpu_offload), or remove the hooks first "
+                "(accelerate.hooks.remove_hook_from_module(model, recurse=True)); nothing was loaded"
+            )
         inner, wrapper = _module_fit.unwrapped(target)
         if inner is not target:
             targets = inner.state_dict(keep_vars=True)
@@ -568,7 +602,14 @@ class Planner:
         names = {k: saved[s] for k, s in by_target.items()}
         also = {k: twice[s] for k, s in by_target.items() if s in twice}
         missing_from, unexpected_from = len(self.missing), len(self.unexpected)
+        own = _module_fit.self_loading(target, targets, everything)
+        claimed: set[str] = set()
+        if own:
+            targets, names = self._own_loads(own, targets, names, comp, prefix, fit)
+            claimed = {prefix + by_target[k] for k in by_target if k not in targets}
         self.tensors_into(targets, names, comp, prefix, target, fit, {v: k for k, v in saved.items()}, also)
+        if claimed:  # read for the modules that load themselves
+            self.unexpected[unexpected_from:] = [k for k in self.unexpected[unexpected_from:] if k not in claimed]
         ignore_missing, ignore_unexpected = _module_fit.ignored_on_load(target)
         if ignore_unexpected is not None:  # never read; from_pretrained does not report them either
             self.unexpected[unexpected_from:] = [
@@ -578,6 +619,67 @@ class Planner:
             self.missing[missing_from:] = [k for k in self.missing[missing_from:] if k not in ignored]
             fit.rebuild.update(k[len(prefix):] for k in ignored)
         self._finish_module(fit, targets, prefix)
+
+    def _own_loads(self, own: Mapping[str, torch.nn.Module], targets: dict[str, torch.Tensor],
+                   names: dict[str, str], comp: ComponentRecord, prefix: str, fit: _ModuleLoad
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Plan the submodules of ``own`` (key prefix -> module) that load themselves: their
+        keys are read into new tensors and given to their own ``load_state_dict`` after the
+        batch (QAT observers, packed and lazy layers). Returns the targets and names left to
+        fill in place."""
+        rest: dict[str, torch.Tensor] = {}
+        values: dict[str, dict[str, torch.Tensor]] = {p: {} for p in own}
+        read: dict[str, torch.Tensor] = {}
+        missing: dict[str, set[str]] = {p: set() for p in own}
+        for key, tensor in targets.items():
+            owner = next((p for p in own if key.startswith(p)), None)
+            if owner is None:
+                rest[key] = tensor
+                continue
+            fit.materialized.add(key)
+            if key not in names:
+                self.missing.append(prefix + key)
+                missing[owner].add(key[len(owner):])
+                continue
+            stored = comp.aliases.get(names[key], names[key])
+            if stored not in read:
+                read[stored] = self.batch.new(comp.tensors[stored], stored, device=torch.device("cpu"), dtype=None)
+            values[owner][key[len(owner):]] = read[stored]
+        for owner, module in own.items():
+            tensors = module.state_dict(keep_vars=True).values()
+            empty = any(isinstance(t, torch.Tensor) and t.is_meta for t in tensors)
+            first = next((k for k in targets if k.startswith(owner)), None)
+            home = self.placement(first, targets[first], fit.float_dtype)[0] if empty and first else None
+            self.post.append(functools.partial(self._load_own, module, prefix + owner, values[owner],
+                                               missing[owner], home))
+        return rest, {k: v for k, v in names.items() if k in rest}
+
+    def _load_own(self, module: torch.nn.Module, where: str, values: dict[str, torch.Tensor],
+                  planned_missing: set[str], home: torch.device | None) -> None:
+        """Give a self-loading module its values (:meth:`_own_loads`); ``home``: where a
+        module that was on ``meta`` goes (its tensors are assigned, not copied)."""
+        name = where.rstrip(".")
+        what = f"module {name!r} ({type(module).__name__})" if name else f"the target ({type(module).__name__})"
+        try:
+            report = module.load_state_dict(values, strict=False, assign=home is not None)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            lines = " ".join(str(exc).split())[:600]
+            raise LoadMismatchError(
+                f"{self.location}: {what} loads its own state, and its load_state_dict refused the "
+                f"checkpoint's values: {lines}. The target may now hold part of this checkpoint's values: "
+                "load a whole checkpoint into it before using it"
+            ) from exc
+        left = sorted(set(report.missing_keys) - planned_missing) + sorted(report.unexpected_keys)
+        if left:
+            raise LoadMismatchError(
+                f"{self.location}: {what} loads its own state, and its load_state_dict did not take "
+                f"{', '.join(repr(where + k) for k in left[:10])}: those tensors are not loaded. The target may "
+                "now hold part of this checkpoint's values: load a whole checkpoint into it before using it"
+            )
+        if home is not None:
+            module.to(home)
+            if self.dtype is not None:
+                module.to(self.dtype)
 
     def _wrapped_module_into(self, inner: torch.nn.Module, wrapper: str, saved: Mapping[str, str],
                              comp: ComponentRecord, path: str, targets: dict[str, torch.Tensor],

@@ -1,0 +1,192 @@
+"""Modules and tensors that load their own way: load_into must load them as
+``load_state_dict`` does, or refuse before changing anything, never report ok=True over
+values it did not set (the fifth red-team round's findings, each with its sibling cases)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._pytree import tree_map
+
+import shardpoint as sp
+
+
+class _Packed(torch.nn.Module):
+    """Keeps a bfloat16 weight, exports it as float32 (a packed / mixed-precision layer)."""
+
+    def __init__(self, columns: int = 3) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(2, columns, dtype=torch.bfloat16))
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
+        destination[prefix + "weight"] = self.weight.detach().float()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):  # type: ignore[no-untyped-def]
+        key = prefix + "weight"
+        if key in state_dict:
+            with torch.no_grad():
+                self.weight.copy_(state_dict[key].to(torch.bfloat16))
+        elif strict:
+            missing.append(key)
+
+
+def test_a_module_whose_state_dict_is_computed_loads_through_its_own_code(tmp_path: Path) -> None:
+    """Its state dict's tensor is a copy: filling it in place loaded nothing, with ok=True."""
+    src = torch.nn.Sequential(torch.nn.Linear(3, 3), _Packed())
+    with torch.no_grad():
+        src[1].weight.copy_(torch.arange(6.0).reshape(2, 3))
+    sp.save(src, tmp_path / "ck")
+    dst = torch.nn.Sequential(torch.nn.Linear(3, 3), _Packed())
+    result = sp.load_into(dst, tmp_path / "ck")
+    assert result.ok and result.bytes_read == (9 + 3 + 6) * 4
+    assert dst[1].weight.dtype == torch.bfloat16 and dst[1].weight.float().tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert torch.equal(dst[0].weight, src[0].weight)
+
+
+def _qat() -> torch.nn.Module:
+    import torch.ao.quantization as tq
+
+    model = torch.nn.Sequential(tq.QuantStub(), torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2),
+                                tq.DeQuantStub())
+    model.train()
+    model.qconfig = tq.get_default_qat_qconfig("x86")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return tq.prepare_qat(model)
+
+
+def test_a_qat_model_resumes(tmp_path: Path) -> None:
+    """Per-channel fake-quant observers resize their buffers in their own loader: refused
+    as a shape mismatch before, though load_state_dict loads it."""
+    torch.manual_seed(0)
+    model = _qat()
+    for _ in range(3):
+        model(torch.randn(8, 4))
+    sp.save(model, tmp_path / "ck")
+    fresh = _qat()
+    assert fresh[1].weight_fake_quant.scale.shape == (1,)
+    assert sp.load_into(fresh, tmp_path / "ck").ok
+    assert fresh[1].weight_fake_quant.scale.shape == (4,)
+    model.eval(), fresh.eval()
+    x = torch.randn(2, 4)
+    assert torch.equal(model(x), fresh(x))
+    for key, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value), key
+
+
+def test_lazy_modules_load_and_refuse_to_save_before_they_have_a_shape(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.LazyLinear(3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    x = torch.randn(2, 5)
+    model(x)
+    sp.save(model, tmp_path / "ck")
+    fresh = torch.nn.Sequential(torch.nn.LazyLinear(3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    assert sp.load_into(fresh, tmp_path / "ck").ok
+    assert fresh[0].weight.shape == (3, 5) and torch.equal(fresh(x), model(x))
+    with pytest.raises(sp.InvalidStateError) as exc:
+        sp.save(torch.nn.Sequential(torch.nn.LazyLinear(3)), tmp_path / "lazy")
+    assert str(exc.value) == (
+        "tensor '0.weight' is a parameter of a lazy module (nn.LazyLinear, ...) that has no shape yet; run the "
+        "model once on an input (or call its initialize_parameters) before saving"
+    )
+
+
+def test_a_mismatch_a_self_loading_module_finds_is_an_error_not_ok(tmp_path: Path) -> None:
+    sp.save(torch.nn.Sequential(_Packed()), tmp_path / "ck")
+    with pytest.raises(sp.LoadMismatchError, match=r"module '0' \(_Packed\) loads its own state, and its load_state_dict "
+                                                    r"refused the checkpoint's values: .*The target may now hold part"):
+        sp.load_into(torch.nn.Sequential(_Packed(columns=4)), tmp_path / "ck")
+    sp.save({"0.weight": torch.ones(2, 3), "0.scale": torch.ones(1)}, tmp_path / "extra")
+    result = sp.load_into(torch.nn.Sequential(_Packed()), tmp_path / "extra", strict=False)
+    assert result.unexpected_keys == ["0.scale"] and not result.ok
+
+
+class _Wrapped(torch.Tensor):
+    """A wrapper subclass with no storage of its own (as torchao's tensors are)."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> _Wrapped:
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)  # type: ignore[attr-defined]
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        self.inner = inner
+
+    def __tensor_flatten__(self):  # type: ignore[no-untyped-def]
+        return ["inner"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):  # type: ignore[no-untyped-def]
+        return _Wrapped(inner_tensors["inner"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*tree_map(lambda t: t.inner if isinstance(t, _Wrapped) else t, args),
+                   **tree_map(lambda t: t.inner if isinstance(t, _Wrapped) else t, kwargs or {}))
+        return tree_map(lambda t: _Wrapped(t) if isinstance(t, torch.Tensor) and not isinstance(t, _Wrapped) else t,
+                        out)
+
+
+def test_wrapper_subclass_targets_are_filled_through_their_copy_and_refused_on_save(tmp_path: Path) -> None:
+    sp.save({"weight": torch.arange(6.0).reshape(2, 3)}, tmp_path / "ck")
+    target = {"weight": _Wrapped(torch.zeros(2, 3))}
+    assert sp.load_into(target, tmp_path / "ck").ok
+    assert target["weight"].inner.tolist() == [[0, 1, 2], [3, 4, 5]]
+    linear = torch.nn.Linear(3, 2, bias=False)
+    linear.weight = torch.nn.Parameter(_Wrapped(torch.zeros(2, 3)), requires_grad=False)
+    assert sp.load_into(linear, tmp_path / "ck").ok
+    assert linear.weight.inner.tolist() == [[0, 1, 2], [3, 4, 5]]
+    with pytest.raises(sp.InvalidStateError, match=r"^tensor 'w' is a _Wrapped, a tensor subclass with no memory"):
+        sp.save({"w": _Wrapped(torch.ones(2))}, tmp_path / "w")
+
+
+def test_a_load_bumps_the_autograd_version_of_what_it_fills(tmp_path: Path) -> None:
+    """A graph built before the load must not back-propagate through the new values."""
+    sp.save({"weight": torch.full((2, 2), 10.0), "bias": torch.zeros(2)}, tmp_path / "ck")
+    model = torch.nn.Linear(2, 2)
+    loss = (model(torch.randn(3, 2, requires_grad=True)) ** 2).sum()
+    before = model.weight._version
+    sp.load_into(model, tmp_path / "ck")
+    assert model.weight._version > before
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_inference_tensors_load_inside_inference_mode_and_are_refused_outside(tmp_path: Path) -> None:
+    state = {f"t{i}": torch.full((512, 512), float(i)) for i in range(8)}  # several reader threads
+    sp.save(state, tmp_path / "ck")
+    with torch.inference_mode():
+        same = {k: torch.zeros(512, 512) for k in state}
+        cast = {k: torch.zeros(512, 512, dtype=torch.bfloat16) for k in state}
+    with pytest.raises(sp.InvalidStateError) as exc:
+        sp.load_into(same, tmp_path / "ck")
+    assert str(exc.value) == (
+        "target tensor 't0' was made under torch.inference_mode(), and torch lets such a tensor change only "
+        "inside it: call load_into inside `with torch.inference_mode():`, or build the target outside it; "
+        "nothing was loaded"
+    )
+    assert not any(t.any() for t in same.values())
+    with torch.inference_mode():
+        assert sp.load_into(same, tmp_path / "ck").ok and sp.load_into(cast, tmp_path / "ck").ok
+    assert all(torch.equal(same[k], v) and torch.equal(cast[k].float(), v) for k, v in state.items())
+
+
+def test_a_model_offloaded_by_accelerate_is_refused_both_ways(tmp_path: Path) -> None:
+    """cpu_offload keeps the weights in its hooks and puts them back at every forward: a load
+    into the parameters was undone by the next forward; a save saw meta tensors."""
+    from accelerate import cpu_offload
+
+    torch.manual_seed(0)
+    trained = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    sp.save(trained, tmp_path / "ck")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    cpu_offload(model, execution_device=torch.device("cpu"))
+    with pytest.raises(sp.InvalidStateError, match=r"module '0' of the target is offloaded by accelerate .*"
+                                                    r"remove_hook_from_module\(model, recurse=True\)\); nothing was loaded"):
+        sp.load_into(model, tmp_path / "ck")
+    with pytest.raises(sp.InvalidStateError, match=r"^module '0' is offloaded by accelerate: .* do not materialize "
+                                                    r"it with to_empty \(that would lose the weights\)$"):
+        sp.save(model, tmp_path / "offloaded")
+    assert not (tmp_path / "offloaded").exists()
