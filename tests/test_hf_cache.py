@@ -473,3 +473,45 @@ def test_a_snapshot_missing_a_shard_says_to_download_it_again(tmp_path: Path) ->
         "the checkpoint is incomplete (the Hugging Face cache holds only part of this snapshot (an "
         f"interrupted download?): fetch it again with `hf download {REPO} --revision {COMMIT}`)"
     )
+
+
+@pytest.mark.parametrize("layout", ["shardpoint", "safetensors-index"])
+def test_a_snapshot_whose_manifest_or_index_blob_is_gone_says_to_download_it_again(tmp_path: Path,
+                                                                                 layout: str) -> None:
+    """A dangling link to the control file read as "replaced 5 times while being opened",
+    after five retries."""
+    cache, src = tmp_path / "hub", tmp_path / "src"
+    model = _model(0)
+    if layout == "shardpoint":
+        sp.save(model, src)
+        control = "shardpoint.json"
+    else:
+        model.save_pretrained(src, max_shard_size="20KB")
+        control = "model.safetensors.index.json"
+    snapshot = _add_to_cache(cache, REPO, src)
+    (snapshot / control).resolve().unlink()
+    with pytest.raises(sp.MissingShardError) as exc:
+        sp.load(f"hf://{REPO}", storage_options={"cache_dir": str(cache)})
+    assert str(exc.value) == (
+        f"{snapshot / control} is a symbolic link to a file that does not exist ({os.readlink(snapshot / control)}); "
+        "the Hugging Face cache holds only part of this snapshot (an interrupted download?): fetch it again "
+        f"with `hf download {REPO} --revision {COMMIT}`"
+    )
+
+
+def test_writes_to_an_hf_reference_are_refused_at_once(tmp_path: Path) -> None:
+    """hf:// is the local cache, read only: a save went to fsspec's Hub filesystem (a network
+    error from deep inside, or five retries offline)."""
+    sp.save({"w": torch.ones(2)}, tmp_path / "src")
+    message = (
+        "hf://org/run names a repository in the local Hugging Face cache, which shardpoint only reads (never "
+        "downloads, never writes); save to a local folder and upload that with huggingface_hub "
+        "(HfApi().upload_folder(folder_path=..., repo_id=...))"
+    )
+    for write in (lambda: sp.save({"w": torch.ones(2)}, "hf://org/run"),
+                  lambda: sp.async_save({"w": torch.ones(2)}, "hf://org/run").result(),
+                  lambda: sp.CheckpointManager("hf://org/run"),
+                  lambda: sp.convert(tmp_path / "src", "hf://org/run")):
+        with pytest.raises(sp.InvalidArgumentError) as exc:
+            write()
+        assert str(exc.value) == message

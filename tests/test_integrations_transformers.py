@@ -214,3 +214,22 @@ def test_a_model_holding_another_model_as_module_is_saved_whole(tmp_path: Path) 
     with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
         assert sorted(f.keys()) == ["module.lin.bias", "module.lin.weight"]
     assert torch.equal(Outer.from_pretrained(tmp_path / "out").module.lin.weight, model.module.lin.weight)
+
+
+def test_save_pretrained_writes_into_a_trainer_output_dir_holding_no_weights(model: LlamaForCausalLM,
+                                                                            tmp_path: Path) -> None:
+    """training_args.bin is the Trainer's arguments, not weights: the folder was refused as
+    an existing checkpoint, though transformers' own save_pretrained writes into it."""
+    out = tmp_path / "trainer-out"
+    out.mkdir()
+    (out / "training_args.bin").write_bytes(b"args")
+    (out / "trainer_state.json").write_text("{}")
+    sp.integrations.transformers.save_pretrained(model, out)
+    assert {"training_args.bin", "trainer_state.json", "config.json", "model.safetensors"} <= set(os.listdir(out))
+    assert (out / "training_args.bin").read_bytes() == b"args"
+    weights = tmp_path / "bin-weights"  # a folder with .bin weights is a checkpoint: kept unless overwrite=True
+    weights.mkdir()
+    (weights / "pytorch_model.bin").write_bytes(b"weights")
+    with pytest.raises(sp.CheckpointExistsError):
+        sp.integrations.transformers.save_pretrained(model, weights)
+    assert os.listdir(weights) == ["pytorch_model.bin"]

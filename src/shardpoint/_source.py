@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import stat
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -56,7 +57,7 @@ from ._options import current_options
 from ._storage.fsspec_store import FsspecStore
 from ._storage.local_recovery import hidden_sibling_message, missing_path_message, moved_aside
 from ._storage.local_store import LocalStore
-from ._storage.paths import member_path, open_regular
+from ._storage.paths import member_path, missing_file_advice, open_regular
 from ._storage.remote_store import RemoteStore
 from ._storage.store import Store, open_store
 from .errors import (
@@ -64,6 +65,7 @@ from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    MissingShardError,
     StorageError,
     UnsupportedFormatError,
 )
@@ -222,6 +224,11 @@ def _fill_local(ckpt: Checkpoint) -> Checkpoint:
         try:
             return read_json_at(ckpt.dir_fd, name, where=where)  # type: ignore[arg-type]
         except FileNotFoundError:
+            if _dangling(ckpt.dir_fd, name):  # missing for good, not being replaced
+                raise MissingShardError(
+                    f"{where} is a symbolic link to a file that does not exist ({os.readlink(where)}); "
+                    f"{missing_file_advice(location)}"
+                ) from None
             raise Replaced from None  # listed a moment ago: the directory is being deleted
         except CheckpointError:
             raise
@@ -254,6 +261,13 @@ def _fill_local(ckpt: Checkpoint) -> Checkpoint:
 
 
 _PARTICIPLE = {"load": "loaded", "verify": "verified", "inspect": "inspected", "convert": "converted"}
+
+
+def _dangling(dir_fd: int | None, name: str) -> bool:
+    try:
+        return dir_fd is not None and stat.S_ISLNK(os.lstat(name, dir_fd=dir_fd).st_mode)
+    except OSError:
+        return False
 
 
 def gone_while_reading(location: str, doing: str = "load") -> CheckpointNotFoundError:

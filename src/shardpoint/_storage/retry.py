@@ -107,7 +107,8 @@ def retrying(what: str, url: str, action: Callable[[], _T]) -> _T:
             attempt += 1
 
 
-_STORAGE_MODULES = {"botocore", "aiobotocore", "aiohttp", "s3fs", "fsspec", "gcsfs", "adlfs", "google", "azure"}
+_STORAGE_MODULES = {"botocore", "aiobotocore", "aiohttp", "s3fs", "fsspec", "gcsfs", "adlfs", "google", "azure",
+                    "huggingface_hub", "httpx", "httpx2", "httpcore", "requests", "urllib3"}
 
 
 def _from_storage(exc: BaseException) -> bool:

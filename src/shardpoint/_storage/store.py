@@ -175,6 +175,12 @@ def resolve(path: Any, storage_options: Mapping[str, Any] | None) -> tuple[Any, 
             f"storage_options must be a dict (e.g. {{'key': ..., 'secret': ...}}), not "
             f"{type(storage_options).__name__}"
         )
+    if isinstance(path, str) and path[:5].lower() == "hf://":  # reads resolved it to the cache before this
+        raise InvalidArgumentError(
+            f"{path[:200]} names a repository in the local Hugging Face cache, which shardpoint only reads "
+            "(never downloads, never writes); save to a local folder and upload that with huggingface_hub "
+            "(HfApi().upload_folder(folder_path=..., repo_id=...))"
+        )
     if not is_url(path):
         path = path_arg(path)
         if storage_options:

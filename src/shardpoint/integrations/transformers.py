@@ -154,7 +154,8 @@ def _holds_no_weights(path: str | os.PathLike[str]) -> bool:
     except OSError:
         return False
     return not os.path.islink(path) and not any(
-        n == "shardpoint.json" or n.endswith((".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json"))
+        n == "shardpoint.json" or n.endswith((".safetensors", ".safetensors.index.json", ".bin.index.json"))
+        or (n.endswith(".bin") and n.startswith(("pytorch_model", "model")))  # not the Trainer's training_args.bin
         for n in names
     )
 
