@@ -190,3 +190,24 @@ def test_a_model_offloaded_by_accelerate_is_refused_both_ways(tmp_path: Path) ->
                                                     r"it with to_empty \(that would lose the weights\)$"):
         sp.save(model, tmp_path / "offloaded")
     assert not (tmp_path / "offloaded").exists()
+
+
+def test_values_a_target_cannot_take_are_reported_never_dropped_or_added(tmp_path: Path) -> None:
+    """A state dict target gained the checkpoint's extra tensors (ok=True, then its own
+    load_state_dict failed); a module dropped a saved int without a word; an int where the
+    target holds a tensor read as a shape mismatch with saved shape []."""
+    big = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    sp.save({"model": big, "step": 3}, tmp_path / "big")
+    state = torch.nn.Sequential(torch.nn.Linear(2, 2)).state_dict()
+    result = sp.load_into({"model": state, "step": 0}, tmp_path / "big", strict=False)
+    assert result.unexpected_keys == ["model.1.weight", "model.1.bias"] and sorted(state) == ["0.bias", "0.weight"]
+    assert torch.equal(state["0.weight"], big[0].weight)
+    holder: dict[str, object] = {"model": {}, "step": 0}  # an empty dict takes what was saved
+    assert sp.load_into(holder, tmp_path / "big").ok and sorted(holder["model"]) == sorted(big.state_dict())
+
+    sp.save({"model": {"weight": torch.ones(1, 1), "bias": torch.ones(1), "step": 7}}, tmp_path / "a")
+    result = sp.load_into({"model": torch.nn.Linear(1, 1)}, tmp_path / "a", strict=False)
+    assert result.unexpected_keys == ["model/step"] and not result.ok
+    sp.save({"model": torch.nn.Linear(1, 1), "x": 3}, tmp_path / "b")
+    result = sp.load_into({"model": torch.nn.Linear(1, 1), "x": torch.zeros(3)}, tmp_path / "b", strict=False)
+    assert (result.missing_keys, result.unexpected_keys, result.mismatched_keys) == (["x"], ["x"], [])

@@ -806,11 +806,14 @@ class Planner:
         kind = node.get("type")
         inner = node["value"] if kind in WRAPPER_TYPES else node
         if isinstance(target, torch.nn.Module):
-            if inner.get("type") != "dict":
-                self.mismatched.append((path, (), ()))
+            if inner.get("type") != "dict":  # a value, not a state dict: nothing of it loads
+                self.missing.append(path)
+                self.unexpected.append(path)
                 return
             names = {str(k): child["name"] for _, k, child in inner["items"] if child.get("type") == "tensor"}
             self.module_into(target, names, comp, path)
+            self.unexpected.extend(f"{path}/{k}" if path else str(k)  # a module takes tensors only
+                                   for _, k, child in inner["items"] if child.get("type") != "tensor")
             return
         if isinstance(target, torch.optim.Optimizer):
             if kind != "optimizer":
@@ -844,8 +847,9 @@ class Planner:
             self.build(comp, node, load_optimizer, path)
             return
         if isinstance(target, torch.Tensor):
-            if kind != "tensor":
-                self.mismatched.append((path, (), tuple(target.shape)))
+            if kind != "tensor":  # the checkpoint holds a value there (an int, a list): neither loads
+                self.missing.append(path)
+                self.unexpected.append(path)
                 return
             self.tensors_into({"": target}, {"": node["name"]}, comp, path, None)
             return
@@ -854,11 +858,16 @@ class Planner:
             return
         if isinstance(target, MutableMapping) and inner.get("type") == "dict":
             saved_keys = set()
+            # A state dict (tensors only) takes no new tensor: the checkpoint's extra ones are
+            # unexpected, as they are for a module (other containers take what was saved).
+            state_dict = bool(target) and all(isinstance(v, torch.Tensor) for v in target.values())
             for _, key, child in inner["items"]:
                 saved_keys.add(key)
                 child_path = f"{path}.{key}" if path else str(key)
                 if key in target:
                     self.node(target[key], child, comp, child_path, _item_setter(target, key))
+                elif state_dict and child.get("type") == "tensor":
+                    self.unexpected.append(child_path)
                 else:
                     self.build(comp, child, _item_setter(target, key), child_path)
             self.missing.extend(f"{path}.{k}" if path else str(k) for k in target if k not in saved_keys)
