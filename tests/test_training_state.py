@@ -268,7 +268,9 @@ def test_a_run_resumes_with_or_without_compile_and_ddp_wrappers(tmp_path: Path, 
     result = sp.load_into({"model": model2, "ema": ema2, "optim": opt2}, tmp_path / "ck")
     assert result.ok, result
     prefix = {"plain": "", "compile": "_orig_mod.", "ddp": "module."}
-    assert result.prefix_mapping == ({} if saved_as == loaded_as else {"model": (prefix[saved_as], prefix[loaded_as])})
+    # Saved from inside its wrappers (the files are the model's own): only the target's wrapper is renamed.
+    assert sp.load(tmp_path / "ck", keys=["model"])["model"].keys() == inner.state_dict().keys()
+    assert result.prefix_mapping == ({} if loaded_as == "plain" else {"model": ("", prefix[loaded_as])})
     for a, b in zip(inner2.parameters(), inner.parameters(), strict=True):
         assert torch.equal(a, b)
         assert torch.equal(opt2.state[a]["exp_avg"], opt.state[b]["exp_avg"])
@@ -451,3 +453,56 @@ def test_stacked_wrappers_and_plain_dict_targets_are_matched_by_prefix(tmp_path:
         "If the names differ by a prefix, rename them (sd = {new + k.removeprefix(old): v for k, v in "
         "sp.load(path).items()}) and load that dict (module.load_state_dict(sd), or copy its values into the dict)"
     )
+
+
+def _adamw(out: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, out))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    optimizer.zero_grad()
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    optimizer.step()
+
+
+def test_a_non_strict_restore_reports_and_starts_skipped_parameters_afresh(tmp_path) -> None:
+    """A head rebuilt wider, restored with strict=False: the optimizer got the old head's
+    state at the old shape (the next step failed inside torch), and restore said nothing."""
+    model, optimizer = _adamw(4)
+    _train_step(model, optimizer)
+    manager = sp.CheckpointManager(tmp_path / "run")
+    manager.save(100, {"model": model, "optim": optimizer})
+    wider, wider_optimizer = _adamw(5)
+    with pytest.warns(UserWarning) as caught:
+        assert manager.restore({"model": wider, "optim": wider_optimizer}, strict=False) == 100
+    assert [str(w.message) for w in caught] == [
+        f"restored step 100 from {tmp_path / 'run'} in part (strict=False); shape mismatch: 'model/2.weight' "
+        "(saved [4, 16], target [5, 16]), 'model/2.bias' (saved [4], target [5]). The whole report: manager.last_load"
+    ]
+    assert manager.last_load is not None and [k for k, _, _ in manager.last_load.mismatched_keys] == [
+        "model/2.weight", "model/2.bias"]
+    assert wider[2].weight not in wider_optimizer.state  # afresh: no state of the old shape
+    for kept in (wider[0].weight, wider[0].bias):
+        saved = optimizer.state[model[0].weight if kept is wider[0].weight else model[0].bias]
+        assert torch.equal(wider_optimizer.state[kept]["exp_avg"], saved["exp_avg"])
+    _train_step(wider, wider_optimizer)
+
+
+def test_an_optimizer_over_fewer_parameters_than_saved_is_refused(tmp_path) -> None:
+    """Its saved state for the others would be dropped with ok=True (torch refuses too)."""
+    model, optimizer = _adamw(4)
+    _train_step(model, optimizer)
+    sp.save({"model": model, "optim": optimizer}, tmp_path / "ck")
+    fresh, _ = _adamw(4)
+    head_only = torch.optim.AdamW(fresh[2].parameters(), lr=1e-3)
+    with pytest.raises(sp.LoadMismatchError) as exc:
+        sp.load_into({"model": fresh, "optim": head_only}, tmp_path / "ck")
+    assert str(exc.value) == (
+        f"{tmp_path / 'ck'}, optim: the checkpoint's optimizer holds parameter(s) '0.weight', '0.bias' that the "
+        "target optimizer does not (a layer removed, or frozen since); their state would be dropped. Build the "
+        "optimizer over the parameters it was saved with; or leave the optimizer out of load_into's target to "
+        "load the rest (its state then starts afresh)"
+    )
+    assert not head_only.state

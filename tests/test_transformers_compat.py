@@ -337,3 +337,28 @@ def test_load_into_materializes_meta_model_from_hf_files(
     _finish_meta_model(meta)
     _assert_same_state(model, meta)
     assert torch.equal(_logits(meta), _logits(model))
+
+
+class _DDPLike(torch.nn.Module):
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+
+@pytest.mark.parametrize("wrap", ["compile", "ddp"])
+def test_a_wrapped_model_saves_the_model_s_own_keys(tmp_path: Path, wrap: str) -> None:
+    """sp.save(torch.compile(model)) wrote _orig_mod.-prefixed keys, which from_pretrained
+    took for an unrelated checkpoint (a randomly initialized model, no error)."""
+    model = _model(0).eval()
+    wrapped = torch.compile(model) if wrap == "compile" else _DDPLike(model)
+    sp.save(wrapped, tmp_path / "ck")
+    model.config.save_pretrained(tmp_path / "ck")
+    sp.save(model, tmp_path / "plain")
+    with safe_open(str(tmp_path / "ck" / "model.safetensors"), "pt") as f, \
+            safe_open(str(tmp_path / "plain" / "model.safetensors"), "pt") as plain:
+        assert sorted(f.keys()) == sorted(plain.keys()) and "model.norm.weight" in list(f.keys())
+    again, info = LlamaForCausalLM.from_pretrained(tmp_path / "ck", output_loading_info=True)
+    assert not any(info.values())
+    ids = torch.arange(8).reshape(1, 8)
+    assert torch.equal(again.eval()(ids).logits, model(ids).logits)
+    assert sp.load_into(torch.compile(_model(1)) if wrap == "compile" else _DDPLike(_model(1)), tmp_path / "ck").ok

@@ -40,6 +40,7 @@ from ._distributed.group import Group, resolve_group
 from ._flags import check_flags
 from ._format.manifest import MANIFEST_NAME
 from ._load.into import load_into
+from ._load.result import LoadResult
 from ._manager_steps import (
     STEP_RE,
     agreed_step,
@@ -215,6 +216,8 @@ class CheckpointManager:
         self.options = None if options is None else merged(options)
         """The tunables of this manager's saves, restores and reads (None: those in effect
         at each call)."""
+        self.last_load: LoadResult | None = None
+        """The report of this manager's last :meth:`restore` (None before one)."""
         self._pending: AsyncSave | None = None
         self._pending_step: int | None = None
         self._queue = AsyncQueue()
@@ -446,7 +449,10 @@ class CheckpointManager:
     def restore(self, target: Any, step: int | None = None, **load_kwargs: Any) -> int | None:
         """Load ``step`` (default: the newest committed) into ``target``; return the step.
 
-        Returns None when the root holds no committed step. Without ``step``, when
+        Returns None when the root holds no committed step. The load's report
+        (:class:`LoadResult`) is ``manager.last_load``; a restore that is not ``ok``
+        (``strict=False``: keys missing, unexpected or mis-shaped) also warns with it. A
+        parameter left as it is for a shape mismatch starts its optimizer state afresh. Without ``step``, when
         retention (another process's manager saving into the same root) retires the step
         while it is being loaded, the newest step is chosen again and loaded (a few times
         at most).
@@ -480,7 +486,15 @@ class CheckpointManager:
                 return None
             before = self._identity(chosen)
             try:
-                load_into(target, self.step_path(chosen), **load_kwargs)
+                result = load_into(target, self.step_path(chosen), **load_kwargs)
+                self.last_load = result
+                if not result.ok:  # strict=False: what it left out must not go unseen
+                    warnings.warn(
+                        f"restored step {chosen} from {self.root} in part (strict=False); "
+                        + "; ".join(result.summary().splitlines())
+                        + ". The whole report: manager.last_load",
+                        UserWarning, stacklevel=2,
+                    )
                 return chosen
             except (OSError, CheckpointError) as exc:
                 if isinstance(exc, LoadMismatchError) or group.distributed:

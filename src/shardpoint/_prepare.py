@@ -12,7 +12,7 @@ from ._flatten import flatten_state
 from ._format.dtypes import dtype_name
 from ._format.names import check_tensor_name, validate_component_key
 from ._io.memory import local_tensor, storage_less
-from ._module_fit import offloaded
+from ._module_fit import offloaded, unwrapped
 from ._stateful import find_modules, make_to_state, parameter_names
 from .errors import InvalidStateError
 
@@ -293,12 +293,25 @@ def transformers_kept_names(module: torch.nn.Module) -> set[str]:
         return set()  # ties transformers itself refuses to save, or cannot read: shardpoint's rule
 
 
+def _without_wrappers(state: Any) -> Any:
+    """``state`` with each module (the state itself, or a top-level component) saved from
+    inside its wrappers (``torch.compile``'s ``_orig_mod.``, DDP's ``module.``), as
+    accelerate's ``save_model`` and the Trainer save one: its files are the model's own,
+    which ``from_pretrained`` reads (``load_into`` matches either way)."""
+    if isinstance(state, torch.nn.Module):
+        return unwrapped(state)[0]
+    if isinstance(state, Mapping) and any(isinstance(v, torch.nn.Module) for v in state.values()):
+        return {k: unwrapped(v)[0] if isinstance(v, torch.nn.Module) else v for k, v in state.items()}
+    return state
+
+
 def prepare_state(state: Any, *, allow_pickle: bool = False, keep: Collection[str] = ()) -> PreparedState:
     """Flatten, check and dedup ``state`` into components.
 
     ``keep``: tensor names to store rather than record as aliases where names are tied
     (see :func:`dedup`); a ``transformers`` model passed as ``state`` brings its own.
     """
+    state = _without_wrappers(state)
     for _path, module in find_modules(state):
         where = offloaded(module)
         if where is not None:

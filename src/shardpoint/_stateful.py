@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
@@ -123,11 +123,13 @@ class ParamIds(list[int]):
 
 def optimizer_state_for(
     optimizer: torch.optim.Optimizer, saved: Mapping[str, Any], names: Mapping[int, str], *, where: str,
-    renamed: Mapping[int, str] | None = None,
+    renamed: Mapping[int, str] | None = None, fresh: Collection[int] = (),
 ) -> dict[str, Any]:
     """Turn a saved name-keyed optimizer state into what ``optimizer.load_state_dict`` takes
     (``renamed``: a parameter's name in the checkpoint where its module's keys were renamed
-    to match, tried when its own name is not there).
+    to match, tried when its own name is not there; ``fresh``: ids of parameters whose
+    saved state is left out, parameters the model load skipped for a shape mismatch, which
+    keep their new values and start their optimizer state afresh).
 
     Each target group is paired with the saved group holding its parameters' names (not by
     position: groups built in another order keep their own learning rates); a parameter
@@ -173,7 +175,7 @@ def optimizer_state_for(
         raise LoadMismatchError(
             f"{where}: the checkpoint's optimizer has no parameter(s) {', '.join(map(repr, unknown[:10]))}"
             f"{' and more' if len(unknown) > 10 else ''} in any of its {len(saved_groups)} parameter group(s); "
-            "the optimizer was built over other parameters than the saved one (a layer added or renamed?)"
+            f"the optimizer was built over other parameters than the saved one (a layer added or renamed?){_LEAVE_OUT}"
         )
     if len(saved_groups) != len(optimizer.param_groups):
         raise LoadMismatchError(
@@ -204,6 +206,15 @@ def optimizer_state_for(
                     "groups all hold parameters; build the parameter groups as they were saved"
                 )
             pairing[i] = empty_saved.pop(0)
+    covered = {name for names_ in target_names for name in names_}
+    left_out = [str(n) for j in pairing if j is not None for n in saved_groups[j]["params"] if str(n) not in covered]
+    if left_out:
+        raise LoadMismatchError(
+            f"{where}: the checkpoint's optimizer holds parameter(s) {', '.join(map(repr, left_out[:10]))}"
+            f"{' and more' if len(left_out) > 10 else ''} that the target optimizer does not (a layer removed, "
+            "or frozen since); their state would be dropped. Build the optimizer over the parameters it was "
+            f"saved with{_LEAVE_OUT}"
+        )
     state: dict[int, Any] = {}
     groups = []
     pid = 0
@@ -212,14 +223,18 @@ def optimizer_state_for(
         saved_group = saved_groups[index]
         _check_same_kind(optimizer, group, saved_group, where)
         ids = []
-        for name in group_names:
-            if name in saved_state:
+        for param, name in zip(group["params"], group_names, strict=True):
+            if name in saved_state and id(param) not in (fresh or ()):
                 state[pid] = saved_state[name]
             ids.append(pid)
             pid += 1
         groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": ParamIds(ids)})
     return {"state": state, "param_groups": groups}
 
+
+_LEAVE_OUT = (
+    "; or leave the optimizer out of load_into's target to load the rest (its state then starts afresh)"
+)
 
 INNER_WRAPPERS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 """Attribute names of wrappers that may sit anywhere in a model (FSDP1, activation

@@ -828,7 +828,8 @@ class Planner:
 
             def load_optimizer(value: Any, opt: torch.optim.Optimizer = target) -> None:
                 renamed = renamed_parameter_names(self.modules, self.prefix_mapping)  # known once planned
-                sd = optimizer_state_for(opt, value, param_names, where=where, renamed=renamed) if by_name else value
+                sd = optimizer_state_for(opt, value, param_names, where=where, renamed=renamed,
+                                         fresh=self._skipped_parameters()) if by_name else value
                 opt.load_state_dict(_sharded_like_params(opt, sd))
 
             def check_optimizer(opt: torch.optim.Optimizer = target) -> None:
@@ -882,6 +883,17 @@ class Planner:
                 "optimizer, Stateful, tensor nor a mutable container"
             )
         self.build(comp, node, setter, path)
+
+
+    def _skipped_parameters(self) -> set[int]:
+        """Ids of the target's parameters the model load left as they are for a shape
+        mismatch (``strict=False``): their saved optimizer state, of the saved shape, is
+        not loaded either."""
+        skipped = {key for key, _saved, _target in self.mismatched}
+        if not skipped:
+            return set()
+        return {id(param) for key, module in self.modules for name, param in module.named_parameters(
+            remove_duplicate=False) if f"{key}/{name}" in skipped or name in skipped}
 
 
 def _sharded_like_params(opt: torch.optim.Optimizer, sd: Any) -> Any:
