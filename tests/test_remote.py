@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -663,7 +664,8 @@ def test_an_endpoint_that_never_answers_fails_within_the_timeout() -> None:
     assert len(accepted) == 2 and elapsed < 20, (len(accepted), elapsed)
 
 
-def test_a_users_folder_named_like_a_step_is_never_deleted_by_a_manager(url: str, opts: dict[str, Any], fs: Any) -> None:
+def test_a_users_folder_named_like_a_step_is_never_deleted_by_a_manager(url: str, opts: dict[str, Any], fs: Any,
+                                                                         tmp_path: Path) -> None:
     """A manager's tidy-up deleted every step-named prefix without a manifest, the user's
     own folder too; only what an interrupted save (its pending marker) names goes."""
     root = url.removeprefix("s3://")
@@ -671,10 +673,18 @@ def test_a_users_folder_named_like_a_step_is_never_deleted_by_a_manager(url: str
     fs.pipe_file(f"{root}/step-000200/shardpoint.pending", b"shardpoint pending save")  # a killed save's
     fs.pipe_file(f"{root}/step-000200/model.safetensors", b"partial")
     fs.pipe_file(f"{root}/step-000200/notes.txt", b"mine too")
+    # shardpoint's own files copied in without their manifest yet (aws s3 cp copies it last): the user's
+    export = tmp_path / "export"
+    sp.save({"a": torch.arange(10.0), "b": torch.arange(10.0)}, export, max_shard_size="50B")
+    copied = sorted(n for n in os.listdir(export) if n != "shardpoint.json")
+    for name in copied:
+        fs.put_file(str(export / name), f"{root}/step-000300/{name}")
     mgr = sp.CheckpointManager(url, storage_options=opts)
     mgr.save(1, {"w": torch.ones(2)})
     assert keys_under(fs, url) == ["latest", "step-000001/model.safetensors", "step-000001/shardpoint.json",
-                                   "step-000100/README.txt", "step-000200/notes.txt"]
+                                   "step-000100/README.txt", "step-000200/notes.txt",
+                                   *(f"step-000300/{n}" for n in copied)]
+    assert len(copied) == 3  # two data files and their index
     assert mgr.steps() == [1]
 
 

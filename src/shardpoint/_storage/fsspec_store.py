@@ -15,7 +15,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 from .._format.manifest import MANIFEST_NAME, PENDING_NAME
 from .._io.writes import FileWrite, upload_files
-from .remote_store import PENDING_TEXT, RemoteStore
+from .remote_store import RemoteStore
 from .remote_transaction import _OURS_AFTER_A_KILL, RemoteTransaction
 from .transaction import Advance, Crcs
 
@@ -67,26 +67,18 @@ class FsspecStore(RemoteStore):
 
     def tidy(self, children: re.Pattern[str], small_files: Collection[str] = ()) -> None:
         """Remove what shardpoint left under the child prefixes matching ``children`` that hold
-        no manifest, and nothing else. With the pending marker (a save cut short, or a
-        deletion by retention cut short): the marker and the objects only a save names (data
-        objects, indexes), the save's unfinished uploads aborted. Without it (an older
-        version's retention cut short): only the data objects a shardpoint save wrote (their
-        header carries its save id) and then the indexes beside them. A folder of the user's
-        named like a step keeps its files (it was deleted whole). Small files are written in
-        one request: none is ever torn."""
+        no manifest but its pending marker (a save cut short, or a deletion by retention cut
+        short: each writes the marker first), and nothing else: the marker and the objects
+        only a save names (data objects, indexes), the save's unfinished uploads aborted.
+        A prefix without the marker is the user's, whatever it holds: a step copied in
+        (``aws s3 cp`` writes ``shardpoint.json`` last), an export of safetensors files
+        shardpoint wrote; it keeps every object. Small files are written in one request:
+        none is ever torn."""
         for top, names in sorted(self._by_child().items()):
-            if MANIFEST_NAME in names or not children.match(top):
+            if MANIFEST_NAME in names or PENDING_NAME not in names or not children.match(top):
                 continue
             child = self.child(top)
             mine = sorted(n for n in names if "/" not in n and n.endswith(_OURS_AFTER_A_KILL))
-            if PENDING_NAME not in names:
-                sizes = child.list()
-                data = [n for n in mine if n.endswith(".safetensors") and n in sizes
-                        and child.save_id_of(n, sizes[n]) is not None]
-                mine = data + [n for n in mine if n.endswith(".index.json")] if data else []
-                if not mine:
-                    continue
-                child.put(PENDING_NAME, PENDING_TEXT)  # as a deletion does: never half a checkpoint
             child.delete(mine)
             child.abort_uploads()
             child.delete([PENDING_NAME])  # last: until then the prefix reads as an interrupted save
