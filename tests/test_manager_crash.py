@@ -763,3 +763,28 @@ def test_an_unchanged_step_manifest_is_parsed_once_per_manager(tmp_path: Path, m
     assert sorted(set(parsed)) == [1, 2, 3, 4] and len(parsed) == 4
     mgr.save(4, _tiny(9.0), metrics={"loss": 0.01})  # a re-save: step 4 is another file now
     assert parsed.count(4) == 2 and mgr.metrics(4) == {"loss": 0.01}
+
+
+@pytest.mark.parametrize("kind", ["directory", "symlink"])
+def test_a_users_latest_is_refused_before_a_save_writes_anything(tmp_path: Path, kind: str) -> None:
+    """A folder named latest made every save fail after committing ("check the filesystem"),
+    retention a step behind; a user's link latest -> step-N was replaced by a file."""
+    mgr = sp.CheckpointManager(tmp_path, durable=False)
+    mgr.save(1, _tiny(1.0))
+    latest = tmp_path / "latest"
+    latest.unlink()
+    if kind == "directory":
+        latest.mkdir()
+    else:
+        latest.symlink_to("step-000001")
+    with pytest.raises(sp.InvalidArgumentError) as exc:
+        mgr.save(2, _tiny(2.0))
+    what = "a directory" if kind == "directory" else "a symbolic link"
+    assert str(exc.value) == (
+        f"{latest} is {what}, not the manager's own 'latest' file (the newest step's name, which every save "
+        "replaces): a save would fail after committing, or replace it. Rename or move it, then save again; "
+        "nothing was written"
+    )
+    assert mgr.steps() == [1] and (latest.is_dir() if kind == "directory" else latest.is_symlink())
+    target = _tiny(0.0)
+    assert mgr.restore(target) == 1  # reads go on, from the scan

@@ -715,3 +715,15 @@ def test_remote_reads_a_race_or_a_wrong_url_names_what_happened(url: str, opts: 
     assert str(exc.value) == (
         f"{url}/shardpoint.json was removed after the prefix was listed: the checkpoint was deleted or is being "
         "replaced by another save while this call read it; load it again (or another checkpoint)")
+
+
+def test_a_resume_from_a_bucket_that_does_not_exist_is_refused(url: str, opts: dict[str, Any]) -> None:
+    """It listed as an empty root: restore() returned None and training started over."""
+    mgr = sp.CheckpointManager("s3://no-such-bucket-7f3a/run", storage_options=opts)
+    with pytest.raises(sp.CheckpointNotFoundError) as exc:
+        mgr.restore({"w": torch.zeros(2)})
+    assert str(exc.value) == (
+        "restore() from s3://no-such-bucket-7f3a/run: the bucket 'no-such-bucket-7f3a' does not exist, so there "
+        "is no step to resume from; check the URL (a typo starts training over), or create the bucket for a new run"
+    )
+    assert sp.CheckpointManager(url, storage_options=opts).restore({"w": torch.zeros(2)}) is None  # a new run

@@ -546,13 +546,13 @@ def test_exception_at_every_step_of_an_async_manager_save_on_s3(
 def test_stale_leftovers_on_s3_are_ignored_by_restore_and_removed_by_the_next_save(
     url: str, opts: dict[str, Any], fs: Any
 ) -> None:
-    """What crashes leave under a manager's root on S3, made by hand: a half-deleted step
-    (retention cut short after the manifest's deletion: data objects and index, no
-    manifest, no marker), another with some data objects gone too, a save cut mid-upload
+    """What crashes leave under a manager's root on S3, made by hand: a save cut mid-upload
     (marker and one object), one cut right after its marker, and a dead ``latest`` naming
-    one of them. ``steps()``, ``latest_step()`` and ``restore`` see only the committed
-    steps, bit-exactly; the cut saves refuse to load naming their prefix; the next save
-    removes every leftover and leaves exactly the committed steps it keeps and ``latest``."""
+    one of them; beside them two step prefixes with data objects and an index but neither
+    manifest nor marker (a step being copied in, or one an old version's retention cut
+    short). ``steps()``, ``latest_step()`` and ``restore`` see only the committed steps,
+    bit-exactly; the cut saves refuse to load naming their prefix; the next save removes
+    what the cut saves left (their marker says so) and keeps the unmarked prefixes."""
     root = url.removeprefix("s3://")
     shard = {"max_shard_size": 260}  # _weights: 2 objects (256 and 32 bytes) and an index per step
     mgr = sp.CheckpointManager(url, keep_last=2, storage_options=opts, **shard)
@@ -587,7 +587,8 @@ def test_stale_leftovers_on_s3_are_ignored_by_restore_and_removed_by_the_next_sa
 
     fresh.save(3, {"model": _weights(3), "step": 3})
     keys = keys_under(fs, url)
-    assert {k.split("/")[0] for k in keys} == {"step-000002", "step-000003", "latest"}, keys
+    assert {k.split("/")[0] for k in keys} == {"step-000000", "step-000002", "step-000003", "step-000006",
+                                              "latest"}, keys
     assert sorted(k.split("/", 1)[1] for k in keys if k.startswith("step-000003/")) == step_keys, keys
     assert fs.cat_file(f"{root}/latest") == b"step-000003\n"
     assert fresh.steps() == [2, 3] and fresh.restore(target) == 3 and tensors_equal(target["model"], _weights(3))

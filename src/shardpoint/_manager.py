@@ -51,6 +51,7 @@ from ._manager_steps import (
 )
 from ._options import OptionsArg, current_options, merged
 from ._sizes import parse_size
+from ._storage.local_store import LocalStore
 from ._storage.posix import reported
 from ._storage.store import open_store
 from ._write import SaveInfo
@@ -120,6 +121,20 @@ def _check_root(path: str | None) -> None:
         raise InvalidArgumentError(
             f"CheckpointManager root {path} is a checkpoint (it holds {MANIFEST_NAME}), not a folder of steps; "
             f"use {how}"
+        )
+
+
+def _check_latest(path: str) -> None:
+    """Refuse, before a save writes anything, a local root whose ``latest`` is the user's:
+    a directory, a link or any other non-file (reads ignore it; a save would replace a link,
+    or fail after committing, at every step)."""
+    latest = os.path.join(path, LATEST_NAME)
+    if os.path.lexists(latest) and (os.path.islink(latest) or not os.path.isfile(latest)):
+        kind = "a symbolic link" if os.path.islink(latest) else "a directory" if os.path.isdir(latest) else "no file"
+        raise InvalidArgumentError(
+            f"{latest} is {kind}, not the manager's own '{LATEST_NAME}' file (the newest step's name, which every "
+            "save replaces): a save would fail after committing, or replace it. Rename or move it, then save "
+            "again; nothing was written"
         )
 
 
@@ -375,6 +390,8 @@ class CheckpointManager:
 
         def prepare() -> None:
             self._raise_pending_failure(f"Step {step} was not saved either; call save() again to save it")
+            if coordinator and isinstance(self._store, LocalStore):
+                _check_latest(os.fspath(self._store.path))
             if coordinator:
                 with reported(self.root, f"preparing its root for step {step}",
                               lambda: f"Step {step} was not saved; the steps committed before are unchanged"):
@@ -483,6 +500,7 @@ class CheckpointManager:
             if chosen is None:
                 if retired:
                     break
+                self._refuse_missing_bucket()
                 return None
             before = self._identity(chosen)
             try:
@@ -518,6 +536,16 @@ class CheckpointManager:
             "retention while it was being loaded (another process is saving into this root "
             "with keep_last); restore again, or keep more steps"
         )
+
+    def _refuse_missing_bucket(self) -> None:
+        """A root on a bucket that does not exist holds no step, as a new run's root does:
+        resuming from a mistyped URL would silently start training over."""
+        missing = getattr(self._store, "missing_bucket", lambda: None)()
+        if missing is not None:
+            raise CheckpointNotFoundError(
+                f"restore() from {self.root}: the bucket {missing!r} does not exist, so there is no step to "
+                "resume from; check the URL (a typo starts training over), or create the bucket for a new run"
+            )
 
     def _name_older_steps(self, exc: CorruptCheckpointError, chosen: int) -> None:
         """Extend ``exc`` (the newest step is damaged) to say which older steps can be

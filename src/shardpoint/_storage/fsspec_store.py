@@ -17,7 +17,11 @@ from .._format.manifest import MANIFEST_NAME, PENDING_NAME
 from .._io.writes import FileWrite, upload_files
 from .remote_store import RemoteStore
 from .remote_transaction import _OURS_AFTER_A_KILL, RemoteTransaction
+from .retry import retrying
 from .transaction import Advance, Crcs
+
+_BUCKET_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss", "r2"}
+"""Object stores whose first path component is a bucket the store must already hold."""
 
 
 class FsspecStore(RemoteStore):
@@ -58,6 +62,17 @@ class FsspecStore(RemoteStore):
 
     def make(self) -> None:
         return None
+
+    def missing_bucket(self) -> str | None:
+        """The bucket of this prefix when the store says it does not exist (a typo in the
+        URL reads as an empty prefix: a resume would silently start over), else None. One
+        request; asked only when the prefix lists empty."""
+        protocol = self.url.split("://", 1)[0]
+        bucket = self.root.split("/", 1)[0]
+        if protocol not in _BUCKET_PROTOCOLS or not bucket:
+            return None
+        exists = retrying("looking up the bucket of", self.url, lambda: self.fs.exists(bucket))
+        return None if exists else bucket
 
     def locked(self, wait_s: float) -> AbstractContextManager[None]:
         return nullcontext()  # no locks on an object store: one manager per root
