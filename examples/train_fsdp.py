@@ -1,4 +1,4 @@
-"""Train a small model with FSDP2 on CPU (gloo), checkpointing with shardpoint; re-run to resume.
+"""Train a small model with FSDP2 on CPU (gloo; FSDP2 on CPU needs torch 2.7+), checkpointing with shardpoint; re-run to resume.
 
     torchrun --nproc-per-node 2 examples/train_fsdp.py --steps 6     # saves steps 2, 4, 6
     torchrun --nproc-per-node 2 examples/train_fsdp.py --steps 12    # resumes from step 6

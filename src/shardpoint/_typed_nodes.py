@@ -263,7 +263,8 @@ def typed_leaf_problem(kind: str, node: Tree) -> str:
         if cls not in TORCH_CLASSES or not isinstance(value, str) or not value.isidentifier():
             return f"torch node's class {str(cls)[:40]!r} is not one of Size, {', '.join(TORCH_CLASSES)}"
         if not isinstance(vars(torch).get(value), TORCH_CLASSES[cls]):
-            return f"torch has no {cls} named {value[:40]!r}"
+            return (f"torch has no {cls} named {value[:40]!r} (a newer torch than this one, {torch.__version__}, "
+                    "may have it)")
         return ""
     if kind == "bytes":
         if node.get("class") not in ("bytes", "bytearray") or not isinstance(value, str):

@@ -278,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
         return _child(args.dir, args.steps)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="shardpoint-demo-") as tmp:
-        workdir = args.dir or tmp
+        workdir = os.path.expanduser(args.dir) if args.dir else tmp  # --dir=~/x: the shell left ~ as it is
         os.makedirs(workdir, exist_ok=True)
         ok = _part_one(workdir, args.size_mb)
         ok = _part_two(workdir, args.steps, args.seed) and ok

@@ -45,6 +45,12 @@ DTYPE_TO_NAME: dict[torch.dtype, str] = {dtype: name for name, dtype in NAME_TO_
 
 def dtype_from_name(name: object, *, where: str) -> torch.dtype:
     """The torch dtype for a safetensors dtype string; ``where`` names the file and tensor."""
+    newer = dict(_CANDIDATES).get(name) if isinstance(name, str) and name not in NAME_TO_DTYPE else None
+    if newer is not None:
+        raise UnsupportedFormatError(
+            f"{where}: dtype {name} is torch.{newer}, which this torch ({torch.__version__}) does not have; "
+            "the checkpoint was written with a newer torch: upgrade torch to read it"
+        )
     if not isinstance(name, str) or name not in NAME_TO_DTYPE:
         raise UnsupportedFormatError(
             f"{where}: unknown dtype {repr(name)[:80]}; known dtypes are {', '.join(NAME_TO_DTYPE)}"

@@ -20,6 +20,7 @@ directory); control files are size-capped before they are read.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import warnings
@@ -296,12 +297,14 @@ class DCPSource(TensorSource):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "torch.distributed is ... uninitialized"
-                dcp.load(
-                    state,
-                    storage_reader=_dcp_reader(self.spec.path, self._metadata),
-                    planner=DefaultLoadPlanner(allow_partial_load=True),
-                    no_dist=True,
-                )
+                reader = _dcp_reader(self.spec.path, self._metadata)
+                planner = DefaultLoadPlanner(allow_partial_load=True)
+                if "no_dist" in inspect.signature(dcp.load).parameters:
+                    dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
+                else:  # torch < 2.7: dcp.load would run collectives whenever a process group is up
+                    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+                    _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
         except CheckpointError:
             raise
         except Exception as exc:  # DCP's own reader (a seek past the end, a torn file)
