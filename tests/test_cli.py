@@ -948,3 +948,42 @@ def test_pt_beside_safetensors_is_read_from_the_safetensors(
     assert out.splitlines()[0] == f"note: showing {note}"
     doc = json.loads(run(capsys, "inspect", tmp_path / "model.pt", "--json")[1])
     assert (doc["format"], doc["tensor_count"], doc["notes"]) == ("hf-file", 4, [f"showing {note}"])
+
+
+def test_ctrl_c_while_the_command_starts_exits_130_with_one_line(tmp_path: Path) -> None:
+    """Importing torch takes a second or two: a Ctrl-C then printed a traceback from inside
+    torch's import, or was swallowed by it and the command ran on."""
+    import signal
+    import time
+
+    sp.save({"w": torch.ones(2)}, tmp_path / "ck")
+    entry = "import sys; from _shardpoint_cli import main; sys.argv[0] = 'shardpoint'; main()"
+    for delay in (0.05, 0.3):
+        proc = subprocess.Popen([sys.executable, "-c", entry, "verify", str(tmp_path / "ck")],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+        assert (proc.returncode, out, err) == (130, "", "shardpoint: interrupted\n"), delay
+
+
+def test_a_reader_that_leaves_early_does_not_turn_a_verdict_into_0(ckpt: Path) -> None:
+    """`verify DAMAGED --json | head -2` exited 0 ("whole") once head had left: a script
+    with pipefail read the damage as none."""
+    shard = ckpt / FILES[1]
+    flip_byte(shard, tensor_start(shard, "layer.0.bias") + 3)
+    entry = "import sys; from _shardpoint_cli import main; sys.argv[0] = 'shardpoint'; main()"
+    for extra in ([], ["--json"]):
+        proc = subprocess.Popen([sys.executable, "-c", entry, "verify", str(ckpt), *extra],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        proc.stdout.close()  # the reader is gone before the first line
+        _, err = proc.communicate(timeout=120)
+        assert (proc.returncode, err) == (1, ""), extra
+
+
+def test_options_are_never_abbreviated(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--js` worked as --json, but a usage error then printed no JSON (--json is looked
+    for before parsing)."""
+    code, out, err = run(capsys, "inspect", tmp_path, "--js")
+    assert code == 2 and out == "" and err.endswith("shardpoint: error: unrecognized arguments: --js\n")

@@ -65,7 +65,13 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with its messages escaped, and usage errors raised instead of printed."""
+    """argparse with its messages escaped, and usage errors raised instead of printed.
+    Options are taken whole only: ``--js`` for ``--json`` would leave a script's usage
+    error without its JSON object (``--json`` is looked for before parsing)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def _print_message(self, message: str, file: Any = None) -> None:
         if message:

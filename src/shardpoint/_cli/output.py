@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from collections.abc import Iterable
 from typing import IO, Any
@@ -82,10 +83,34 @@ class GuardedStream:
 
     def __init__(self, inner: IO[str]) -> None:
         self.inner = inner
+        self.reader_left = False
+        """The reader of the pipe left (``shardpoint verify ... --json | head -2``): the rest of
+        the output goes nowhere, and the command runs on to its own exit code (a damaged
+        checkpoint must not exit 0 because the reader stopped reading)."""
 
     def write(self, text: str) -> int:
-        self.inner.write("\n".join(printable(part) for part in text.split("\n")))
+        if not self.reader_left:
+            try:
+                self.inner.write("\n".join(printable(part) for part in text.split("\n")))
+            except BrokenPipeError:
+                self._reader_left()
         return len(text)
+
+    def flush(self) -> None:
+        if not self.reader_left:
+            try:
+                self.inner.flush()
+            except BrokenPipeError:
+                self._reader_left()
+
+    def _reader_left(self) -> None:
+        self.reader_left = True
+        try:  # what is still buffered, and Python's flush at exit, go to /dev/null
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.inner.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):
+            pass
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
