@@ -781,8 +781,10 @@ def test_verify_bin_never_unpickles_beyond_weights_only(
     torch.save({"w": torch.ones(2), "obj": _Custom()}, path)
     code, out, err = run(capsys, "verify", path)
     assert (code, out) == (2, "")
-    assert err.startswith(f"shardpoint: error: {path} cannot be loaded with weights_only=True (")
-    assert "it is refused" in err
+    # torch's reason (the global it refused), not its preamble advising weights_only=False
+    assert err.startswith(f"shardpoint: error: {path} cannot be loaded with weights_only=True (Unsupported global: "
+                          f"GLOBAL {_Custom.__module__}._Custom was not an allowed global by default): reading it")
+    assert "it is refused" in err and "weights_only` set to `False`" not in err
     assert _Custom.unpickled == 0
     code, out, _ = run(capsys, "verify", path, "--json")
     assert (code, json.loads(out)["error"]) == (2, "UnsafePickleError")
@@ -987,3 +989,66 @@ def test_options_are_never_abbreviated(tmp_path: Path, capsys: pytest.CaptureFix
     for before parsing)."""
     code, out, err = run(capsys, "inspect", tmp_path, "--js")
     assert code == 2 and out == "" and err.endswith("shardpoint: error: unrecognized arguments: --js\n")
+
+
+_UNREADABLE_CHILD = """
+import os, sys
+from shardpoint._cli.main import main
+if os.geteuid() == 0:
+    os.setgid(65534); os.setuid(65534)  # nobody: the file is root's, mode 600
+sys.exit(main(["verify", sys.argv[1]]))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a file another user cannot read")
+def test_verify_of_a_file_this_user_may_not_read_judges_nothing() -> None:
+    """Permission denied on a data file was a problem: exit 1, "the checkpoint is not whole",
+    with advice to check the disk and restore the file from a copy."""
+    import tempfile
+
+    base = tempfile.mkdtemp(prefix="sp-unreadable-")
+    try:
+        os.chmod(base, 0o755)
+        ckpt = os.path.join(base, "ck")
+        sp.save({"w": torch.ones(2)}, ckpt)
+        os.chmod(ckpt, 0o755)
+        for name in os.listdir(ckpt):
+            os.chmod(os.path.join(ckpt, name), 0o644)
+        os.chmod(os.path.join(ckpt, "model.safetensors"), 0o600)
+        src = str(Path(sp.__file__).resolve().parents[1])
+        done = subprocess.run([sys.executable, "-c", _UNREADABLE_CHILD, ckpt], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"})
+        assert (done.returncode, done.stdout) == (2, ""), done
+        assert done.stderr == (
+            f"shardpoint: error: {ckpt}/model.safetensors: this user may not read it (permission denied); make it "
+            "readable (chmod, chown) or verify as a user who may. Nothing was judged\n"
+        )
+    finally:
+        shutil.rmtree(base)
+
+
+def test_unreadable_sources_get_exit_2_and_advice_that_fits(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole torch.save file whose keys cannot be components was "damaged" (exit 1); an
+    empty path was blamed on the other argument; a legacy pickle was sent to
+    --trust-pickle though convert reads it safely; --cache-dir=~/hub kept its ~."""
+    torch.save({"best model": {"w": torch.ones(2)}, "epoch": 3}, tmp_path / "train.pt")
+    code, out, err = run(capsys, "verify", tmp_path / "train.pt")
+    assert (code, out) == (2, "")
+    assert err == (
+        f"shardpoint: error: {tmp_path / 'train.pt'} is read by torch.load(weights_only=True), but what it holds "
+        "cannot be a checkpoint's state (top-level key 'best model' of the state cannot name a component: components "
+        "become file prefixes, so use letters, digits, '_', '.' or '-' (not 'shardpoint' or 'latest')); read it "
+        "with torch.load and save the parts you need with sp.save\n"
+    )
+    sp.save({"w": torch.ones(2)}, tmp_path / "ck")
+    for argv in (("diff", tmp_path / "ck", ""), ("convert", "", tmp_path / "new")):
+        code, out, _ = run(capsys, *argv, "--json")
+        assert code == 2 and json.loads(out)["path"] == "", argv
+    torch.save({"w": torch.ones(2)}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    code, _, err = run(capsys, "verify", tmp_path / "legacy.pt")
+    assert code == 2 and "--trust-pickle`" not in err and "`shardpoint convert SRC DST` (it reads" in err
+    assert run(capsys, "convert", tmp_path / "legacy.pt", tmp_path / "from-legacy")[0] == 0
+    monkeypatch.setenv("HOME", str(tmp_path))
+    code, _, err = run(capsys, "verify", "hf://org/name", "--cache-dir=~/hub")
+    assert code == 2 and f"({tmp_path / 'hub'})" in err and "(~/hub)" not in err

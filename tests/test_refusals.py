@@ -58,7 +58,8 @@ def test_a_tensor_named_metadata_is_refused_by_every_save(tmp_path: Path, how: s
     """Before: it saved "successfully" and every load then refused the file as damaged."""
     path = tmp_path / "ckpt"
     state = {"w": torch.ones(2), "__metadata__": torch.zeros(3)}
-    with _raises(InvalidStateError, RESERVED):
+    # convert reads a whole file that holds no checkpoint's state: unsupported, not an invalid state of the user's
+    with _raises(sp.UnsupportedFormatError if how == "convert" else InvalidStateError, RESERVED):
         _save_paths()[how](state, path)
     assert not path.exists() or not any(path.rglob("*.safetensors"))
 

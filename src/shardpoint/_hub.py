@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 from ._storage.paths import cache_blobs_dir, hf_download_command, read_small_file
-from ._storage.store import home_expanded
+from ._storage.store import path_arg
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -138,7 +138,7 @@ def _cache_root(cache_dir: object) -> str:
             f"cache_dir must be a path (str or os.PathLike) naming a Hugging Face cache folder, "
             f"not {type(cache_dir).__name__}"
         )
-    return os.fspath(cache_dir)
+    return os.path.expanduser(os.fspath(cache_dir))  # --cache-dir=~/hub: no shell expands that ~
 
 
 def _fetch_hint(hub: HubRef) -> str:
@@ -220,7 +220,7 @@ def local_path(path: Any, cache_dir: str | os.PathLike[str] | None = None) -> An
     """
     if is_hub_ref(path):
         return resolve_hub_ref(path, cache_dir)
-    path = home_expanded(path)
+    path = path_arg(path) if isinstance(path, (str, os.PathLike)) else path  # '' and NUL refused, ~ expanded
     if isinstance(path, str) and _REPO_LIKE.fullmatch(path) and not os.path.lexists(path):
         try:
             from huggingface_hub.file_download import repo_folder_name

@@ -15,6 +15,7 @@ their structure is verified, and the report says so.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -45,6 +46,7 @@ from ._verify_report import (
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    StorageError,
 )
 
 __all__ = ["VerifyReport", "verify_checkpoint"]
@@ -128,6 +130,7 @@ def _verify_local(store: LocalStore, *, checksums: bool, progress: bool | None) 
     if not os.path.isdir(location):
         raise CheckpointNotFoundError(f"{location} is neither a directory nor a checkpoint file")
     names = list_directory(location, "verify")
+    _refuse_unreadable(location, names)
     found = detect(names)
     if found.kind == kinds.SHARDPOINT:
         return _verify_shardpoint(store, location, names, checksums=checksums, progress=progress)
@@ -141,6 +144,21 @@ def _verify_local(store: LocalStore, *, checksums: bool, progress: bool | None) 
         return _uncommitted_report(location)
     kind, found_index, files = _foreign(location, found)
     return _verify_foreign(location, location, kind, found_index, files, checksums=checksums)
+
+
+def _refuse_unreadable(location: str, names: list[str]) -> None:
+    """Raise when this user may not read a file of the checkpoint: a permission says nothing
+    of the bytes, so verify judges nothing (exit 2), rather than calling the checkpoint
+    damaged and advising to restore it from a copy."""
+    for name in names:
+        path = os.path.join(location, name)
+        if os.path.isfile(path) and not os.access(path, os.R_OK):
+            err = StorageError(
+                f"{path}: this user may not read it (permission denied); make it readable (chmod, chown) "
+                "or verify as a user who may. Nothing was judged"
+            )
+            err.errno = errno.EACCES
+            raise err
 
 
 # ------------------------------------------------------------------------ shardpoint

@@ -113,6 +113,8 @@ def _verify_files(
         if weight_map is None:
             try:
                 components, flat = components_from_object(obj, where=where, allow_pickle=False)
+            except UnsupportedFormatError:
+                raise  # a whole file that holds no checkpoint's state: nothing to judge
             except CheckpointError as exc:
                 found.problem(fname, str(exc))
                 continue

@@ -94,10 +94,12 @@ def json_error(exc: BaseException, path: str | None) -> dict[str, object]:
 
 def _error_path(args: argparse.Namespace, message: str) -> str | None:
     """The path argument a failure is about: the command's only one, or the one it names."""
-    paths = [p for p in (getattr(args, name, None) for name in ("path", "a", "b", "src", "dst")) if p]
+    paths = [p for p in (getattr(args, name, None) for name in ("path", "a", "b", "src", "dst")) if p is not None]
     if len(paths) == 1:
         return str(paths[0])
-    named = [str(p) for p in paths if str(p) in message]
+    named = [str(p) for p in paths if str(p) and str(p) in message]
+    if "'' is empty" in message and "" in (str(p) for p in paths):
+        return ""  # the empty one, not the other argument
     return max(named, key=len) if named else None
 
 

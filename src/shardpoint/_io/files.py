@@ -72,10 +72,13 @@ def naming(path: str) -> Iterator[None]:
 def read_error(exc: OSError, where: str, doing: str) -> StorageError:
     """An OSError of a local read (EIO, ...) as a :class:`StorageError` naming the file:
     the kernel's ``[Errno 5] Input/output error`` alone names nothing."""
-    err = StorageError(
-        f"{where}: {doing} the file failed: [Errno {exc.errno}] {exc.strerror or exc}; the disk or file system "
-        "reported an error. Check it (e.g. dmesg), then load again, or restore the file from a copy"
-    )
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        advice = ("this user may not read it: make it readable (chmod, chown) or run as a user who may; "
+                  "nothing says its bytes are damaged")
+    else:
+        advice = ("the disk or file system reported an error. Check it (e.g. dmesg), then load again, or "
+                  "restore the file from a copy")
+    err = StorageError(f"{where}: {doing} the file failed: [Errno {exc.errno}] {exc.strerror or exc}; {advice}")
     err.errno = exc.errno
     return err
 

@@ -23,7 +23,7 @@ from .._format.dtypes import dtype_name
 from .._io.memory import contiguous_cpu
 from .._prepare import Component, check_tensor, dedup, split_components
 from .._stateful import find_modules, make_to_state, parameter_names
-from ..errors import InvalidStateError
+from ..errors import InvalidStateError, UnsupportedFormatError
 
 BATCH_BYTES = 64 << 20
 """Tensors are read (and written, compared) in batches of about this many bytes; a larger
@@ -165,8 +165,11 @@ def components_from_object(
                     check_tensor(name, cname, tensor)
             dedup(comp)
             components.append(comp)
-    except InvalidStateError as exc:
-        raise InvalidStateError(f"{where}: {exc}") from None
+    except InvalidStateError as exc:  # the file is whole: what it holds is not a checkpoint's state
+        raise UnsupportedFormatError(
+            f"{where} is read by torch.load(weights_only=True), but what it holds cannot be a checkpoint's state "
+            f"({exc}); read it with torch.load and save the parts you need with sp.save"
+        ) from None
     return components, flat
 
 

@@ -219,11 +219,24 @@ class _PageDropper:
 
 
 def _refusal_reason(exc: BaseException) -> str:
+    """What ``weights_only`` refused, in torch's own words: the line naming the global
+    (``Trying to load unsupported GLOBAL posix.system ...``), not torch's preamble, whose
+    advice (re-run with ``weights_only=False``) is what must not be done with a stranger's
+    file, and which was all a cut at 200 characters kept.
+
+    >>> _refusal_reason(RuntimeError("Weights only load failed. In PyTorch 2.6, ... trusted source."
+    ...     "\\n\\nTrying to load unsupported GLOBAL posix.system whose module posix is blocked.\\n\\nCheck the docs."))
+    'Trying to load unsupported GLOBAL posix.system whose module posix is blocked'
+    """
     text = str(exc)
     marker = "WeightsUnpickler error:"
     if marker in text:
         reason = text.split(marker, 1)[1].strip()
         return reason.split(". Please", 1)[0].split("\n", 1)[0].strip()
+    for part in text.split("\n\n"):
+        line = part.strip().split("\n", 1)[0].strip()
+        if line and not line.startswith(("Weights only load failed", "Check the documentation", "Please file")):
+            return line.removesuffix(".")[:300]
     return text.strip().split("\n", 1)[0][:200]
 
 
@@ -256,8 +269,8 @@ def _load_open(
     elif magic[:1] == b"\x80" and zip_only:
         raise UnsupportedFormatError(
             f"{path} is not a zip-format torch.save file (a legacy pre-1.6 pickle); sp.load reads "
-            "only zip-format .bin/.pt weights. If you trust whoever wrote it, convert it once: "
-            "`shardpoint convert SRC DST --trust-pickle`"
+            "only zip-format .bin/.pt weights. Convert it once: `shardpoint convert SRC DST` (it reads "
+            "with weights_only=True, and asks for --trust-pickle only if the file needs more)"
         )
     elif magic[:1] == b"\x80":  # a pickle: the legacy (pre-1.6) torch.save format
         mapped = False
