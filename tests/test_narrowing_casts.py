@@ -126,3 +126,32 @@ def test_float16_into_float8_e5m2_counts_values_past_its_range(tmp_path: Path) -
     out, messages = _warned(lambda: sp.load(tmp_path / "ckpt", dtype=torch.float8_e5m2))
     assert out["w"].float().tolist() == [1.0, float("inf"), -57344.0]
     assert len(messages) == 1 and "2 value(s) of 'w' are past float8_e5m2's range" in messages[0], messages
+
+
+def test_integers_a_load_wraps_around_are_named(tmp_path: Path) -> None:
+    """int64 [300, -200, 2**40] into an int8 buffer became [44, 56, 0], and uint64 2**63 + 5
+    into int64 a negative number, both ok=True without a word; int64 100000 into float16 inf."""
+    class Counts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("counts", torch.zeros(4, dtype=torch.int8))
+
+    sp.save({"counts": torch.tensor([1, 300, -200, 2**40])}, tmp_path / "i64")
+    module = Counts()
+    result, said = _warned(lambda: sp.load_into(module, tmp_path / "i64"))
+    assert result.ok and module.counts.tolist() == [1, 44, 56, 0]  # torch's wrap-around, as copy_ gives
+    assert said == [f"load as int8: 3 value(s) of 'counts' are outside int8's range (-128 to 127) and wrapped "
+                    f"around to other values as read from {tmp_path / 'i64'}. Load them into a wider integer "
+                    "dtype instead"]
+    sp.save({"x": torch.tensor([2**63 + 5], dtype=torch.uint64), "y": torch.tensor([7], dtype=torch.uint64)},
+            tmp_path / "u64")
+    target = {"x": torch.zeros(1, dtype=torch.int64), "y": torch.zeros(1, dtype=torch.int64)}
+    _, said = _warned(lambda: sp.load_into(target, tmp_path / "u64"))
+    assert len(said) == 1 and said[0].startswith("load as int64: 1 value(s) of 'x' are outside int64's range")
+    assert target["y"].tolist() == [7]
+    sp.save({"x": torch.tensor([100000, 7])}, tmp_path / "big")
+    half = {"x": torch.zeros(2, dtype=torch.float16)}
+    _, said = _warned(lambda: sp.load_into(half, tmp_path / "big"))
+    assert len(said) == 1 and said[0].startswith("load as float16: 1 value(s) of 'x' are past float16's range")
+    within = {"x": torch.zeros(2, dtype=torch.int32)}
+    assert _warned(lambda: sp.load_into(within, tmp_path / "big"))[1] == [] and within["x"].tolist() == [100000, 7]

@@ -151,10 +151,36 @@ def range_lost(stored: torch.dtype, target: torch.dtype) -> float | None:
     >>> range_lost(torch.float32, torch.bfloat16) is None  # float32's exponent range
     True
     """
-    if not (stored.is_floating_point and target.is_floating_point) or target == torch.bfloat16:
+    if not target.is_floating_point or target == torch.bfloat16:
         return None  # bfloat16 has float32's exponents: only values past 3.39e38 would be lost
+    if stored.is_floating_point:
+        widest = float(torch.finfo(stored).max)
+    elif stored != torch.bool and not stored.is_complex:
+        widest = float(torch.iinfo(stored).max)  # int64 100000 as float16: inf
+    else:
+        return None
     largest = float(torch.finfo(target).max)
-    return largest if largest < float(torch.finfo(stored).max) else None
+    return largest if largest < widest else None
+
+
+def int_range_lost(stored: torch.dtype, target: torch.dtype) -> tuple[int, int] | None:
+    """``(lowest, highest)`` of integer ``target`` when a cast from integer ``stored`` to it
+    cannot hold every value (int64 to int8, int64 to uint8, uint64 to int64), else None:
+    values outside wrap around to other values, silently, as torch's casts do.
+
+    >>> int_range_lost(torch.int64, torch.int8)
+    (-128, 127)
+    >>> int_range_lost(torch.int8, torch.int64) is None
+    True
+    """
+    if not _is_int(stored) or not _is_int(target):
+        return None
+    have, want = torch.iinfo(stored), torch.iinfo(target)
+    return (int(want.min), int(want.max)) if have.min < want.min or have.max > want.max else None
+
+
+def _is_int(dtype: torch.dtype) -> bool:
+    return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
 
 
 _REDUCIBLE = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -180,8 +206,14 @@ class OutOfRange:
         """Count the finite values of ``source`` (values about to be cast to ``target``)
         past ``target``'s range, under ``label``. Costs one pass over ``source`` only when
         ``target`` is narrower (not for a cast to bfloat16 or a wider dtype)."""
+        if source.numel() == 0:
+            return
+        bounds = int_range_lost(source.dtype, target)
+        if bounds is not None:
+            self._check_ints(label, source.detach(), target, bounds)
+            return
         largest = range_lost(source.dtype, target)
-        if largest is None or source.numel() == 0:
+        if largest is None:
             return
         values = source.detach()
         if values.dtype not in _REDUCIBLE:  # the float8s: no min / max kernels; widened a part at a time
@@ -201,6 +233,20 @@ class OutOfRange:
         if count:
             self.add(label, target, count, float(magnitude[over].max()))
 
+    def _check_ints(self, label: str, values: torch.Tensor, target: torch.dtype, bounds: tuple[int, int]) -> None:
+        """Count the integers of ``values`` outside ``bounds`` (``target``'s range)."""
+        if values.dtype == torch.uint64:  # no comparison kernels: its bits as int64 (2**63 and up negative)
+            bits = values.view(torch.int64)
+            over = (bits < 0) | (bits > bounds[1])
+        else:
+            low, high = (int(x) for x in torch.aminmax(values))
+            if bounds[0] <= low and high <= bounds[1]:
+                return
+            over = (values < bounds[0]) | (values > bounds[1])
+        count = int(over.sum())
+        if count:
+            self.add(label, target, count, 0.0)
+
     def add(self, label: str, target: torch.dtype, count: int, largest: float) -> None:
         with self._lock:
             _, before, top = self.found.get(label, (target, 0, 0.0))
@@ -213,6 +259,8 @@ class OutOfRange:
             return None
         dtype = next(iter(self.found.values()))[0]
         names = list(self.found)
+        if _is_int(dtype):
+            return self._int_message(verb, where, dtype, names)
         shown = ", ".join(repr(k) for k in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         total = sum(n for _, n, _ in self.found.values())
         largest = max(m for _, _, m in self.found.values())
@@ -224,6 +272,16 @@ class OutOfRange:
             f"{verb} {kind}: {total} value(s) of {shown} are past {kind}'s range (largest magnitude {largest:.4g}; "
             f"{kind} holds up to {torch.finfo(dtype).max:.6g}) and became {became} {where}; {then}. "
             f"{verb[:1].upper()}{verb[1:]} bfloat16 (float32's range) instead"
+        )
+
+    def _int_message(self, verb: str, where: str, dtype: torch.dtype, names: list[str]) -> str:
+        shown = ", ".join(repr(k) for k in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        total = sum(n for _, n, _ in self.found.values())
+        kind = str(dtype).removeprefix("torch.")
+        info = torch.iinfo(dtype)
+        return (
+            f"{verb} {kind}: {total} value(s) of {shown} are outside {kind}'s range ({info.min} to {info.max}) "
+            f"and wrapped around to other values {where}. Load them into a wider integer dtype instead"
         )
 
     def warn(self, verb: str, where: str) -> None:
