@@ -1052,3 +1052,24 @@ def test_unreadable_sources_get_exit_2_and_advice_that_fits(tmp_path: Path, caps
     monkeypatch.setenv("HOME", str(tmp_path))
     code, _, err = run(capsys, "verify", "hf://org/name", "--cache-dir=~/hub")
     assert code == 2 and f"({tmp_path / 'hub'})" in err and "(~/hub)" not in err
+
+
+def test_sigterm_unwinds_a_command_as_ctrl_c_does(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kill` (or a scheduler's stop) mid-convert left the hidden temporary destination; now
+    SIGTERM unwinds the command (its cleanup runs) and exits 143 with one line."""
+    import signal
+
+    import shardpoint._cli.verify as verify_command
+
+    sp.save({"w": torch.ones(2)}, tmp_path / "ck")
+
+    def killed(*args: Any, **kwargs: Any) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("SIGTERM did not stop the command")
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(verify_command, "verify_checkpoint", killed)
+    code, out, err = run(capsys, "verify", tmp_path / "ck")
+    assert (code, out, err) == (143, "", "shardpoint: terminated\n")
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -22,6 +22,11 @@ import tempfile
 import time
 from typing import Any
 
+from . import output
+
+_OUTPUTS = ("generated", "run", "sync-save", "fsdp")
+"""What the demo writes in its folder."""
+
 HELP = "run the end-to-end demo (save/inspect/verify/load; train, kill, resume; 2 ranks -> 1 and 3)"
 
 SAVE_EVERY = 4
@@ -279,6 +284,12 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="shardpoint-demo-") as tmp:
         workdir = os.path.expanduser(args.dir) if args.dir else tmp  # --dir=~/x: the shell left ~ as it is
+        taken = [n for n in _OUTPUTS if os.path.lexists(os.path.join(workdir, n))]
+        if taken:
+            output.error(f"{workdir} already holds {', '.join(taken)} (an earlier demo's, or yours): the demo "
+                         "would resume from them or refuse to replace them. Give an empty or new --dir, or remove "
+                         "those first")
+            return 2
         os.makedirs(workdir, exist_ok=True)
         ok = _part_one(workdir, args.size_mb)
         ok = _part_two(workdir, args.steps, args.seed) and ok

@@ -27,6 +27,7 @@ import argparse
 import importlib
 import json
 import os
+import signal
 import sys
 import warnings
 from collections.abc import Sequence
@@ -178,6 +179,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a job scheduler's stop) while a command runs: unwound as Ctrl-C is,
+    so a ``convert`` removes its unfinished destination instead of leaving it hidden."""
+
+
+def _terminate_as_interrupt() -> Any:
+    """Make SIGTERM raise :class:`Terminated` in the main thread; the previous handler (to put
+    back), or None where none can be set (not the main thread)."""
+    def raise_terminated(signum: int, frame: Any) -> None:
+        raise Terminated()
+
+    try:
+        return signal.signal(signal.SIGTERM, raise_terminated)
+    except ValueError:
+        return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``shardpoint`` command; return its exit code (see the module docstring).
 
@@ -198,6 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except SystemExit as exc:  # --help, --version: argparse already printed
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    terminate = _terminate_as_interrupt()
     stdout = sys.stdout
     sys.stdout = output.GuardedStream(stdout)
     shown = warnings.showwarning
@@ -212,12 +231,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
     except (CheckpointError, OSError) as exc:
         return fail(args, exc, EXIT_USAGE)
+    except Terminated:
+        print("shardpoint: terminated", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("shardpoint: interrupted", file=sys.stderr)
         return 130
     finally:
         sys.stdout = stdout
         warnings.showwarning = shown
+        if terminate is not None:
+            signal.signal(signal.SIGTERM, terminate)
 
 
 def _one_line_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
