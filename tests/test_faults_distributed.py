@@ -325,8 +325,10 @@ def sub_mesh_worker(rank: int, world: int, root_str: str) -> None:
 
     root = Path(root_str)
     mesh = DeviceMesh("cpu", torch.tensor([0, 1]))  # every rank builds it; rank 2 is outside
-    if rank == 2:
-        time.sleep(6)  # alive, connected, and busy with something else
+    if rank == 2:  # alive, connected, and busy with something else until the others have failed
+        deadline = time.monotonic() + 60  # (a fixed sleep ran out first on a loaded machine: "died")
+        while not all((root / f"submesh-r{r}.json").exists() for r in (0, 1)) and time.monotonic() < deadline:
+            time.sleep(0.1)
         return
     w = distribute_tensor(torch.arange(12.0).reshape(4, 3), mesh, [Shard(0)])
     record(root, "submesh", rank, lambda: sp.save({"w": w}, root / "ckpt", options=sp.CollectiveOptions(timeout_s=2)))

@@ -506,3 +506,25 @@ def test_an_optimizer_over_fewer_parameters_than_saved_is_refused(tmp_path) -> N
         "load the rest (its state then starts afresh)"
     )
     assert not head_only.state
+
+
+def test_optimizer_state_is_found_when_a_module_joins_or_leaves_the_state(tmp_path) -> None:
+    """Parameter names carry the component (model.0.weight) only when the state holds
+    several modules: an EMA added at resume (or dropped) left the optimizer state unfound,
+    blamed on "a layer added or renamed"."""
+    model, optimizer = _adamw(4)
+    _train_step(model, optimizer)
+    sp.save({"model": model, "optim": optimizer}, tmp_path / "one")
+    sp.save({"model": model, "ema": _adamw(4)[0], "optim": optimizer}, tmp_path / "two")
+    for saved, with_ema in (("one", True), ("two", False)):
+        fresh, fresh_optimizer = _adamw(4)
+        target = {"model": fresh, "optim": fresh_optimizer} | ({"ema": _adamw(4)[0]} if with_ema else {})
+        result = sp.load_into(target, tmp_path / saved, strict=False)
+        assert (result.missing_keys, result.unexpected_keys) == ((["ema"], []) if with_ema else ([], ["ema"]))
+        for mine, theirs in zip(fresh.parameters(), model.parameters(), strict=True):
+            assert torch.equal(fresh_optimizer.state[mine]["exp_avg"], optimizer.state[theirs]["exp_avg"])
+    twins = {"model": _adamw(4)[0], "ema": _adamw(4)[0]}  # both modules' parameters in one optimizer
+    both = torch.optim.AdamW([*twins["model"].parameters(), *twins["ema"].parameters()])
+    with pytest.raises(sp.LoadMismatchError, match=r"several parameters of the target optimizer match the "
+                                                    r"checkpoint's parameter\(s\) '0.bias', '0.weight'"):
+        sp.load_into({**twins, "optim": both}, tmp_path / "one", strict=False)

@@ -305,7 +305,20 @@ class CheckpointManager:
         would otherwise be parsed again for each kept step at each save.
         """
         if not self._store.tracks_versions:
-            return self._parse_metrics(step)
+            # An object store: one manager writes a root, so a step's manifest changes only
+            # when this manager saves or deletes that step (the entry is dropped then). A
+            # save ranked and retired every step again: two GETs of each manifest per save.
+            cached = self._metrics_cache.get(step)
+            if cached is None:
+                try:
+                    parsed: dict[str, Any] | BaseException = self._parse_metrics(step)
+                except CorruptCheckpointError as exc:
+                    parsed = exc
+                cached = ((), parsed)
+                self._metrics_cache[step] = cached
+            if isinstance(cached[1], BaseException):
+                raise cached[1]
+            return dict(cached[1])
         step_store = self._store.child(step_dir_name(step))
         before = step_store.version(MANIFEST_NAME)
         cached = self._metrics_cache.get(step)
@@ -351,10 +364,14 @@ class CheckpointManager:
     def best_steps(self) -> list[int]:
         """Steps ranked best first by ``metric`` (steps without it, or whose manifest is
         damaged, are not ranked; a damaged one is named in a warning)."""
+        return self._best_of(self.steps())
+
+    def _best_of(self, steps: list[int]) -> list[int]:
+        """:meth:`best_steps` among ``steps`` (a listing already made)."""
         if not self.metric:
             return []
         scored = []
-        for step in self.steps():
+        for step in steps:
             metrics = self._readable_metrics(step)
             if metrics is None:
                 continue
@@ -587,6 +604,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------ internals
 
     def _after_commit(self, step: int) -> None:
+        self._metrics_cache.pop(step, None)  # a step saved again has a new manifest
         with reported(self.root, f"updating '{LATEST_NAME}' and applying retention after step {step}",
                       lambda: f"Step {step} is committed at {self.step_path(step)}; '{LATEST_NAME}' may still "
                               "name the step before and retention may not have run; the next save does both"):
@@ -634,7 +652,7 @@ class CheckpointManager:
             steps = [s for s in steps if self._readable_metrics(s) is not None]
         keep = set(steps[-self.keep_last :]) | {latest}
         if self.keep_best:
-            keep |= set(self.best_steps()[: self.keep_best])
+            keep |= set(self._best_of(steps)[: self.keep_best])
         for step in steps:
             if step in keep:
                 continue
@@ -645,6 +663,7 @@ class CheckpointManager:
             self._delete(step)
 
     def _delete(self, step: int) -> None:
+        self._metrics_cache.pop(step, None)
         self._store.child(step_dir_name(step)).delete_tree()
 
     def _remove_stale_temps(self) -> None:

@@ -148,6 +148,7 @@ def optimizer_state_for(
         for name in saved_group["params"]:
             group_of[str(name)] = i
     by_plain_name: dict[str, str] | None = None  # made when a name is not found as it is
+    by_component: dict[str, str | None] | None = None
     target_names: list[list[str]] = []
     unknown: list[str] = []
     for group in optimizer.param_groups:
@@ -168,9 +169,21 @@ def optimizer_state_for(
                     by_plain_name = {_plain_name(n): n for n in group_of}
                 name = by_plain_name.get(_plain_name(name), name)
             if name not in group_of:
+                if by_component is None:
+                    by_component = _without_component(group_of)
+                name = _component_match(name, group_of, by_component)
+            if name not in group_of:
                 unknown.append(name)
             group_names.append(name)
         target_names.append(group_names)
+    taken = [n for names_ in target_names for n in names_]
+    if len(set(taken)) != len(taken):  # two target parameters found under one saved name
+        twice = sorted({n for n in taken if taken.count(n) > 1})
+        raise LoadMismatchError(
+            f"{where}: several parameters of the target optimizer match the checkpoint's parameter(s) "
+            f"{', '.join(map(repr, twice[:5]))} (the state holds other modules than the saved one, named alike); "
+            f"build the state with the modules it was saved with{_LEAVE_OUT}"
+        )
     if unknown:
         raise LoadMismatchError(
             f"{where}: the checkpoint's optimizer has no parameter(s) {', '.join(map(repr, unknown[:10]))}"
@@ -243,6 +256,30 @@ _WRAPPER_SEGMENTS = tuple(f"{name}." for name in INNER_WRAPPERS)
 """Segments wrappers insert in ``named_parameters`` but not in the ``state_dict`` keys, so an
 optimizer saved with the wrapper names its parameters differently from the same model
 without it."""
+
+
+def _without_component(saved: Mapping[str, int]) -> dict[str, str | None]:
+    """Saved parameter name without its first component -> the name (None where two saved
+    names share it): a state saved with one module names its parameters ``0.weight``, with
+    several ``model.0.weight`` (an EMA or teacher added to the state, or dropped from it)."""
+    out: dict[str, str | None] = {}
+    for name in saved:
+        _, dot, rest = name.partition(".")
+        if dot:
+            out[rest] = None if rest in out else name
+    return out
+
+
+def _component_match(name: str, saved: Mapping[str, int], by_component: Mapping[str, str | None]) -> str:
+    """The saved name ``name`` stands for across a change in the number of modules of the
+    state (a component prefix added or dropped, one saved name only), else ``name``."""
+    match = by_component.get(name)
+    if match is not None:
+        return match  # saved prefixed (several modules), loaded unprefixed
+    _, dot, rest = name.partition(".")
+    if dot and rest in saved:
+        return rest  # saved unprefixed (one module), loaded prefixed
+    return name
 
 
 def _plain_name(name: str) -> str:
