@@ -727,3 +727,27 @@ def test_a_resume_from_a_bucket_that_does_not_exist_is_refused(url: str, opts: d
         "is no step to resume from; check the URL (a typo starts training over), or create the bucket for a new run"
     )
     assert sp.CheckpointManager(url, storage_options=opts).restore({"w": torch.zeros(2)}) is None  # a new run
+
+
+def test_a_manager_on_s3_reads_each_steps_metrics_once(url: str, opts: dict[str, Any]) -> None:
+    """Every save ranked and retired every step again, two GETs of each manifest per save:
+    a run's saves grew slower with its length (5.9 s a save at 355 steps)."""
+    mgr = sp.CheckpointManager(url, storage_options=opts, keep_last=3, keep_best=1, metric="loss")
+    for step in range(6):
+        mgr.save(step, {"w": torch.full((2,), float(step))}, metrics={"loss": float(step % 4)})
+    fs = mgr._store.fs
+    reads: list[str] = []
+    original = fs.cat_file
+
+    def counted(path: str, *args: Any, **kwargs: Any) -> Any:
+        reads.append(path)
+        return original(path, *args, **kwargs)
+
+    fs.cat_file = counted
+    try:
+        mgr.save(6, {"w": torch.full((2,), 6.0)}, metrics={"loss": 0.5})
+    finally:
+        fs.cat_file = original
+    manifests = [p for p in reads if p.endswith("shardpoint.json")]
+    assert len(manifests) <= 1, manifests  # at most the new step's own
+    assert mgr.steps() == [4, 5, 6] and mgr.best_steps() == [4, 6, 5]  # ties: the newest first
