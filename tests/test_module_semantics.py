@@ -211,3 +211,62 @@ def test_values_a_target_cannot_take_are_reported_never_dropped_or_added(tmp_pat
     sp.save({"model": torch.nn.Linear(1, 1), "x": 3}, tmp_path / "b")
     result = sp.load_into({"model": torch.nn.Linear(1, 1), "x": torch.zeros(3)}, tmp_path / "b", strict=False)
     assert (result.missing_keys, result.unexpected_keys, result.mismatched_keys) == (["x"], ["x"], [])
+
+
+def test_self_loading_modules_follow_device_map_and_dtype(tmp_path: Path) -> None:
+    """A self-loading module the device map sends to meta was left there with ok=True; a
+    real one ignored dtype= (float32 beside bfloat16: the forward failed)."""
+    torch.manual_seed(0)
+    src = torch.nn.Sequential(torch.nn.Linear(3, 3), _Packed())
+    sp.save(src, tmp_path / "ck")
+    empty = sp.empty_model(lambda: torch.nn.Sequential(torch.nn.Linear(3, 3), _Packed()))
+    result = sp.load_into(empty, tmp_path / "ck", device_map={"0": "cpu", "1": "meta"})
+    assert result.kept_off_keys == ["1.weight"] and result.matched and not result.ok
+    packed_real = torch.nn.Sequential(torch.nn.Linear(3, 3), _Packed())
+    with torch.no_grad():
+        packed_real[1].weight.data = torch.zeros(2, 3)  # float32 now: dtype= must make it bfloat16
+    assert sp.load_into(packed_real, tmp_path / "ck", dtype=torch.bfloat16).ok
+    assert {p.dtype for p in packed_real.parameters()} == {torch.bfloat16}
+
+
+def test_inference_mode_targets_replaced_rather_than_filled_load_outside_it(tmp_path: Path) -> None:
+    sp.save(torch.nn.Linear(2, 2), tmp_path / "ck")
+    with torch.inference_mode():
+        empty = sp.empty_model(torch.nn.Linear, 2, 2)
+        real = torch.nn.Linear(2, 2)
+    assert sp.load_into(empty, tmp_path / "ck").ok  # meta tensors get new ones
+    assert sp.load_into(real, tmp_path / "ck", dtype=torch.bfloat16).ok  # replaced in the new dtype
+
+
+def test_unsigned_narrowing_that_fits_loads_and_mixed_kinds_get_a_sentence_each(tmp_path: Path) -> None:
+    sp.save({"x": torch.tensor([1, 2, 3], dtype=torch.uint32), "y": torch.tensor([7], dtype=torch.uint16)},
+            tmp_path / "u")
+    target = {"x": torch.zeros(3, dtype=torch.int16), "y": torch.zeros(1, dtype=torch.uint8)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert sp.load_into(target, tmp_path / "u").ok  # "aminmax_cpu" not implemented for 'UInt32' before
+    assert target["x"].tolist() == [1, 2, 3] and target["y"].tolist() == [7]
+    sp.save({"a": torch.tensor([300, 1]), "b": torch.tensor([1e5, 1.0])}, tmp_path / "mixed")
+    with pytest.warns(UserWarning) as caught:
+        sp.load_into({"a": torch.zeros(2, dtype=torch.int8), "b": torch.zeros(2, dtype=torch.float16)},
+                     tmp_path / "mixed")
+    said = [str(w.message) for w in caught]
+    assert len(said) == 1 and "'b' are past float16's range" in said[0] and "'a' are outside int8's range" in said[0]
+
+
+def test_a_wrapper_saved_base_loads_into_a_model_with_a_head_and_ties_are_not_guessed(tmp_path: Path) -> None:
+    """A base model saved under DDP (module.*) into a model with the base under model.: the
+    rename module. -> model. was lost with the rule that stopped swapping non-wrapper
+    prefixes; where two such renames match alike, none is guessed."""
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    sp.save({f"module.{k}": v for k, v in base.state_dict().items()}, tmp_path / "ddp")
+    with_head = torch.nn.ModuleDict({"model": torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)),
+                                     "head": torch.nn.Linear(4, 2)})
+    result = sp.load_into(with_head, tmp_path / "ddp", strict=False)
+    assert result.prefix_mapping == {"": ("module.", "model.")} and result.missing_keys == ["head.weight", "head.bias"]
+    assert torch.equal(with_head["model"][1].weight, base[1].weight)
+    twins = torch.nn.ModuleDict({"a": torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)),
+                                 "b": torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))})
+    with pytest.raises(sp.LoadMismatchError, match="not one of its 4 keys matches"):
+        sp.load_into(twins, tmp_path / "ddp", strict=False)  # module. -> a. or -> b.: no guess

@@ -478,7 +478,7 @@ def test_a_non_strict_restore_reports_and_starts_skipped_parameters_afresh(tmp_p
     with pytest.warns(UserWarning) as caught:
         assert manager.restore({"model": wider, "optim": wider_optimizer}, strict=False) == 100
     assert [str(w.message) for w in caught] == [
-        f"restored step 100 from {tmp_path / 'run'} in part (strict=False); shape mismatch: 'model/2.weight' "
+        f"restored step 100 from {tmp_path / 'run'} in part; shape mismatch: 'model/2.weight' "
         "(saved [4, 16], target [5, 16]), 'model/2.bias' (saved [4], target [5]). The whole report: manager.last_load"
     ]
     assert manager.last_load is not None and [k for k, _, _ in manager.last_load.mismatched_keys] == [

@@ -525,7 +525,7 @@ class CheckpointManager:
                 self.last_load = result
                 if not result.ok:  # strict=False: what it left out must not go unseen
                     warnings.warn(
-                        f"restored step {chosen} from {self.root} in part (strict=False); "
+                        f"restored step {chosen} from {self.root} in part; "
                         + "; ".join(result.summary().splitlines())
                         + ". The whole report: manager.last_load",
                         UserWarning, stacklevel=2,

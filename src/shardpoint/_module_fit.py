@@ -86,12 +86,21 @@ def match_prefix(
     # One wrapper for another (saved under DDP's module., loaded under torch.compile's _orig_mod.).
     renames += [(old, new) for old in sorted(sides[1]) for new in sorted(sides[0])
                 if old != new and _is_wrapper_run(old) and _is_wrapper_run(new)]
+    # A wrapper dropped and one of the target's leading components added (a base model saved
+    # under DDP, loaded into a model with a head): taken only when no other rename does as well.
+    if not wrappers_only:
+        renames += [(old, new) for old in sorted(sides[1]) for new in sorted(sides[0])
+                    if _is_wrapper_run(old) and not _is_wrapper_run(new)]
     choice: tuple[str, str] | None = None
-    for rename in renames:
+    tied = False
+    for rename in dict.fromkeys(renames):
         count = len(rename_keys(targets, saved, rename))
         if count > best:
-            best, choice = count, rename
-    return choice
+            best, choice, tied = count, rename, False
+        elif count == best and choice is not None and rename_keys(targets, saved, rename) != rename_keys(
+                targets, saved, choice):
+            tied = True  # two renames match as many keys, differently: no guess
+    return None if tied else choice
 
 
 _WRAPPERS = ("_orig_mod", "module", *INNER_WRAPPERS)

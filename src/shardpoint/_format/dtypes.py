@@ -239,6 +239,8 @@ class OutOfRange:
             bits = values.view(torch.int64)
             over = (bits < 0) | (bits > bounds[1])
         else:
+            if values.dtype in (torch.uint16, torch.uint32):  # no min / max kernels for these: widened
+                values = values.to(torch.int64)
             low, high = (int(x) for x in torch.aminmax(values))
             if bounds[0] <= low and high <= bounds[1]:
                 return
@@ -257,6 +259,13 @@ class OutOfRange:
         the range, ``where`` (``"in out/model"``); None when there were none."""
         if not self.found:
             return None
+        ints = {k: v for k, v in self.found.items() if _is_int(v[0])}
+        if ints and len(ints) < len(self.found):  # both kinds in one load: a sentence each
+            floats = OutOfRange()
+            floats.found = {k: v for k, v in self.found.items() if k not in ints}
+            integers = OutOfRange()
+            integers.found = ints
+            return f"{floats.message(verb, where)} {integers.message(verb, where)}"
         dtype = next(iter(self.found.values()))[0]
         names = list(self.found)
         if _is_int(dtype):

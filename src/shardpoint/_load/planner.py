@@ -339,8 +339,8 @@ class Planner:
             saved = names.get(key)
             if saved is None:
                 continue
-            if inference and tensor.is_inference():
-                raise InvalidStateError(
+            if inference and tensor.is_inference() and not tensor.is_meta and self._new_home(key, tensor, fit) is None:
+                raise InvalidStateError(  # filled in place (a new tensor in its place is any tensor)
                     f"target tensor {prefix + key!r} was made under torch.inference_mode(), and torch lets such "
                     "a tensor change only inside it: call load_into inside `with torch.inference_mode():`, or "
                     "build the target outside it; nothing was loaded"
@@ -650,6 +650,9 @@ class Planner:
             empty = any(isinstance(t, torch.Tensor) and t.is_meta for t in tensors)
             first = next((k for k in targets if k.startswith(owner)), None)
             home = self.placement(first, targets[first], fit.float_dtype)[0] if empty and first else None
+            if home is not None and home.type == "meta":  # the device map keeps it off this process
+                self.kept_off.extend(prefix + k for k in targets if k.startswith(owner) and k not in missing[owner])
+                continue
             self.post.append(functools.partial(self._load_own, module, prefix + owner, values[owner],
                                                missing[owner], home))
         return rest, {k: v for k, v in names.items() if k in rest}
@@ -678,8 +681,8 @@ class Planner:
             )
         if home is not None:
             module.to(home)
-            if self.dtype is not None:
-                module.to(self.dtype)
+        if self.dtype is not None:  # floating tensors only, as dtype= gives every module
+            module.to(self.dtype)
 
     def _wrapped_module_into(self, inner: torch.nn.Module, wrapper: str, saved: Mapping[str, str],
                              comp: ComponentRecord, path: str, targets: dict[str, torch.Tensor],

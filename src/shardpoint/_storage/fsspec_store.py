@@ -65,12 +65,13 @@ class FsspecStore(RemoteStore):
 
     def missing_bucket(self) -> str | None:
         """The bucket of this prefix when the store says it does not exist (a typo in the
-        URL reads as an empty prefix: a resume would silently start over), else None. One
-        request; asked only when the prefix lists empty."""
+        URL reads as an empty prefix: a resume would silently start over), else None. Asked
+        only when the prefix lists empty; one request, and only where the listing itself said
+        "not found" (a prefix-scoped policy denies the bucket probe while listing fine)."""
         protocol = self.url.split("://", 1)[0]
         bucket = self.root.split("/", 1)[0]
-        if protocol not in _BUCKET_PROTOCOLS or not bucket:
-            return None
+        if protocol not in _BUCKET_PROTOCOLS or not bucket or not self.listing_not_found:
+            return None  # the listing answered (an empty prefix of a bucket there): a new run
         exists = retrying("looking up the bucket of", self.url, lambda: self.fs.exists(bucket))
         return None if exists else bucket
 

@@ -31,6 +31,8 @@ class RemoteStore:
     """A prefix on an fsspec filesystem: the objects directly under it are the files."""
 
     def __init__(self, fs: Any, root: str, url: str) -> None:
+        self.listing_not_found = False
+        """The last listing of the whole prefix (:meth:`find`) was answered "not found"."""
         self.fs = fs
         self.root = root.rstrip("/")
         self.url = url.rstrip("/")
@@ -92,7 +94,9 @@ class RemoteStore:
             try:
                 found = self.fs.find(self.root, detail=True)
             except FileNotFoundError:
+                self.listing_not_found = True  # a missing prefix lists empty: this is the bucket (or the like)
                 return {}
+            self.listing_not_found = False
             cut = len(self.root) + 1
             return {
                 str(name)[cut:]: int(info.get("size") or 0)
