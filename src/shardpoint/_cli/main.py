@@ -217,6 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version: argparse already printed
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     terminate = _terminate_as_interrupt()
+    if sys.stdout is None:  # started with stdout closed (`shardpoint inspect X >&-`): output goes nowhere
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
     stdout = sys.stdout
     sys.stdout = output.GuardedStream(stdout)
     shown = warnings.showwarning
