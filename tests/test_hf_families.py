@@ -515,3 +515,20 @@ def test_device_map_as_from_pretrained_takes_it(device_map: Any, tmp_path: Path)
     for key, value in reference.state_dict().items():
         got = model.state_dict()[key]
         assert got.device.type == "cpu" and torch.equal(got, value), key
+
+
+def test_dtype_auto_loads_in_the_checkpoint_s_own_dtype(tmp_path: Path) -> None:
+    """transformers 5's default, dtype="auto", was refused as an unknown dtype."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_llama_config()).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16")
+    empty = sp.empty_model(transformers.LlamaForCausalLM, _llama_config())
+    assert sp.load_into(empty, tmp_path / "bf16", dtype="auto").ok
+    reference = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "bf16", dtype="auto")
+    assert {p.dtype for p in empty.parameters()} == {p.dtype for p in reference.parameters()} == {torch.bfloat16}
+    ids = torch.arange(6).reshape(1, 6)
+    assert torch.equal(empty(ids).logits, reference(ids).logits)
+    torch.save(model.state_dict(), tmp_path / "model.pt")  # a .bin / .pt source too
+    from_pt = sp.empty_model(transformers.LlamaForCausalLM, _llama_config())
+    assert sp.load_into(from_pt, tmp_path / "model.pt", dtype="AUTO").ok
+    assert {p.dtype for p in from_pt.parameters()} == {torch.bfloat16}

@@ -41,7 +41,15 @@ from ..errors import (
 from .pickled import PickledBatch, route
 from .planner import Planner
 from .result import LoadResult, mismatch_message
-from .settings import IntoSettings, device_arg, device_map_arg, resolve_verify, staging_size
+from .settings import (
+    IntoSettings,
+    device_arg,
+    device_map_arg,
+    is_auto,
+    resolve_verify,
+    staging_size,
+    weights_dtype,
+)
 
 
 def _component_targets(target: Any, ckpt: Checkpoint) -> dict[str, Any]:
@@ -119,7 +127,8 @@ def load_into(
             their final memory); in a module with anything on ``meta``, its real buffers
             move there too. Real parameters stay where they are.
         dtype: the floating-point dtype of every loaded parameter and persistent buffer,
-            as ``from_pretrained(dtype=...)``: integer and bool tensors keep theirs,
+            as ``from_pretrained(dtype=...)`` (``"auto"``: the checkpoint's own, the dtype
+            holding most of its floating-point elements): integer and bool tensors keep theirs,
             a ``transformers`` model's non-persistent buffers take the dtype its class
             builds them in under ``dtype`` (rotary ``inv_freq`` stays float32; other
             models' non-persistent buffers keep theirs), and keys of a
@@ -166,10 +175,11 @@ def load_into(
         planned: list[Callable[[], LoadResult]] = []
 
         def plan_here() -> Callable[[], LoadResult]:  # in a phase: a refusal fails alike on every rank
-            cast = parse_dtype(dtype)
+            auto = is_auto(dtype)
+            cast = None if auto else parse_dtype(dtype)
             settings = IntoSettings(strict, progress, resolve_verify(verify), allow_pickle, device_arg(device),
                                     cast, device_map_arg(device_map, target, cast), staging_size(max_buffer_bytes),
-                                    ranks_here)
+                                    ranks_here, auto_dtype=auto)
             planned.append(_load_into(target, path, settings, storage_options, opened))
             return planned[-1]
 
@@ -259,6 +269,9 @@ def _load_into(target: Any, path: str | os.PathLike[str], settings: IntoSettings
 
 @torch.no_grad()  # planning makes views of the targets' memory to read into: no autograd nodes
 def _load_into_checkpoint(target: Any, ckpt: Checkpoint, settings: IntoSettings) -> Callable[[], LoadResult]:
+    if settings.auto_dtype:
+        records = [(r.dtype, r.shape) for comp in ckpt.components.values() for r in comp.tensors.values()]
+        settings = dataclasses.replace(settings, dtype=weights_dtype(records), auto_dtype=False)
     batch = ReadBatch(ckpt, verify=settings.verify, staging_bytes=settings.staging_bytes,
                       ranks_here=settings.ranks_here)
     planner = Planner(ckpt.location, batch, allow_pickle=settings.allow_pickle, device=settings.device,
@@ -285,6 +298,9 @@ def _load_pickled_into(target: Any, path: str | os.PathLike[str], spec: SourceSp
     """``load_into`` of ``.bin`` weights (a flat state dict): the same planning, then the
     tensors read a batch at a time (the files closed once read)."""
     batch = PickledBatch(path, spec)
+    if settings.auto_dtype:
+        records = [(t.dtype, tuple(t.shape)) for t in batch.comp.tensors.values()]
+        settings = dataclasses.replace(settings, dtype=weights_dtype(records), auto_dtype=False)
     try:
         planner = Planner(batch.location, batch, allow_pickle=False, device=settings.device, dtype=settings.dtype,
                           device_map=settings.device_map)

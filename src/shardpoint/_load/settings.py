@@ -4,12 +4,15 @@ the options in effect."""
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .._format.dtypes import NAME_TO_DTYPE
 from .._options import current_options
 from .._sizes import parse_size
 from ..errors import InvalidArgumentError, InvalidArgumentTypeError, InvalidSizeError
@@ -190,3 +193,26 @@ class IntoSettings:
     ranks_here: int = 1
     """Processes sharing this machine's CPUs (a collective load's ranks on it), whose share
     sets the reader threads (``reader_threads``)."""
+    auto_dtype: bool = False
+    """``dtype="auto"``: ``dtype`` becomes the checkpoint's own, once it is open."""
+
+
+def is_auto(dtype: object) -> bool:
+    """``dtype="auto"``, as ``from_pretrained`` takes it (transformers 5's default)."""
+    return isinstance(dtype, str) and dtype.strip().lower() == "auto"
+
+
+def weights_dtype(records: Iterable[tuple[str | torch.dtype, Sequence[int]]]) -> torch.dtype | None:
+    """The floating-point dtype holding most of a checkpoint's elements (``dtype="auto"``:
+    its weights' dtype), from (dtype or safetensors code, shape) pairs; None if none is.
+
+    >>> weights_dtype([("BF16", (4, 4)), ("F32", (4,)), ("I64", (100,))])
+    torch.bfloat16
+    """
+    counts: Counter[torch.dtype] = Counter()
+    for stored, shape in records:
+        dtype = stored if isinstance(stored, torch.dtype) else NAME_TO_DTYPE.get(stored)
+        if dtype is not None and dtype.is_floating_point:
+            counts[dtype] += math.prod(shape)
+    return counts.most_common(1)[0][0] if counts else None
+
