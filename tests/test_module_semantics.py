@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -270,3 +271,36 @@ def test_a_wrapper_saved_base_loads_into_a_model_with_a_head_and_ties_are_not_gu
                                  "b": torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))})
     with pytest.raises(sp.LoadMismatchError, match="not one of its 4 keys matches"):
         sp.load_into(twins, tmp_path / "ddp", strict=False)  # module. -> a. or -> b.: no guess
+
+
+class _WithExtra(torch.nn.Linear):
+    """Keeps a non-tensor state through get_extra_state / set_extra_state (torch's hook)."""
+
+    def __init__(self) -> None:
+        super().__init__(2, 2)
+        self.calls = 0
+
+    def get_extra_state(self) -> Any:
+        return {"calls": self.calls}
+
+    def set_extra_state(self, state: Any) -> None:
+        self.calls = state["calls"]
+
+
+def test_a_modules_extra_state_is_restored(tmp_path: Path) -> None:
+    """get_extra_state's value was listed as both missing and unexpected, and never given
+    back (torch's load_state_dict gives it to set_extra_state)."""
+    src = torch.nn.ModuleDict({"a": _WithExtra(), "b": torch.nn.Linear(2, 2)})
+    src["a"].calls = 7
+    sp.save(src, tmp_path / "flat")
+    sp.save({"model": src, "step": 3}, tmp_path / "nested")
+    fresh = torch.nn.ModuleDict({"a": _WithExtra(), "b": torch.nn.Linear(2, 2)})
+    assert sp.load_into(fresh, tmp_path / "flat").ok and fresh["a"].calls == 7
+    assert torch.equal(fresh["a"].weight, src["a"].weight) and torch.equal(fresh["b"].bias, src["b"].bias)
+    again = {"model": torch.nn.ModuleDict({"a": _WithExtra(), "b": torch.nn.Linear(2, 2)}), "step": 0}
+    assert sp.load_into(again, tmp_path / "nested").ok and again["model"]["a"].calls == 7 and again["step"] == 3
+    sp.save({"a.weight": torch.ones(2, 2), "a.bias": torch.ones(2), "b.weight": torch.ones(2, 2),
+             "b.bias": torch.ones(2)}, tmp_path / "without")
+    result = sp.load_into(torch.nn.ModuleDict({"a": _WithExtra(), "b": torch.nn.Linear(2, 2)}), tmp_path / "without",
+                          strict=False)
+    assert result.missing_keys == ["a._extra_state"] and not result.ok

@@ -480,7 +480,8 @@ def self_loading(module: torch.nn.Module, targets: Mapping[str, torch.Tensor],
     hold values it computes: packed or quantized layers) or ``_load_from_state_dict``
     (QAT observers resize their buffers there; a lazy module materializes), except the
     batch norms, whose own code only supplies a default; one holding a parameter not yet
-    materialized (``nn.LazyLinear``); and the owner of a state-dict tensor that is no
+    materialized (``nn.LazyLinear``); one keeping an extra state (``get_extra_state``,
+    as Transformer Engine's FP8 layers do); and the owner of a state-dict tensor that is no
     parameter or buffer of ``module`` (a state-dict hook's computed value).
 
     >>> class Packed(torch.nn.Linear):
@@ -498,7 +499,8 @@ def self_loading(module: torch.nn.Module, targets: Mapping[str, torch.Tensor],
         own_load = cls._load_from_state_dict is not base._load_from_state_dict and not isinstance(sub, _IN_PLACE_LOADERS)
         lazy = any(torch.nn.parameter.is_lazy(t) for t in [*sub._parameters.values(), *sub._buffers.values()]
                    if t is not None)
-        if own_load or cls._save_to_state_dict is not base._save_to_state_dict or lazy:
+        extra = cls.get_extra_state is not base.get_extra_state  # a non-tensor state only its own code sets
+        if own_load or cls._save_to_state_dict is not base._save_to_state_dict or lazy or extra:
             found.add(path)
     real = {id(t) for t in everything.values()}
     for key, tensor in targets.items():

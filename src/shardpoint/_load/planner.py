@@ -163,6 +163,10 @@ def _writable(tensor: torch.Tensor, key: str) -> torch.Tensor:
     return tensor
 
 
+_EXTRA_STATE = "_extra_state"
+"""The state-dict key suffix of a module's ``get_extra_state`` value."""
+
+
 def _copy_into(tensor: torch.Tensor, value: torch.Tensor, key: str) -> None:
     """Give a tensor with no memory of its own (a wrapper subclass) its values through its
     own ``copy_``, as ``load_state_dict`` does."""
@@ -283,6 +287,9 @@ class Planner:
         self.device = device
         self.dtype = dtype
         self.device_map = dict(device_map)
+        self.extras: dict[str, dict[str, Any]] = {}
+        """Saved non-tensor entries of the module being planned (key -> tree node): the
+        extra states its self-loading submodules take (the rest is reported unexpected)."""
         self.fusions: list[fusions.PlannedFusion] = []
         """Groups of checkpoint tensors a ``transformers`` conversion fuses: each read and
         combined after the batch, on its own (:mod:`.fusions`)."""
@@ -637,6 +644,11 @@ class Planner:
                 rest[key] = tensor
                 continue
             fit.materialized.add(key)
+            node = self.extras.pop(key, None) if key.endswith(_EXTRA_STATE) else None
+            if node is not None:  # get_extra_state's value: built after the batch, then given with the rest
+                self.build(comp, node, functools.partial(values[owner].__setitem__, key[len(owner):]),
+                           prefix + key)
+                continue
             if key not in names:
                 self.missing.append(prefix + key)
                 missing[owner].add(key[len(owner):])
@@ -814,9 +826,11 @@ class Planner:
                 self.unexpected.append(path)
                 return
             names = {str(k): child["name"] for _, k, child in inner["items"] if child.get("type") == "tensor"}
+            self.extras = {str(k): child for _, k, child in inner["items"] if child.get("type") != "tensor"}
             self.module_into(target, names, comp, path)
-            self.unexpected.extend(f"{path}/{k}" if path else str(k)  # a module takes tensors only
-                                   for _, k, child in inner["items"] if child.get("type") != "tensor")
+            # A module takes tensors, and the extra state (get_extra_state) of modules that keep one.
+            self.unexpected.extend(f"{path}/{k}" if path else k for k in self.extras)
+            self.extras = {}
             return
         if isinstance(target, torch.optim.Optimizer):
             if kind != "optimizer":
