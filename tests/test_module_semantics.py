@@ -96,10 +96,15 @@ def test_lazy_modules_load_and_refuse_to_save_before_they_have_a_shape(tmp_path:
 
 
 def test_a_mismatch_a_self_loading_module_finds_is_an_error_not_ok(tmp_path: Path) -> None:
-    sp.save(torch.nn.Sequential(_Packed()), tmp_path / "ck")
-    with pytest.raises(sp.LoadMismatchError, match=r"module '0' \(_Packed\) loads its own state, and its load_state_dict "
-                                                    r"refused the checkpoint's values: .*The target may now hold part"):
-        sp.load_into(torch.nn.Sequential(_Packed(columns=4)), tmp_path / "ck")
+    sp.save(torch.nn.Sequential(_Packed(), torch.nn.Linear(3, 3)), tmp_path / "ck")
+    # Its loader is tried on a meta copy first: refused before anything is read, as any shape mismatch.
+    target = torch.nn.Sequential(_Packed(columns=4), torch.nn.Linear(3, 3))
+    before = target[1].weight.clone()
+    with pytest.raises(sp.LoadMismatchError, match=r"shape mismatch: '0.weight' \(saved \[2, 3\], target \[2, 4\]\)\n"
+                                                    r"  nothing was loaded"):
+        sp.load_into(target, tmp_path / "ck")
+    result = sp.load_into(target, tmp_path / "ck", strict=False)
+    assert result.mismatched_keys == [("0.weight", (2, 3), (2, 4))] and not torch.equal(target[1].weight, before)
     sp.save({"0.weight": torch.ones(2, 3), "0.scale": torch.ones(1)}, tmp_path / "extra")
     result = sp.load_into(torch.nn.Sequential(_Packed()), tmp_path / "extra", strict=False)
     assert result.unexpected_keys == ["0.scale"] and not result.ok

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ._format.dtypes import NAME_TO_DTYPE
 from ._stateful import INNER_WRAPPERS
 
 
@@ -529,4 +530,37 @@ def offloaded(module: torch.nn.Module) -> str | None:
             if getattr(one, "offload", False) and getattr(one, "weights_map", None) is not None:
                 return path
     return None
+
+
+def refused_shapes(module: torch.nn.Module, owner: str, wanted: Mapping[str, str], comp: Any,
+                   targets: Mapping[str, Any]) -> list[str]:
+    """Keys (under ``owner``) whose saved shape a self-loading module's own loader refuses,
+    found before anything is read: its ``load_state_dict`` is tried on a copy of it on the
+    ``meta`` device, given ``meta`` tensors of the saved shapes (a QAT observer resizes its
+    buffers there and takes them; a weight of another shape is refused). Where the copy
+    cannot be made or its error names no key, the keys whose saved shape differs from the
+    target's are the refused ones when the loader refuses at all."""
+    if not wanted or any(torch.nn.parameter.is_lazy(t) for t in module_tensors(module).values()):
+        return []  # a lazy module takes any shape once (and moved to meta it would have one: [0])
+    probes: dict[str, torch.Tensor] = {}
+    for key, stored in wanted.items():
+        record = comp.tensors[stored]
+        dtype = record.dtype if isinstance(record.dtype, torch.dtype) else NAME_TO_DTYPE.get(record.dtype)
+        if dtype is None:
+            return []
+        probes[key[len(owner):]] = torch.empty(tuple(record.shape), dtype=dtype, device="meta")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            copy.deepcopy(module).to("meta").load_state_dict(probes, strict=False)
+    except (RuntimeError, ValueError) as exc:
+        named = [owner + m for m in re.findall(r"size mismatch for (\S+?):", str(exc)) if owner + m in wanted]
+        if named:
+            return named
+        return [k for k, stored in wanted.items()
+                if isinstance(targets.get(k), torch.Tensor) and not torch.nn.parameter.is_lazy(targets[k])
+                and tuple(targets[k].shape) != tuple(comp.tensors[stored].shape)]
+    except Exception:  # the copy itself (a module deepcopy cannot take): its own loader decides later
+        return []
+    return []
 

@@ -638,6 +638,7 @@ class Planner:
         values: dict[str, dict[str, torch.Tensor]] = {p: {} for p in own}
         read: dict[str, torch.Tensor] = {}
         missing: dict[str, set[str]] = {p: set() for p in own}
+        wanted: dict[str, dict[str, str]] = {p: {} for p in own}  # target key -> stored name, by owner
         for key, tensor in targets.items():
             owner = next((p for p in own if key.startswith(p)), None)
             if owner is None:
@@ -653,10 +654,16 @@ class Planner:
                 self.missing.append(prefix + key)
                 missing[owner].add(key[len(owner):])
                 continue
-            stored = comp.aliases.get(names[key], names[key])
-            if stored not in read:
-                read[stored] = self.batch.new(comp.tensors[stored], stored, device=torch.device("cpu"), dtype=None)
-            values[owner][key[len(owner):]] = read[stored]
+            wanted[owner][key] = comp.aliases.get(names[key], names[key])
+        for owner, module in own.items():
+            for key in _module_fit.refused_shapes(module, owner, wanted[owner], comp, targets):
+                stored = wanted[owner].pop(key)
+                self.mismatched.append((prefix + key, comp.tensors[stored].shape, tuple(targets[key].shape)))
+                missing[owner].add(key[len(owner):])  # left as it is: not for its loader to report
+            for key, stored in wanted[owner].items():
+                if stored not in read:
+                    read[stored] = self.batch.new(comp.tensors[stored], stored, device=torch.device("cpu"), dtype=None)
+                values[owner][key[len(owner):]] = read[stored]
         for owner, module in own.items():
             tensors = module.state_dict(keep_vars=True).values()
             empty = any(isinstance(t, torch.Tensor) and t.is_meta for t in tensors)
