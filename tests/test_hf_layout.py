@@ -436,3 +436,21 @@ def test_save_pretrained_writes_the_hubs_names_where_transformers_converts(famil
     assert sp.load_into(again, tmp_path / "module").ok
     for key, value in again.state_dict().items():
         assert torch.equal(value, own[key]), key
+
+
+def test_a_variant_save_is_named_in_the_refusal_and_loads_under_the_plain_index_name(tmp_path: Path) -> None:
+    """save_pretrained(variant="fp16") sharded: "found 12 .safetensors files, 0 indexes" named
+    neither the variant index nor what to do."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, vocab_size=64)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(tmp_path / "v", variant="fp16", max_shard_size="4KB")
+    with pytest.raises(sp.CheckpointNotFoundError, match=r"it holds model\.safetensors\.index\.fp16\.json, the index "
+                                                          r"of a save_pretrained\(variant=\.\.\.\) save"):
+        sp.load(tmp_path / "v")
+    os.rename(tmp_path / "v" / "model.safetensors.index.fp16.json", tmp_path / "v" / "model.safetensors.index.json")
+    loaded = sp.load(tmp_path / "v")
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items() if k in loaded)
+    assert set(model.state_dict()) - set(loaded) <= {"lm_head.weight"}  # tied: stored once

@@ -31,6 +31,7 @@ same-stem ``.safetensors`` sibling when one sits beside it (same tensors, no unp
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -152,7 +153,7 @@ def _detect_dir(names: set[str]) -> Detected:
             return Detected(HF_INDEX, index=indexes[0], skipped=skipped)
         if len(singles) == 1:
             return Detected(HF_FILE, file=singles[0], skipped=skipped)
-        return Detected(UNKNOWN, reason=_not_a_checkpoint(singles, indexes, candidates))
+        return Detected(UNKNOWN, reason=_not_a_checkpoint(singles, indexes, candidates, names))
     if DCP_METADATA in names:
         return Detected(DCP, index=DCP_METADATA)
     if bin_indexes:
@@ -169,13 +170,25 @@ def _detect_dir(names: set[str]) -> Detected:
             UNKNOWN,
             reason="holds no committed checkpoint, only the temporary directory of a save that did not finish",
         )
-    return Detected(UNKNOWN, reason=_not_a_checkpoint(singles, indexes, candidates))
+    return Detected(UNKNOWN, reason=_not_a_checkpoint(singles, indexes, candidates, names))
 
 
-def _not_a_checkpoint(singles: list[str], indexes: list[str], candidates: list[str]) -> str:
+def _not_a_checkpoint(singles: list[str], indexes: list[str], candidates: list[str],
+                      names: set[str] | frozenset[str] = frozenset()) -> str:
+    variants = sorted(n for n in names if _VARIANT_INDEX.fullmatch(n))
+    variant = (
+        f"; it holds {', '.join(variants[:3])}, the index of a save_pretrained(variant=...) save: "
+        "from_pretrained(path, variant=...) reads it, and so does shardpoint once it is named "
+        "model.safetensors.index.json"
+        if variants else ""
+    )
     return (
         f"is not a checkpoint: no shardpoint.json, no *.safetensors.index.json and no single "
         f".safetensors file (found {len(singles)} .safetensors files, {len(indexes)} indexes), "
         f"no pytorch_model.bin.index.json, no single .bin/.pt weights file (found "
-        f"{len(candidates)}) and no DCP .metadata"
+        f"{len(candidates)}) and no DCP .metadata{variant}"
     )
+
+
+_VARIANT_INDEX = re.compile(r"[^/]*\.safetensors\.index\.[A-Za-z0-9_-]+\.json")
+"""``model.safetensors.index.fp16.json``: the index ``save_pretrained(variant="fp16")`` writes."""
