@@ -299,28 +299,16 @@ class CheckpointManager:
         """The step's metrics; OSError when the manifest cannot be read (the disk's error),
         CorruptCheckpointError when what it reads is not a manifest.
 
-        Where the store tracks versions (a local root) the outcome is kept per manifest
-        file (device, inode, size, times): a committed manifest never changes, and every
-        save ranks and retires steps, so a state of 10^5 tensors (a 15 MB manifest per step)
-        would otherwise be parsed again for each kept step at each save.
+        The outcome is kept per manifest version: where the store tracks versions (a local
+        root) the manifest file's (device, inode, size, times), a committed manifest never
+        changing; on an object store, where one manager writes a root, one version until this
+        manager saves or deletes that step (the entry is dropped then). Every save ranks and
+        retires steps: a state of 10^5 tensors (a 15 MB manifest per step) was parsed again
+        for each kept step at each save, and an object store's manifests fetched twice.
         """
-        if not self._store.tracks_versions:
-            # An object store: one manager writes a root, so a step's manifest changes only
-            # when this manager saves or deletes that step (the entry is dropped then). A
-            # save ranked and retired every step again: two GETs of each manifest per save.
-            cached = self._metrics_cache.get(step)
-            if cached is None:
-                try:
-                    parsed: dict[str, Any] | BaseException = self._parse_metrics(step)
-                except CorruptCheckpointError as exc:
-                    parsed = exc
-                cached = ((), parsed)
-                self._metrics_cache[step] = cached
-            if isinstance(cached[1], BaseException):
-                raise cached[1]
-            return dict(cached[1])
         step_store = self._store.child(step_dir_name(step))
-        before = step_store.version(MANIFEST_NAME)
+        tracked = self._store.tracks_versions
+        before = step_store.version(MANIFEST_NAME) if tracked else ()
         cached = self._metrics_cache.get(step)
         if before is not None and cached is not None and cached[0] == before:
             if isinstance(cached[1], BaseException):
@@ -330,7 +318,7 @@ class CheckpointManager:
             metrics: dict[str, Any] | BaseException = self._parse_metrics(step)
         except CorruptCheckpointError as exc:
             metrics = exc
-        if before is not None and step_store.version(MANIFEST_NAME) == before:
+        if before is not None and (not tracked or step_store.version(MANIFEST_NAME) == before):
             self._metrics_cache[step] = (before, metrics)
         if isinstance(metrics, BaseException):
             raise metrics
@@ -486,10 +474,10 @@ class CheckpointManager:
         Returns None when the root holds no committed step. The load's report
         (:class:`LoadResult`) is ``manager.last_load``; a restore that is not ``ok``
         (``strict=False``: keys missing, unexpected or mis-shaped) also warns with it. A
-        parameter left as it is for a shape mismatch starts its optimizer state afresh. Without ``step``, when
-        retention (another process's manager saving into the same root) retires the step
-        while it is being loaded, the newest step is chosen again and loaded (a few times
-        at most).
+        parameter left as it is for a shape mismatch starts its optimizer state afresh.
+        Without ``step``, when retention (another process's manager saving into the same
+        root) retires the step while it is being loaded, the newest step is chosen again and
+        loaded (a few times at most).
 
         Over a process group (the manager's, ``process_group=`` here, or the default group
         for a target holding DTensors) every rank calls ``restore``: they load the newest
@@ -557,7 +545,7 @@ class CheckpointManager:
     def _refuse_missing_bucket(self) -> None:
         """A root on a bucket that does not exist holds no step, as a new run's root does:
         resuming from a mistyped URL would silently start training over."""
-        missing = getattr(self._store, "missing_bucket", lambda: None)()
+        missing = self._store.missing_bucket()
         if missing is not None:
             raise CheckpointNotFoundError(
                 f"restore() from {self.root}: the bucket {missing!r} does not exist, so there is no step to "

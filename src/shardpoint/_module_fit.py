@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ._format.dtypes import NAME_TO_DTYPE
+from ._format.dtypes import as_dtype
 from ._stateful import INNER_WRAPPERS
 
 
@@ -93,13 +93,13 @@ def match_prefix(
         renames += [(old, new) for old in sorted(sides[1]) for new in sorted(sides[0])
                     if _is_wrapper_run(old) and not _is_wrapper_run(new)]
     choice: tuple[str, str] | None = None
+    chosen: dict[str, str] = {}
     tied = False
     for rename in dict.fromkeys(renames):
-        count = len(rename_keys(targets, saved, rename))
-        if count > best:
-            best, choice, tied = count, rename, False
-        elif count == best and choice is not None and rename_keys(targets, saved, rename) != rename_keys(
-                targets, saved, choice):
+        mapped = rename_keys(targets, saved, rename)
+        if len(mapped) > best:
+            best, choice, chosen, tied = len(mapped), rename, mapped, False
+        elif len(mapped) == best and choice is not None and mapped != chosen:
             tied = True  # two renames match as many keys, differently: no guess
     return None if tied else choice
 
@@ -545,7 +545,7 @@ def refused_shapes(module: torch.nn.Module, owner: str, wanted: Mapping[str, str
     probes: dict[str, torch.Tensor] = {}
     for key, stored in wanted.items():
         record = comp.tensors[stored]
-        dtype = record.dtype if isinstance(record.dtype, torch.dtype) else NAME_TO_DTYPE.get(record.dtype)
+        dtype = as_dtype(record.dtype)
         if dtype is None:
             return []
         probes[key[len(owner):]] = torch.empty(tuple(record.shape), dtype=dtype, device="meta")

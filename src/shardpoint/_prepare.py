@@ -312,7 +312,8 @@ def prepare_state(state: Any, *, allow_pickle: bool = False, keep: Collection[st
     (see :func:`dedup`); a ``transformers`` model passed as ``state`` brings its own.
     """
     state = _without_wrappers(state)
-    for _path, module in find_modules(state):
+    modules = find_modules(state)
+    for _path, module in modules:
         where = offloaded(module)
         if where is not None:
             raise InvalidStateError(
@@ -322,7 +323,7 @@ def prepare_state(state: Any, *, allow_pickle: bool = False, keep: Collection[st
                 "its own save_pretrained; do not materialize it with to_empty (that would lose the weights)"
             )
     raw, flat = split_components(state)
-    to_state = make_to_state(parameter_names(find_modules(state)))
+    to_state = make_to_state(parameter_names(modules))
     components = []
     for cname, value in raw.items():
         tree, tensors = flatten_state(value, path=cname, to_state=to_state, allow_pickle=allow_pickle)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import threading
 import warnings
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any, Protocol, cast, runtime_checkable
 
@@ -176,9 +177,9 @@ def optimizer_state_for(
                 unknown.append(name)
             group_names.append(name)
         target_names.append(group_names)
-    taken = [n for names_ in target_names for n in names_]
-    if len(set(taken)) != len(taken):  # two target parameters found under one saved name
-        twice = sorted({n for n in taken if taken.count(n) > 1})
+    taken = Counter(n for names_ in target_names for n in names_)
+    twice = sorted(n for n, count in taken.items() if count > 1)
+    if twice:  # two target parameters found under one saved name
         raise LoadMismatchError(
             f"{where}: several parameters of the target optimizer match the checkpoint's parameter(s) "
             f"{', '.join(map(repr, twice[:5]))} (the state holds other modules than the saved one, named alike); "
@@ -219,8 +220,7 @@ def optimizer_state_for(
                     "groups all hold parameters; build the parameter groups as they were saved"
                 )
             pairing[i] = empty_saved.pop(0)
-    covered = {name for names_ in target_names for name in names_}
-    left_out = [str(n) for j in pairing if j is not None for n in saved_groups[j]["params"] if str(n) not in covered]
+    left_out = [str(n) for j in pairing if j is not None for n in saved_groups[j]["params"] if str(n) not in taken]
     if left_out:
         raise LoadMismatchError(
             f"{where}: the checkpoint's optimizer holds parameter(s) {', '.join(map(repr, left_out[:10]))}"

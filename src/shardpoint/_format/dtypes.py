@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import threading
 import warnings
+from collections.abc import Mapping
 
 import torch
 
@@ -56,6 +57,22 @@ def dtype_from_name(name: object, *, where: str) -> torch.dtype:
             f"{where}: unknown dtype {repr(name)[:80]}; known dtypes are {', '.join(NAME_TO_DTYPE)}"
         )
     return NAME_TO_DTYPE[name]
+
+
+def as_dtype(stored: str | torch.dtype) -> torch.dtype | None:
+    """A stored tensor's dtype as torch's: a safetensors code (a manifest record's) or a
+    torch dtype already (a ``.bin`` file's tensor); None for a code this torch lacks.
+
+    >>> as_dtype("BF16"), as_dtype(torch.int8), as_dtype("F99")
+    (torch.bfloat16, torch.int8, None)
+    """
+    return stored if isinstance(stored, torch.dtype) else NAME_TO_DTYPE.get(stored)
+
+
+def narrows(stored: torch.dtype, target: torch.dtype) -> bool:
+    """Whether a cast from ``stored`` to ``target`` can push values out of ``target``'s range
+    (what :meth:`OutOfRange.check` counts): a narrower float, or a narrower integer."""
+    return range_lost(stored, target) is not None or int_range_lost(stored, target) is not None
 
 
 def dtype_name(dtype: torch.dtype, *, key: str) -> str:
@@ -260,38 +277,10 @@ class OutOfRange:
         if not self.found:
             return None
         ints = {k: v for k, v in self.found.items() if _is_int(v[0])}
-        if ints and len(ints) < len(self.found):  # both kinds in one load: a sentence each
-            floats = OutOfRange()
-            floats.found = {k: v for k, v in self.found.items() if k not in ints}
-            integers = OutOfRange()
-            integers.found = ints
-            return f"{floats.message(verb, where)} {integers.message(verb, where)}"
-        dtype = next(iter(self.found.values()))[0]
-        names = list(self.found)
-        if _is_int(dtype):
-            return self._int_message(verb, where, dtype, names)
-        shown = ", ".join(repr(k) for k in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-        total = sum(n for _, n, _ in self.found.values())
-        largest = max(m for _, _, m in self.found.values())
-        kind = str(dtype).removeprefix("torch.")
-        probe = float(torch.tensor(1e38).to(dtype).float())  # what a value past the range becomes
-        became = "inf" if math.isinf(probe) else "nan" if math.isnan(probe) else f"{probe:g} (the largest it holds)"
-        then = "a model computes inf / nan there" if not math.isfinite(probe) else "those weights are clipped"
-        return (
-            f"{verb} {kind}: {total} value(s) of {shown} are past {kind}'s range (largest magnitude {largest:.4g}; "
-            f"{kind} holds up to {torch.finfo(dtype).max:.6g}) and became {became} {where}; {then}. "
-            f"{verb[:1].upper()}{verb[1:]} bfloat16 (float32's range) instead"
-        )
-
-    def _int_message(self, verb: str, where: str, dtype: torch.dtype, names: list[str]) -> str:
-        shown = ", ".join(repr(k) for k in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-        total = sum(n for _, n, _ in self.found.values())
-        kind = str(dtype).removeprefix("torch.")
-        info = torch.iinfo(dtype)
-        return (
-            f"{verb} {kind}: {total} value(s) of {shown} are outside {kind}'s range ({info.min} to {info.max}) "
-            f"and wrapped around to other values {where}. Load them into a wider integer dtype instead"
-        )
+        floats = {k: v for k, v in self.found.items() if k not in ints}
+        # both kinds in one load: a sentence each
+        return " ".join(say(found, verb, where) for found, say in ((floats, _float_message), (ints, _int_message))
+                        if found)
 
     def warn(self, verb: str, where: str) -> None:
         """Warn with :meth:`message`, if there is one, and start a new tally."""
@@ -299,3 +288,38 @@ class OutOfRange:
         self.found = {}
         if message is not None:
             warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def _shown(found: Mapping[str, tuple[torch.dtype, int, float]]) -> tuple[str, int]:
+    """The tensors of a tally as a message names them (five at most), and their count of values."""
+    names = list(found)
+    shown = ", ".join(repr(k) for k in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return shown, sum(n for _, n, _ in found.values())
+
+
+def _float_message(found: Mapping[str, tuple[torch.dtype, int, float]], verb: str, where: str) -> str:
+    """What a cast to a narrower float did to the values of ``found`` past its range."""
+    dtype = next(iter(found.values()))[0]
+    shown, total = _shown(found)
+    largest = max(m for _, _, m in found.values())
+    kind = str(dtype).removeprefix("torch.")
+    probe = float(torch.tensor(1e38).to(dtype).float())  # what a value past the range becomes
+    became = "inf" if math.isinf(probe) else "nan" if math.isnan(probe) else f"{probe:g} (the largest it holds)"
+    then = "a model computes inf / nan there" if not math.isfinite(probe) else "those weights are clipped"
+    return (
+        f"{verb} {kind}: {total} value(s) of {shown} are past {kind}'s range (largest magnitude {largest:.4g}; "
+        f"{kind} holds up to {torch.finfo(dtype).max:.6g}) and became {became} {where}; {then}. "
+        f"{verb[:1].upper()}{verb[1:]} bfloat16 (float32's range) instead"
+    )
+
+
+def _int_message(found: Mapping[str, tuple[torch.dtype, int, float]], verb: str, where: str) -> str:
+    """What a cast to a narrower integer did to the values of ``found`` outside its range."""
+    dtype = next(iter(found.values()))[0]
+    shown, total = _shown(found)
+    kind = str(dtype).removeprefix("torch.")
+    info = torch.iinfo(dtype)
+    return (
+        f"{verb} {kind}: {total} value(s) of {shown} are outside {kind}'s range ({info.min} to {info.max}) "
+        f"and wrapped around to other values {where}. Load them into a wider integer dtype instead"
+    )

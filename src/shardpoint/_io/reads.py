@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from .. import _checksum
-from .._format.dtypes import OutOfRange, int_range_lost, range_lost
+from .._format.dtypes import OutOfRange, narrows
 from .._options import current_options
 from ..errors import (
     CheckpointError,
@@ -257,9 +257,7 @@ def run_reads(
                 advance(got)
         else:
             device = dest.device if dest is not None else torch.device("cpu")
-            narrows = dest is not None and (range_lost(task.stored_dtype, dest.dtype) is not None
-                                            or int_range_lost(task.stored_dtype, dest.dtype) is not None)
-            tally = out_of_range if narrows else None
+            tally = out_of_range if dest is not None and narrows(task.stored_dtype, dest.dtype) else None
             parts = []
             for lo, hi in plan.pieces(end - start, staged_piece):
                 # The buffer grows to a piece, never past what is read.

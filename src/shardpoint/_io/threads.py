@@ -97,8 +97,9 @@ def run_all(
     started are skipped) and is raised once the running ones have finished.
 
     ``fn`` may watch ``cancelled`` to stop early (an upload in the middle of an object). The
-    other threads run under the caller's options (and its ``torch.inference_mode``). Each thread takes the next item when it is
-    done with one, so a few large items and many small ones share the threads evenly.
+    other threads run under the caller's options and its ``torch.inference_mode``. Each
+    thread takes the next item when it is done with one, so a few large items and many
+    small ones share the threads evenly.
 
         >>> done = []
         >>> run_all(done.append, [1, 2, 3], threads=2)
@@ -133,10 +134,7 @@ def run_all(
 
     def helper() -> None:
         adopt(options)
-        if inference:
-            with torch.inference_mode():
-                work()
-        else:
+        with torch.inference_mode(inference):
             work()
 
     # Threads started one by one (each start waits for the thread to run), not a pool fed

@@ -48,7 +48,6 @@ from .settings import (
     is_auto,
     resolve_verify,
     staging_size,
-    weights_dtype,
 )
 
 
@@ -269,9 +268,7 @@ def _load_into(target: Any, path: str | os.PathLike[str], settings: IntoSettings
 
 @torch.no_grad()  # planning makes views of the targets' memory to read into: no autograd nodes
 def _load_into_checkpoint(target: Any, ckpt: Checkpoint, settings: IntoSettings) -> Callable[[], LoadResult]:
-    if settings.auto_dtype:
-        records = [(r.dtype, r.shape) for comp in ckpt.components.values() for r in comp.tensors.values()]
-        settings = dataclasses.replace(settings, dtype=weights_dtype(records), auto_dtype=False)
+    settings = settings.settled((r.dtype, r.shape) for comp in ckpt.components.values() for r in comp.tensors.values())
     batch = ReadBatch(ckpt, verify=settings.verify, staging_bytes=settings.staging_bytes,
                       ranks_here=settings.ranks_here)
     planner = Planner(ckpt.location, batch, allow_pickle=settings.allow_pickle, device=settings.device,
@@ -298,9 +295,7 @@ def _load_pickled_into(target: Any, path: str | os.PathLike[str], spec: SourceSp
     """``load_into`` of ``.bin`` weights (a flat state dict): the same planning, then the
     tensors read a batch at a time (the files closed once read)."""
     batch = PickledBatch(path, spec)
-    if settings.auto_dtype:
-        records = [(t.dtype, tuple(t.shape)) for t in batch.comp.tensors.values()]
-        settings = dataclasses.replace(settings, dtype=weights_dtype(records), auto_dtype=False)
+    settings = settings.settled((t.dtype, tuple(t.shape)) for t in batch.comp.tensors.values())
     try:
         planner = Planner(batch.location, batch, allow_pickle=False, device=settings.device, dtype=settings.dtype,
                           device_map=settings.device_map)

@@ -665,12 +665,11 @@ class Planner:
                     read[stored] = self.batch.new(comp.tensors[stored], stored, device=torch.device("cpu"), dtype=None)
                 values[owner][key[len(owner):]] = read[stored]
         for owner, module in own.items():
-            tensors = module.state_dict(keep_vars=True).values()
-            empty = any(isinstance(t, torch.Tensor) and t.is_meta for t in tensors)
-            first = next((k for k in targets if k.startswith(owner)), None)
-            home = self.placement(first, targets[first], fit.float_dtype)[0] if empty and first else None
+            under = [k for k in targets if k.startswith(owner)]  # its own state dict's keys
+            empty = any(isinstance(targets[k], torch.Tensor) and targets[k].is_meta for k in under)
+            home = self.placement(under[0], targets[under[0]], fit.float_dtype)[0] if empty else None
             if home is not None and home.type == "meta":  # the device map keeps it off this process
-                self.kept_off.extend(prefix + k for k in targets if k.startswith(owner) and k not in missing[owner])
+                self.kept_off.extend(prefix + k for k in under if k[len(owner):] not in missing[owner])
                 continue
             self.post.append(functools.partial(self._load_own, module, prefix + owner, values[owner],
                                                missing[owner], home))

@@ -3,6 +3,7 @@ the options in effect."""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 from collections import Counter
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .._format.dtypes import NAME_TO_DTYPE
+from .._format.dtypes import as_dtype
 from .._options import current_options
 from .._sizes import parse_size
 from ..errors import InvalidArgumentError, InvalidArgumentTypeError, InvalidSizeError
@@ -196,6 +197,14 @@ class IntoSettings:
     auto_dtype: bool = False
     """``dtype="auto"``: ``dtype`` becomes the checkpoint's own, once it is open."""
 
+    def settled(self, records: Iterable[tuple[str | torch.dtype, Sequence[int]]]) -> IntoSettings:
+        """These settings for the opened checkpoint whose tensors are ``records`` ((stored
+        dtype, shape) pairs, consumed only for ``dtype="auto"``, which becomes its weights'
+        dtype)."""
+        if not self.auto_dtype:
+            return self
+        return dataclasses.replace(self, dtype=weights_dtype(records), auto_dtype=False)
+
 
 def is_auto(dtype: object) -> bool:
     """``dtype="auto"``, as ``from_pretrained`` takes it (transformers 5's default)."""
@@ -211,7 +220,7 @@ def weights_dtype(records: Iterable[tuple[str | torch.dtype, Sequence[int]]]) ->
     """
     counts: Counter[torch.dtype] = Counter()
     for stored, shape in records:
-        dtype = stored if isinstance(stored, torch.dtype) else NAME_TO_DTYPE.get(stored)
+        dtype = as_dtype(stored)
         if dtype is not None and dtype.is_floating_point:
             counts[dtype] += math.prod(shape)
     return counts.most_common(1)[0][0] if counts else None

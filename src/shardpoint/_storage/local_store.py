@@ -87,6 +87,9 @@ class LocalStore:
     def make(self) -> None:
         self.location.mkdir(parents=True, exist_ok=True)
 
+    def missing_bucket(self) -> None:
+        return None  # a directory that does not exist yet is a new run's root
+
     @contextlib.contextmanager
     def locked(self, wait_s: float) -> Iterator[None]:
         """An exclusive ``flock`` on the directory: managers in other processes (or other

@@ -77,6 +77,10 @@ class Store(Protocol):
     def make(self) -> None:
         """Create the directory if it is missing (an object store has nothing to create)."""
 
+    def missing_bucket(self) -> str | None:
+        """The bucket of an object store's prefix when the store says it does not exist, after
+        the prefix listed empty (None: it exists, or a local directory, which has none)."""
+
     def locked(self, wait_s: float) -> AbstractContextManager[None]:
         """Hold the store's lock (other managers of this root wait), up to ``wait_s`` for it."""
 
