@@ -449,6 +449,15 @@ def disagreeing_worker(rank: int, world: int, root_str: str) -> None:
         record(root, "dtype", rank, lambda: sp.save({"a": torch.zeros(4, dtype=torch.int64 if rank == 1 else
                                                                       torch.float32)}, root / "dtype",
                                                     process_group=group, layout="hf"))
+        # Replicated plain tensors whose values drifted apart on one rank: its last element only (a
+        # large tensor, written as row pieces by several ranks), a module built from each rank's seed.
+        drift = torch.arange(2_200_000.0)
+        drift[-1] += rank == 2
+        record(root, "values", rank, lambda: sp.save({"a": torch.zeros(3), "b": drift}, root / "values",
+                                                     process_group=group))
+        torch.manual_seed(rank)
+        record(root, "seeded", rank, lambda: sp.save(torch.nn.Linear(4, 2), root / "seeded", process_group=group,
+                                                     layout="hf"))
         # A DTensor on the 3-rank mesh saved over a group of 2: rank 2's rows are in no one's save.
         mesh = init_device_mesh("cpu", (world,))
         w = distribute_tensor(torch.arange(15.0).reshape(5, 3), mesh, [Shard(0)])
@@ -472,6 +481,12 @@ def test_ranks_that_disagree_on_a_tensor_save_nothing(tmp_path: Path) -> None:
         "shape": "tensor 'a' of component 'model' is F32[6] on rank 0 but F32[7] on rank 1: in a collective save a "
                  "plain tensor is taken as the same on every rank (replicated)",
         "dtype": "tensor 'a' of component 'model' is F32[4] on rank 0 but I64[4] on rank 1",
+        "values": "tensor 'b' of component 'model' holds different values on rank 0 and rank 2: in a collective "
+                  "save a plain tensor is taken as the same on every rank (replicated, as DDP keeps it) and written "
+                  "once, so one rank's values (or a mix of rows of several) would be committed. Make the ranks agree "
+                  "(the same seed, gradients reduced), make it a DTensor, or put what differs under a key of each "
+                  "rank's own. Nothing was saved",
+        "seeded": "tensor 'weight' of component 'model' holds different values on rank 0 and rank 1",
         "mesh": "tensor 'w' of component 'model': the ranks of this save hold 12 of its 15 elements in chunks that "
                 "do not tile it (a DTensor whose mesh has ranks outside process_group?)",
         "bounds": "tensor 'w' of component 'model': rank 2's chunk at [6, 0] of shape [3, 3] lies outside its shape "

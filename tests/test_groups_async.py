@@ -296,13 +296,13 @@ def _restore_with_a_lagging_rank(rank: int, world: int, base: str) -> None:
     root, lag = base_path / "root", base_path / "lag"
     mgr = sp.CheckpointManager(root, process_group=dist.group.WORLD, **FAST)
     for step in (1, 2):
-        mgr.save(step, {"w": torch.full((4,), float(step)), "rank": torch.tensor(rank)})
+        mgr.save(step, {"w": torch.full((4,), float(step)), "step": torch.tensor(step)})
     dist.barrier()
     if rank == 0:
         _lagging_view(root, lag, [1])
     dist.barrier()
     view = sp.CheckpointManager(root if rank == 0 else lag, process_group=dist.group.WORLD)
-    target = {"w": torch.zeros(4), "rank": torch.tensor(-1)}
+    target = {"w": torch.zeros(4), "step": torch.tensor(-1)}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         chosen = view.restore(target)

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ._checksum import crc32c
-from ._distributed import regular, trees
+from ._distributed import regular, replicas, trees
 from ._distributed import save as steps
 from ._distributed.group import Group
 from ._distributed.plan_cache import PLANS, Offer, fingerprint
@@ -102,6 +102,9 @@ RESEND = "resend"
 """The coordinator's answer when a rank left out a chunk list the coordinator does not hold."""
 RESEND_TREES = "resend-trees"
 """The coordinator's answer when the ranks' trees differ: (it, the components whose trees it needs)."""
+RESEND_VALUES = "resend-values"
+"""The coordinator's answer when the ranks' plain tensors differ (``_distributed/replicas.py``):
+(it, the components whose tensors' samples it needs, to name the one that differs)."""
 
 
 _RankReport = tuple[Any, Any]
@@ -190,6 +193,7 @@ def write_checkpoint(
     by_rules = chunked and group.distributed  # a regular state is then planned by rules
     resend = False
     trees_wanted: list[str] | None = None  # components whose trees the coordinator asked for
+    values_wanted: list[str] | None = None  # components whose plain tensors' samples it asked for
     merged_trees: dict[str, Any] = {}  # the coordinator's: component -> every rank's (tree, aliases) merged
 
     # Messages travel as plain tuples (``Offer``, ``_Assignment`` rebuilt on arrival): a
@@ -197,8 +201,10 @@ def write_checkpoint(
     def plan() -> tuple[_Local, tuple[Any, ...]]:
         host = socket.gethostname()
         # Each component's tree as a digest; the trees themselves when the coordinator asks.
-        shape = ((trees.digests(prepared), None if trees_wanted is None else trees.trees_of(prepared, trees_wanted))
-                 if group.distributed else ({}, None))
+        shape = ((trees.digests(prepared), None if trees_wanted is None else trees.trees_of(prepared, trees_wanted),
+                  replicas.digests(prepared) if values_wanted is None
+                  else replicas.tensor_digests(prepared, values_wanted))
+                 if group.distributed else ({}, None, {}))
         if by_rules:
             desc = regular.describe(prepared, group.ranks)
             if desc is not None:
@@ -234,6 +240,11 @@ def write_checkpoint(
             steps.check_agreement(lists)
             all_plans, writes, total = steps.assign(lists, chunked=chunked)
             plan_id = PLANS.agree(offers, (all_plans, writes, total), lists)
+        if values_wanted is not None:
+            replicas.refuse([o[3] for o in sent])  # the samples differed: name the tensor
+        drifted = replicas.differing([o[3] for o in sent], set(differ)) if group.distributed else []
+        if drifted:
+            return [(RESEND_VALUES, drifted)] * len(offers)  # some plain tensor differs between ranks
         save_id = uuid.uuid4().hex
         if not chunked:
             hf_files = steps.plan_hf(prepared, all_plans, max_shard_bytes, file_metadata(save_id))
@@ -247,7 +258,7 @@ def write_checkpoint(
                 for w, part, o in zip(writes, parts, offers, strict=True)]
 
     try:
-        for _attempt in range(3):
+        for _attempt in range(4):
             local_state, answer = group.exchange(
                 "planning the save", plan, assign, deciding="creating the checkpoint directory",
                 # The call's arguments too: a rank asking not to overwrite, or for another layout or
@@ -257,6 +268,9 @@ def write_checkpoint(
             )
             if isinstance(answer, tuple) and answer[0] == RESEND_TREES:
                 by_rules, trees_wanted = False, list(answer[1])  # merged from every rank's: planned from lists
+                continue
+            if isinstance(answer, tuple) and answer[0] == RESEND_VALUES:
+                values_wanted = list(answer[1])  # each tensor's sample, to name the one that differs
                 continue
             if answer != RESEND:
                 break

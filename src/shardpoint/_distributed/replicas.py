@@ -1,0 +1,103 @@
+"""Plain tensors of a collective save hold the same values on every rank, or nothing is saved.
+
+A plain tensor (not a DTensor) that several ranks of a collective save hold under one name
+is taken as replicated (DDP's parameters and buffers): it is written once, by one rank, or
+cut into row pieces that several ranks write (``split_replicated``). Ranks that drifted
+apart (a model built from another seed on one rank, gradients not reduced, a rank's own
+counter saved under a shared name) would be committed as one rank's copy, or as rows of
+several: a mix no rank ever held.
+
+Each rank samples every plain tensor (up to :data:`SAMPLES` elements, evenly spaced, the
+first and last included) and sends one digest per component with its plan; only where the
+digests differ are the tensors' own digests sent, in a second round, to name the first
+tensor that differs. The check is a sample, not a proof: two copies that differ only
+between sampled elements pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence, Set
+
+import torch
+
+from .._checksum import crc32c
+from .._prepare import PreparedState
+from ..errors import InvalidStateError
+from .plan_cache import fingerprint
+
+SAMPLES = 4096
+"""Elements sampled of each plain tensor (all of a smaller one)."""
+
+
+def _sample(tensor: torch.Tensor) -> int:
+    """crc32c of up to :data:`SAMPLES` evenly spaced elements' bytes (any strides, any device).
+
+    >>> a = torch.arange(10_000, dtype=torch.float32)
+    >>> b = a.clone(); b[-1] = 0
+    >>> _sample(a) == _sample(a.clone()), _sample(a) == _sample(b)
+    (True, False)
+    """
+    count = tensor.numel()
+    if count == 0:
+        return 0
+    picked = tensor.detach()
+    if count > SAMPLES:
+        step = -(-count // (SAMPLES - 1))
+        if picked.is_contiguous():  # a strided view: nothing is gathered until the copy below
+            flat = picked.view(-1)
+            picked = torch.cat([flat[::step], flat[-1:]])
+        else:
+            at = torch.cat([torch.arange(0, count, step), torch.tensor([count - 1])]).to(tensor.device)
+            picked = picked[torch.unravel_index(at, tuple(tensor.shape))]
+    values = picked.reshape(-1).cpu().contiguous()
+    return crc32c(values.view(torch.uint8).numpy())
+
+
+def _plain(prepared: PreparedState, names: Set[str] | None = None) -> dict[str, dict[str, int]]:
+    """Component -> plain tensor name -> its sample's digest (of the components ``names``, or all)."""
+    out: dict[str, dict[str, int]] = {}
+    for comp in prepared.components:
+        if names is not None and comp.name not in names:
+            continue
+        out[comp.name] = {
+            name: _sample(comp.tensors[name]) for name in comp.stored
+            if name not in comp.placements and type(comp.tensors[name]).__name__ != "DTensor"
+        }
+    return out
+
+
+def digests(prepared: PreparedState) -> dict[str, str]:
+    """Component -> one digest of its plain tensors' samples."""
+    return {comp: fingerprint(sorted(tensors.items())) for comp, tensors in _plain(prepared).items()}
+
+
+def tensor_digests(prepared: PreparedState, components: Sequence[str]) -> dict[str, dict[str, int]]:
+    """Component -> plain tensor name -> its sample's digest, for the components asked about."""
+    return _plain(prepared, set(components))
+
+
+def differing(all_digests: Sequence[Mapping[str, str]], skip: Set[str]) -> list[str]:
+    """Components (not in ``skip``: their trees differ, some ranks hold tensors of their own)
+    whose plain tensors' samples are not the same on every rank."""
+    first = all_digests[0]
+    return [c for c in first if c not in skip and any(d.get(c, first[c]) != first[c] for d in all_digests[1:])]
+
+
+def refuse(all_tensors: Sequence[Mapping[str, Mapping[str, int]]]) -> None:
+    """Raise naming the first tensor whose sample differs between rank 0 and another rank."""
+    for comp, mine in all_tensors[0].items():
+        for name, value in mine.items():
+            for rank, theirs in enumerate(all_tensors[1:], start=1):
+                other = theirs.get(comp, {}).get(name, value)
+                if other != value:
+                    raise InvalidStateError(
+                        f"tensor {name!r} of component {comp!r} holds different values on rank 0 and rank {rank}: "
+                        "in a collective save a plain tensor is taken as the same on every rank (replicated, as "
+                        "DDP keeps it) and written once, so one rank's values (or a mix of rows of several) would "
+                        "be committed. Make the ranks agree (the same seed, gradients reduced), make it a DTensor, "
+                        "or put what differs under a key of each rank's own. Nothing was saved"
+                    )
+    raise InvalidStateError(  # the components' digests differed: a tensor must have
+        "the ranks' plain tensors held different values, but no single differing tensor was found when they were "
+        "compared again (a tensor changed while it was being saved?); nothing was saved"
+    )
