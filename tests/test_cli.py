@@ -569,6 +569,16 @@ def _run_process(*argv: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def test_python_dash_m_shardpoint_runs_the_command(ckpt: Path) -> None:
+    """For an environment whose scripts directory is not on PATH."""
+    result = _run_process(sys.executable, "-m", "shardpoint", "--version")
+    assert (result.returncode, result.stdout, result.stderr) == (0, f"shardpoint {sp.__version__}\n", "")
+    result = _run_process(sys.executable, "-m", "shardpoint", "verify", str(ckpt))
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout == (f"{ckpt}: shardpoint checkpoint, 3 data files\n"
+                             "OK: whole (3 files, 4 stored tensors); crc32c matched for 512 B\n"), result.stdout
+
+
 def test_command_runs_as_a_process(ckpt: Path) -> None:
     flip_byte(ckpt / FILES[0], tensor_start(ckpt / FILES[0], "embed.weight"))
     result = _run_process(sys.executable, "-m", "shardpoint._cli", "verify", str(ckpt))

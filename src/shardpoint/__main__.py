@@ -1,0 +1,10 @@
+"""``python -m shardpoint ...`` runs the ``shardpoint`` command (for an environment whose
+scripts directory is not on ``PATH``)."""
+
+from __future__ import annotations
+
+import sys
+
+from ._cli.main import main
+
+sys.exit(main())
