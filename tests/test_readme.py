@@ -91,11 +91,12 @@ def _names() -> dict[str, Any]:
 
 
 def shell_commands(block: str) -> list[list[str]]:
-    """The ``shardpoint ...`` command lines of a shell block (comments stripped)."""
+    """The ``shardpoint ...`` (or ``python -m shardpoint ...``) command lines of a shell block
+    (comments stripped), each as ``["shardpoint", ...]``."""
     return [
-        shlex.split(line, comments=True)
+        shlex.split(line.strip().removeprefix("python -m "), comments=True)
         for line in block.splitlines()
-        if line.strip().startswith("shardpoint ")
+        if line.strip().startswith(("shardpoint ", "python -m shardpoint "))
     ]
 
 
@@ -154,10 +155,10 @@ def test_the_readme_has_the_blocks_this_test_runs() -> None:
     commands = [(c[1], c[2].startswith("hf://")) for b in bash for c in shell_commands(b)]
     assert commands == [
         ("inspect", False), ("inspect", False), ("verify", False), ("convert", False),
-        ("convert", False), ("diff", False), ("inspect", True),
+        ("convert", False), ("diff", False), ("verify", False), ("inspect", True),
     ]
     first_words = {line.split("#")[0].strip() for b in bash for line in b.splitlines()}
-    others = {w for w in first_words if w and not w.startswith("shardpoint ")}
+    others = {w for w in first_words if w and not w.startswith(("shardpoint ", "python -m shardpoint "))}
     assert others == {"make demo", "make test", "make bench", "make lint"}, others
 
 
@@ -188,7 +189,7 @@ def test_readme_python_and_cli_examples_run(
     _torchtitan_dcp(names["model"], "titan/step-1000")
     capsys.readouterr()
     commands = [c for b in blocks("bash") for c in shell_commands(b) if "hf://" not in c[2]]
-    assert len(commands) == 6
+    assert len(commands) == 7
     for argv in commands:
         code = main(argv[1:])
         out, err = capsys.readouterr()
