@@ -75,6 +75,14 @@ def worker(rank: int, world: int, root_str: str) -> None:
     meta.to_empty(device="cpu")
     report["to_empty"] = sp.load_into(meta, root / "model-only").ok and _full(meta) == json.loads(
         (root / "model-only.json").read_text())
+    # dtype= another than the DTensors' (they are filled where they are): refused before reading.
+    before = _full(meta)
+    try:
+        sp.load_into(meta, root / "model-only", dtype=torch.bfloat16)
+        report["dtype"] = "loaded"
+    except sp.CheckpointError as exc:
+        report["dtype"] = str(exc)
+    report["dtype_same"] = sp.load_into(meta, root / "model-only", dtype="auto").ok and _full(meta) == before
 
     # Tied DTensor weights from a checkpoint storing them apart: equal loads, different refused.
     for name in ("tied-same", "tied-other"):
@@ -102,6 +110,13 @@ def test_fsdp2_targets(tmp_path: Path) -> None:
         assert "target tensor '0.weight' is a DTensor on the meta device" in report["meta"], report
         assert "model.to_empty(device=...)" in report["meta"] and "nothing was loaded" in report["meta"]
         assert report["to_empty"] is True
+        assert "failed on ranks 0, 1 (rank 0: InvalidStateError: dtype= asks for torch.bfloat16" in report["dtype"]
+        assert report["dtype"].endswith(
+            "dtype= asks for torch.bfloat16 but target tensor '0.weight' is a DTensor of torch.float32, which is "
+            "filled where it is and keeps its dtype (FSDP2 and tensor parallelism hold their parameters so): "
+            "convert the model before sharding it (model.to(dtype) before fully_shard), or load without dtype= "
+            "(the checkpoint's values are cast to the target's dtype))"), report
+        assert report["dtype_same"] is True
         assert report["tied-same"] is True
         assert "'embed.weight' and 'head.weight' share one tensor in the target (tied weights), but the " \
                "checkpoint stores different values for them" in report["tied-other"], report

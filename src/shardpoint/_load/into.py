@@ -135,7 +135,9 @@ def load_into(
             ``_keep_in_fp32_modules_strict`` (float16, bfloat16) stay float32. A real
             parameter of another dtype keeps its ``Parameter`` object (new ``.data``).
             Tensors of plain dicts in the target are filled in place and keep their dtype
-            (an EMA kept in float32 beside a bfloat16 model stays float32).
+            (an EMA kept in float32 beside a bfloat16 model stays float32). A module's
+            DTensor (FSDP2, tensor parallel) is filled where it is: another dtype than its
+            own is refused before reading (convert the model before sharding it).
         device_map: module-name prefix -> device for ``meta`` parameters (the longest
             prefix wins; ``"meta"`` leaves them unmaterialized, listed in
             ``LoadResult.kept_off_keys``), as Accelerate's; or one

@@ -320,8 +320,17 @@ class Planner:
         device, want = self.placement(key, tensor, fit.float_dtype if fit else None)
         if tensor.is_meta:
             return device, want
-        if fit is None or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
-            return None  # a plain dict's tensor or a DTensor: filled where it is
+        if fit is None:
+            return None  # a plain dict's tensor: filled where it is
+        if type(tensor) not in (torch.Tensor, torch.nn.Parameter):  # a DTensor, a wrapper subclass
+            if want != tensor.dtype and self.dtype is not None:
+                raise InvalidStateError(
+                    f"dtype= asks for {want} but target tensor {key!r} is a {type(tensor).__name__} of "
+                    f"{tensor.dtype}, which is filled where it is and keeps its dtype (FSDP2 and tensor parallelism "
+                    "hold their parameters so): convert the model before sharding it (model.to(dtype) before "
+                    "fully_shard), or load without dtype= (the checkpoint's values are cast to the target's dtype)"
+                )
+            return None
         if not (fit.empty and not isinstance(tensor, torch.nn.Parameter)) or device.type == "meta":
             device = tensor.device
         if device == tensor.device and want == tensor.dtype:
