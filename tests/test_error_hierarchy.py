@@ -157,6 +157,19 @@ def test_an_unseen_async_failure_is_a_previous_save_failed_error(ckpt: Path, tmp
     assert not (tmp_path / "next").exists()
 
 
+def test_an_unseen_failure_after_the_commit_says_the_checkpoint_is_whole(tmp_path: Path) -> None:
+    def tracker(info: sp.SaveInfo) -> None:
+        raise RuntimeError("upload to my tracker failed")
+
+    sp.async_save({"w": torch.ones(2)}, tmp_path / "a", on_commit=tracker).wait()
+    with pytest.raises(sp.PreviousSaveFailedError) as caught:
+        sp.save({"w": torch.ones(2)}, tmp_path / "b")
+    assert str(caught.value) == (
+        f"the previous async save to {tmp_path / 'a'} failed after its commit (the checkpoint there is whole): "
+        "upload to my tracker failed. Call .result() on async_save handles to see such errors where they happen")
+    assert sp.load(tmp_path / "a")["w"].tolist() == [1.0, 1.0]
+
+
 def test_a_tensor_that_changed_size_during_a_save_is_a_state_changed_error(tmp_path: Path) -> None:
     """The write of a run of small tensors checks each against the plan's byte count (as if
     another thread resized one after the plan was made)."""

@@ -628,6 +628,52 @@ def test_async_error_in_the_middle_of_writing_commits_nothing(
 
 
 
+def test_an_async_error_after_a_timed_out_or_interrupted_wait_is_still_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A poll (result(timeout=0)) or a Ctrl-C in wait() is not seeing the outcome: they had
+    made a later failure pass without a word (wait() returned, step 2 silently missing), and
+    a Ctrl-C in wait() made the manager forget its pending save (restore() then read step 1
+    while step 2 was still being written)."""
+    mgr = sp.CheckpointManager(tmp_path / "run", async_save=True, **FAST)
+    _save_steps(mgr, [1])
+    real_write = sp_files._pwrite_all
+    monkeypatch.setattr(sp_files, "_pwrite_all", _DiskFillsUp(room=3, delay=0.5))
+    model, opt, state = build(SMALL)
+    fill(model, opt, state, 2)
+    handle = mgr.save(2, state)
+    with pytest.raises(TimeoutError):
+        handle.result(timeout=0)
+    with pytest.raises(OSError, match="No space left on device"):
+        mgr.wait()
+    assert mgr.steps() == [1]
+
+    handle = sp.async_save(state, tmp_path / "bare")
+    with pytest.raises(TimeoutError):
+        handle.result(timeout=0)
+    with pytest.raises(sp.PreviousSaveFailedError,
+                       match=r"previous async save to .*bare failed and nothing was committed there: .*No space"):
+        sp.save(state, tmp_path / "other")
+
+
+    gate = threading.Event()
+
+    def slow(fd: int, view: memoryview, offset: int) -> None:
+        gate.wait(60)
+        real_write(fd, view, offset)
+
+    monkeypatch.setattr(sp_files, "_pwrite_all", slow)
+    mgr.save(3, state)
+    timer = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))  # a Ctrl-C
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        mgr.wait()
+    assert mgr.steps() == [1]  # still being written
+    gate.set()
+    mgr.wait()  # waits for it again, not forgotten
+    assert mgr.steps() == [1, 3]
+
+
 # ------------------------------------------------------------------ damage and company
 
 

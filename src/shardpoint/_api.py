@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
@@ -253,8 +254,12 @@ def async_save(
                 progress=progress,
                 storage_options=storage_options,
             )
+            committed.set()
             if on_commit is not None:
                 on_commit(info)
         return info
 
-    return queue.submit(prepared, target, persist, started=started)
+    committed = threading.Event()
+    handle = queue.submit(prepared, target, persist, started=started)
+    handle.committed = committed
+    return handle

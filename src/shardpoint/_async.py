@@ -129,6 +129,10 @@ class AsyncSave:
         self.stall_seconds = stall_seconds
         """Seconds the caller was blocked (waiting for the previous save + staging)."""
         self.observed = False
+        """Its outcome reached the caller: ``result()`` returned or raised its error (not a
+        timeout, not a Ctrl-C while waiting), or the next save or ``wait()`` raised it."""
+        self.committed = threading.Event()
+        """Set once the checkpoint was committed (a later step, ``on_commit``, may still fail)."""
 
     def staged(self) -> bool:
         """True: the state was copied before ``async_save`` returned; it is safe to mutate."""
@@ -140,8 +144,16 @@ class AsyncSave:
 
     def result(self, timeout: float | None = None) -> SaveInfo:
         """Wait for the commit; return its SaveInfo or raise the background error."""
+        try:
+            info = self._future.result(timeout)
+        except BaseException as exc:
+            # Only the save's own error counts as seen: after a timeout or a Ctrl-C while
+            # waiting, the next save, wait() or the exit report still raise it.
+            if self._future.done() and not self._future.cancelled() and exc is self._future.exception(0):
+                self.observed = True
+            raise
         self.observed = True
-        return self._future.result(timeout)
+        return info
 
     def wait(self) -> None:
         """Wait for the background work to finish, without taking its error: an error nobody
@@ -228,8 +240,10 @@ class AsyncQueue:
         if exc is None or last.observed:
             return
         last.observed = True
+        outcome = (" after its commit (the checkpoint there is whole)" if last.committed.is_set()
+                   else " and nothing was committed there")
         raise PreviousSaveFailedError(
-            f"the previous async save to {last.path} failed and nothing was committed there: "
+            f"the previous async save to {last.path} failed{outcome}: "
             f"{exc}. Call .result() on async_save handles to see such errors where they happen"
         ) from exc
 

@@ -458,12 +458,11 @@ class CheckpointManager:
     def _finish_pending(self) -> tuple[int | None, BaseException | None]:
         """Wait for the pending async save; its step and its error if nobody has seen it."""
         pending, step = self._pending, self._pending_step
-        self._pending = self._pending_step = None
         if pending is None:
             return None, None
-        seen = pending.observed
-        exc = pending.exception()  # waits
-        if exc is None or seen:
+        exc = pending.exception()  # waits (a Ctrl-C here leaves it pending, to be waited for again)
+        self._pending = self._pending_step = None
+        if exc is None or pending.observed:
             return step, None
         pending.observed = True
         return step, exc
