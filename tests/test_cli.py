@@ -1083,3 +1083,27 @@ def test_sigterm_unwinds_a_command_as_ctrl_c_does(tmp_path: Path, capsys: pytest
     code, out, err = run(capsys, "verify", tmp_path / "ck")
     assert (code, out, err) == (143, "", "shardpoint: terminated\n")
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_running_out_of_memory_is_one_line_not_a_traceback(
+    ckpt: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's allocator fails with a RuntimeError (a 512 GiB tensor on a small machine)."""
+    import shardpoint._cli.inspect as inspect_command
+
+    def allocate(args: Any) -> int:
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: not enough memory: "
+                           "you tried to allocate 549755813888 bytes.")
+
+    monkeypatch.setattr(inspect_command, "run", allocate)
+    assert run(capsys, "inspect", ckpt) == (
+        2, "", "shardpoint: error: this machine ran out of memory: [enforce fail at alloc_cpu.cpp:127] data. "
+               "DefaultCPUAllocator: not enough memory: you tried to allocate 549755813888 bytes.; free memory, or "
+               "work on a machine with more\n")
+
+    def bug(args: Any) -> int:
+        raise RuntimeError("a bug of ours")
+
+    monkeypatch.setattr(inspect_command, "run", bug)
+    with pytest.raises(RuntimeError, match="a bug of ours"):  # its traceback is what a report needs
+        run(capsys, "inspect", ckpt)

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -220,3 +224,53 @@ def test_a_second_copy_of_a_tensor_in_another_bin_shard_is_refused(tmp_path):
     with pytest.raises(sp.CorruptCheckpointError) as exc:
         sp.load(d)
     assert str(exc.value) == message.replace("where the index", "where pytorch_model.bin.index.json")
+
+
+# ------------------------------------------------------------------ pickles built to unfold
+
+
+def test_a_pickle_of_shared_containers_unfolding_exponentially_is_refused(tmp_path: Path) -> None:
+    """1.9 KB, only dicts, lists and a tensor (weights_only takes it): walked as a tree it has
+    2^40 nodes; load, inspect, verify and convert ran on, memory growing, until killed."""
+    node: Any = {"w": torch.zeros(2)}
+    for _ in range(40):
+        node = [node, node]
+    torch.save({"model": node}, tmp_path / "model.pt")
+    text = (f"{tmp_path / 'model.pt'} is read by torch.load(weights_only=True), but what it holds cannot be a "
+            "checkpoint's state (state at model refers to the same 41 dicts, lists and tuples over and over: walked "
+            "as a tree it has more than 131073 of them and keeps growing (a pickle built to unfold exponentially?); "
+            "store each value once); read it with torch.load and save the parts you need with sp.save")
+    with pytest.raises(sp.UnsupportedFormatError) as caught:
+        sp.load(tmp_path / "model.pt")
+    assert str(caught.value) == text
+    for argv in (["verify"], ["convert", str(tmp_path / "out")]):
+        done = subprocess.run([sys.executable, "-m", "shardpoint", argv[0], str(tmp_path / "model.pt"), *argv[1:]],
+                              capture_output=True, text=True, timeout=120, check=False)
+        assert (done.returncode, done.stdout, done.stderr) == (2, "", f"shardpoint: error: {text}\n"), argv
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_pickled_view_unfolding_far_past_its_data_is_refused(tmp_path: Path) -> None:
+    """torch.zeros(1).expand(2**37): 4 bytes in a 1.5 KB file, 512 GiB as safetensors (every
+    element stored); sp.load died in torch's allocator, convert wrote 268 MB for 2**26."""
+    torch.save({"w": torch.zeros(1).expand(2**37)}, tmp_path / "model.pt")
+    text = (f"{tmp_path / 'model.pt'}: tensor 'w' is a view of 4 B of data that unfolds into 549.76 GB (a stride-0 or "
+            "overlapping view): reading it as a checkpoint would allocate and write every element. If the file is "
+            "yours and this is meant, torch.load it and save .contiguous() copies of what you need")
+    with pytest.raises(sp.UnsupportedFormatError) as caught:
+        sp.load(tmp_path / "model.pt")
+    assert str(caught.value) == text
+    done = subprocess.run([sys.executable, "-m", "shardpoint", "verify", str(tmp_path / "model.pt")],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", f"shardpoint: error: {text}\n")
+    # The same in a shard of a pytorch_model.bin index.
+    shards = tmp_path / "bins"
+    shards.mkdir()
+    torch.save({"a": torch.ones(2), "b": torch.zeros(1).expand(2**37)}, shards / "pytorch_model-00001-of-00001.bin")
+    (shards / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"a": "pytorch_model-00001-of-00001.bin", "b": "pytorch_model-00001-of-00001.bin"}}))
+    with pytest.raises(sp.UnsupportedFormatError, match=r"pytorch_model-00001-of-00001.bin: tensor 'b' is a view of 4 B"):
+        sp.load(shards)
+    # A view a little larger than its data is what some files hold: read as the tensor it is.
+    torch.save({"bias": torch.arange(3.0).expand(1000, 3)}, tmp_path / "small.pt")
+    assert torch.equal(sp.load(tmp_path / "small.pt")["bias"], torch.arange(3.0).expand(1000, 3))

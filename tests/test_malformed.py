@@ -1531,3 +1531,4 @@ def test_json_numbers_that_are_not_finite_are_refused(tmp_path: Path, number: st
     with _raises(CorruptCheckpointError, f"{manifest} holds the number {number}, which is not finite"):
         sp.load(path)
     assert not verify_checkpoint(path).ok
+

@@ -48,6 +48,9 @@ class Tagged:
     """JSON attributes recorded on the node (e.g. ``{"by_name": True}``)."""
 
 MAX_DEPTH = 200
+MAX_REPEATED_NODES = 1 << 17
+"""Containers walked (each time met) past which a state that meets each one 64 times on
+average is refused as unfolding exponentially."""
 
 
 def _is_tensor(value: object) -> bool:
@@ -90,6 +93,22 @@ def flatten_state(
         # would otherwise spend more on naming paths than on everything else here.
         return f"{path}" + "".join(f"[{p!r}]" for p in parts)
 
+    containers: set[int] = set()  # ids of the dicts, lists and tuples walked (all alive: held by value)
+    walked = 0  # containers walked, each time it is met
+
+    def repeated(obj: Any) -> None:
+        """Refuse a state that holds the same containers over and over: a pickle of a few
+        kilobytes (``x = [x, x]`` forty times) unfolds into 2^40 nodes ("billion laughs")."""
+        nonlocal walked
+        walked += 1
+        containers.add(id(obj))
+        if walked > MAX_REPEATED_NODES and walked > 64 * len(containers):
+            raise InvalidStateError(
+                f"state at {path} refers to the same {len(containers)} dicts, lists and tuples over and over: "
+                f"walked as a tree it has more than {walked} of them and keeps growing (a pickle built to unfold "
+                "exponentially?); store each value once"
+            )
+
     def walk(obj: Any, parts: list[str], depth: int) -> Tree:
         if depth > MAX_DEPTH:
             raise InvalidStateError(f"state at {where_of(parts)} nests deeper than {MAX_DEPTH} levels")
@@ -111,6 +130,7 @@ def flatten_state(
                 return {"type": "float", "value": float(obj)}
             return {"type": "float", "value": repr(obj)}  # 'nan', 'inf', '-inf'
         if isinstance(obj, Mapping):
+            repeated(obj)
             items = []
             for key, child in obj.items():
                 stored: str | int
@@ -134,6 +154,7 @@ def flatten_state(
         if type(obj) is torch.Size:  # a tuple, kept a Size (as torch.load gives it back)
             return leaf_node(obj)  # type: ignore[return-value]
         if isinstance(obj, (list, tuple)):
+            repeated(obj)
             kind = "tuple" if isinstance(obj, tuple) else "list"
             return {
                 "type": kind,

@@ -35,8 +35,9 @@ from types import ModuleType
 from typing import Any, NoReturn
 
 from .._version import __version__
-from ..errors import CheckpointError
+from ..errors import CheckpointError, InsufficientMemoryError
 from . import output
+from .output import printable
 
 SUBCOMMANDS: dict[str, str] = {
     "inspect": "shardpoint._cli.inspect",
@@ -233,6 +234,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
     except (CheckpointError, OSError) as exc:
         return fail(args, exc, EXIT_USAGE)
+    except (MemoryError, RuntimeError) as exc:
+        if not _out_of_memory(exc):
+            raise  # a bug of ours: its traceback is what a report needs
+        return fail(args, InsufficientMemoryError(
+            f"this machine ran out of memory: {_first_line(exc)}; free memory, or work on a machine with more"), EXIT_USAGE)
     except Terminated:
         print("shardpoint: terminated", file=sys.stderr)
         return 143
@@ -244,6 +250,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         warnings.showwarning = shown
         if terminate is not None:
             signal.signal(signal.SIGTERM, terminate)
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """A failed allocation: Python's MemoryError, or torch's (a RuntimeError from its allocator)."""
+    text = str(exc)
+    return isinstance(exc, MemoryError) or "DefaultCPUAllocator" in text or "tried to allocate" in text
+
+
+def _first_line(exc: BaseException) -> str:
+    return printable((str(exc).strip().splitlines() or [type(exc).__name__])[0])
 
 
 def _one_line_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,

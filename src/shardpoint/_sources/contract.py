@@ -12,7 +12,7 @@ path as the right one.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +22,7 @@ from .._flatten import flatten_state
 from .._format.dtypes import dtype_name
 from .._io.memory import contiguous_cpu
 from .._prepare import Component, check_tensor, dedup, split_components
+from .._sizes import human_size
 from .._stateful import find_modules, make_to_state, parameter_names
 from ..errors import InvalidStateError, UnsupportedFormatError
 
@@ -136,6 +137,39 @@ def meta_like(dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
     return torch.empty(tuple(shape), dtype=dtype, device="meta")
 
 
+UNFOLD_LIMIT = 256 << 20
+"""Bytes by which a file's tensors may exceed the data they are views of (stride 0, or
+overlapping strides), all together: past it a file of kilobytes would make gigabytes."""
+
+
+def refuse_unfolding(named: Iterable[tuple[str, torch.Tensor]], *, where: str) -> None:
+    """Refuse a pickle whose tensors are views unfolding far past their data
+    (``torch.zeros(1).expand(2**37)`` is 4 bytes in the file and 512 GiB as safetensors,
+    which stores every element): converting, loading or checking it would allocate it all.
+
+    >>> refuse_unfolding([("w", torch.zeros(1).expand(2**37))], where="model.pt")
+    Traceback (most recent call last):
+    ...
+    shardpoint.errors.UnsupportedFormatError: model.pt: tensor 'w' is a view of 4 B of data that unfolds into 549.76 GB (a stride-0 or overlapping view): reading it as a checkpoint would allocate and write every element. If the file is yours and this is meant, torch.load it and save .contiguous() copies of what you need
+    """
+    excess = 0
+    worst: tuple[int, str, int, int] | None = None
+    for name, tensor in named:
+        if tensor.is_meta:
+            continue
+        logical, held = tensor.numel() * tensor.element_size(), tensor.untyped_storage().nbytes()
+        if logical > held:
+            excess += logical - held
+            worst = max(worst or (0, "", 0, 0), (logical - held, name, held, logical))
+    if excess > UNFOLD_LIMIT and worst is not None:
+        _, name, held, logical = worst
+        raise UnsupportedFormatError(
+            f"{where}: tensor {name!r} is a view of {human_size(held)} of data that unfolds into {human_size(logical)} "
+            "(a stride-0 or overlapping view): reading it as a checkpoint would allocate and write every element. "
+            "If the file is yours and this is meant, torch.load it and save .contiguous() copies of what you need"
+        )
+
+
 def components_from_object(
     obj: Any, *, where: str, allow_pickle: bool
 ) -> tuple[list[Component], bool]:
@@ -165,6 +199,7 @@ def components_from_object(
                     check_tensor(name, cname, tensor)
             dedup(comp)
             components.append(comp)
+        refuse_unfolding(((n, c.tensors[n]) for c in components for n in c.stored), where=where)
     except InvalidStateError as exc:  # the file is whole: what it holds is not a checkpoint's state
         raise UnsupportedFormatError(
             f"{where} is read by torch.load(weights_only=True), but what it holds cannot be a checkpoint's state "

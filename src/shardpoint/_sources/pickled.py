@@ -40,7 +40,14 @@ from ..errors import (
     UnsafePickleError,
     UnsupportedFormatError,
 )
-from .contract import TensorSource, as_descriptors, cast, components_from_object, meta_like
+from .contract import (
+    TensorSource,
+    as_descriptors,
+    cast,
+    components_from_object,
+    meta_like,
+    refuse_unfolding,
+)
 
 if TYPE_CHECKING:
     from .contract import Ref, SourceSpec
@@ -389,6 +396,8 @@ class BinShardsSource(TensorSource):
                     raise CorruptCheckpointError(f"{self._label(fname)}: {key!r} is not a tensor")
                 skeleton[key] = meta_like(tensor.dtype, tensor.shape)
                 self._file_of[key] = fname
+            refuse_unfolding(((k, t) for k, t in shard.items() if k in self._file_of and isinstance(t, torch.Tensor)),
+                             where=self._label(fname))
             del shard
         missing = [k for k in index.weight_map if k not in skeleton]
         if missing:
