@@ -455,6 +455,12 @@ def disagreeing_worker(rank: int, world: int, root_str: str) -> None:
         drift[-1] += rank == 2
         record(root, "values", rank, lambda: sp.save({"a": torch.zeros(3), "b": drift}, root / "values",
                                                      process_group=group))
+        # The same beside entries of each rank's own (the trees differ: compared tensor by tensor).
+        record(root, "own-keys", rank, lambda: sp.save({"b": drift, f"count_rank{rank}": torch.tensor(rank)},
+                                                       root / "own-keys", process_group=group))
+        shared = torch.arange(4.0)
+        record(root, "tie", rank, lambda: sp.save({"a": shared, "b": shared if rank == 0 else shared.clone()},
+                                                  root / "tie", process_group=group))
         torch.manual_seed(rank)
         record(root, "seeded", rank, lambda: sp.save(torch.nn.Linear(4, 2), root / "seeded", process_group=group,
                                                      layout="hf"))
@@ -487,6 +493,10 @@ def test_ranks_that_disagree_on_a_tensor_save_nothing(tmp_path: Path) -> None:
                   "(the same seed, gradients reduced), make it a DTensor, or put what differs under a key of each "
                   "rank's own. Nothing was saved",
         "seeded": "tensor 'weight' of component 'model' holds different values on rank 0 and rank 1",
+        "own-keys": "tensor 'b' of component 'model' holds different values on rank 0 and rank 2",
+        "tie": "tensor 'b' of component 'model' is tied to 'a' on rank 0 (one tensor) but a tensor of its own on "
+               "rank 1: in a collective save every rank ties the same weights; tie them on every rank, or on none. "
+               "Nothing was saved",
         "mesh": "tensor 'w' of component 'model': the ranks of this save hold 12 of its 15 elements in chunks that "
                 "do not tile it (a DTensor whose mesh has ranks outside process_group?)",
         "bounds": "tensor 'w' of component 'model': rank 2's chunk at [6, 0] of shape [3, 3] lies outside its shape "

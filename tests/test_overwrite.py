@@ -749,6 +749,29 @@ def test_a_link_or_file_named_like_a_step_is_the_users_never_a_step(tmp_path: Pa
     assert torch.equal(sp.load(users)["w"], torch.ones(2))
 
 
+def test_a_users_folder_named_like_a_step_is_never_taken_over_by_the_manager(tmp_path: Path) -> None:
+    """The manager saves steps with overwrite=True: a folder of the user's named like a step
+    took the step's files beside the user's, and retention then deleted it whole (notes and
+    all). Refused now; an empty folder holds nothing to lose, and a committed step is replaced."""
+    root = tmp_path / "run"
+    (root / "step-000010").mkdir(parents=True)
+    (root / "step-000010" / "notes.txt").write_text("mine")
+    (root / "step-000020").mkdir()
+    mgr = sp.CheckpointManager(root, keep_last=1)
+    with pytest.raises(sp.CheckpointExistsError) as caught:
+        mgr.save(10, {"w": torch.zeros(2)})
+    assert str(caught.value) == (
+        f"{root / 'step-000010'} exists and is not a committed step (it has no shardpoint.json): saving step 10 there "
+        "would make the folder the step's, and retention would delete it with the step, with all it holds. Move it "
+        f"out of {root} (or remove it), then save again. Step 10 was not saved")
+    assert os.listdir(root / "step-000010") == ["notes.txt"]
+    mgr.save(20, {"w": torch.ones(2)})
+    mgr.save(20, {"w": torch.full((2,), 2.0)})  # a committed step saved again: replaced
+    mgr.save(30, {"w": torch.zeros(2)})
+    assert mgr.steps() == [30]
+    assert (root / "step-000010" / "notes.txt").read_text() == "mine"
+
+
 def test_an_existing_empty_directory_is_written_into_without_overwrite(tmp_path: Path) -> None:
     """A folder made ahead (mkdtemp, makedirs) holds nothing to lose: save writes into it,
     as save_pretrained does; a folder holding anything still needs overwrite=True."""

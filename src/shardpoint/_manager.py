@@ -57,6 +57,7 @@ from ._storage.store import open_store
 from ._write import SaveInfo
 from .errors import (
     CheckpointError,
+    CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     InvalidArgumentError,
@@ -404,6 +405,7 @@ class CheckpointManager:
                     with self._store.locked(_ROOT_LOCK_WAIT):
                         self._remove_stale_temps()
                         self._finish_interrupted_retention()
+                        self._refuse_foreign_step_dir(step)
 
         group.phase(f"preparing to save step {step} under {self.root}", prepare, identity=f"saving step {step}")
         metadata = {"step": step, "metrics": metrics_json(metrics)}
@@ -430,6 +432,22 @@ class CheckpointManager:
             lambda: self._after_commit(step) if coordinator else None,
         )
         return info
+
+    def _refuse_foreign_step_dir(self, step: int) -> None:
+        """Refuse to save into a folder named like the step that is not a committed step (the
+        user's own, or one being copied in): the save would make it the step's, and retention
+        would delete it, with all it holds, when the step retires."""
+        name = step_dir_name(step)
+        if self._store.children().get(name, True):
+            return  # absent, or a committed step (saved again: replaced)
+        path = self._store.child(name).location
+        if isinstance(path, Path) and not any(path.iterdir()):
+            return  # an empty folder: nothing to lose
+        raise CheckpointExistsError(
+            f"{path} exists and is not a committed step (it has no {MANIFEST_NAME}): saving step {step} there would "
+            "make the folder the step's, and retention would delete it with the step, with all it holds. Move it "
+            f"out of {self.root} (or remove it), then save again. Step {step} was not saved"
+        )
 
     def _raise_pending_failure(self, then: str) -> None:
         """Wait for the pending async save; raise its error if it failed and nobody saw it

@@ -201,10 +201,12 @@ def write_checkpoint(
     def plan() -> tuple[_Local, tuple[Any, ...]]:
         host = socket.gethostname()
         # Each component's tree as a digest; the trees themselves when the coordinator asks.
+        # Likewise one digest per component of its plain tensors' samples, and each tensor's
+        # where the coordinator asks (their digests differed, or the trees did: ranks of their own).
+        asked = [*(values_wanted or ()), *(trees_wanted or ())]
         shape = ((trees.digests(prepared), None if trees_wanted is None else trees.trees_of(prepared, trees_wanted),
-                  replicas.digests(prepared) if values_wanted is None
-                  else replicas.tensor_digests(prepared, values_wanted))
-                 if group.distributed else ({}, None, {}))
+                  tuple(replicas.Samples(replicas.digests(prepared), replicas.tensor_digests(prepared, asked))))
+                 if group.distributed else ({}, None, None))
         if by_rules:
             desc = regular.describe(prepared, group.ranks)
             if desc is not None:
@@ -240,11 +242,12 @@ def write_checkpoint(
             steps.check_agreement(lists)
             all_plans, writes, total = steps.assign(lists, chunked=chunked)
             plan_id = PLANS.agree(offers, (all_plans, writes, total), lists)
-        if values_wanted is not None:
-            replicas.refuse([o[3] for o in sent])  # the samples differed: name the tensor
-        drifted = replicas.differing([o[3] for o in sent], set(differ)) if group.distributed else []
-        if drifted:
-            return [(RESEND_VALUES, drifted)] * len(offers)  # some plain tensor differs between ranks
+        if group.distributed:
+            samples = [replicas.Samples._make(o[3]) for o in sent]
+            replicas.refuse(samples, asked=values_wanted is not None)  # a tensor's samples differ: name it
+            drifted = replicas.differing(samples, skip=set(differ))  # trees that differ: compared by tensor
+            if drifted:
+                return [(RESEND_VALUES, drifted)] * len(offers)  # some plain tensor differs between ranks
         save_id = uuid.uuid4().hex
         if not chunked:
             hf_files = steps.plan_hf(prepared, all_plans, max_shard_bytes, file_metadata(save_id))

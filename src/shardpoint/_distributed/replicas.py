@@ -9,14 +9,17 @@ several: a mix no rank ever held.
 
 Each rank samples every plain tensor (up to :data:`SAMPLES` elements, evenly spaced, the
 first and last included) and sends one digest per component with its plan; only where the
-digests differ are the tensors' own digests sent, in a second round, to name the first
-tensor that differs. The check is a sample, not a proof: two copies that differ only
-between sampled elements pass.
+digests differ are the tensors' own digests sent, in another round, to name the first
+tensor that differs. A component whose trees differ between ranks (entries of each rank's
+own, :class:`~shardpoint.RNGState`'s generators) has digests that differ anyway: its
+tensors' digests come with its trees, and every name two ranks hold is compared. The check
+is a sample, not a proof: two copies that differ only between sampled elements pass.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Sequence, Set
+from typing import NamedTuple
 
 import torch
 
@@ -53,16 +56,28 @@ def _sample(tensor: torch.Tensor) -> int:
     return crc32c(values.view(torch.uint8).numpy())
 
 
+class Samples(NamedTuple):
+    """What a rank sends with its plan."""
+
+    components: dict[str, str]
+    """Component -> one digest of its plain tensors' samples."""
+    tensors: dict[str, dict[str, int]]
+    """Component -> plain tensor name -> its sample's digest (the components asked for)."""
+
+
 def _plain(prepared: PreparedState, names: Set[str] | None = None) -> dict[str, dict[str, int]]:
-    """Component -> plain tensor name -> its sample's digest (of the components ``names``, or all)."""
+    """Component -> plain tensor name (aliases of tied tensors too) -> its sample's digest
+    (of the components ``names``, or all)."""
     out: dict[str, dict[str, int]] = {}
     for comp in prepared.components:
         if names is not None and comp.name not in names:
             continue
-        out[comp.name] = {
-            name: _sample(comp.tensors[name]) for name in comp.stored
-            if name not in comp.placements and type(comp.tensors[name]).__name__ != "DTensor"
-        }
+        done: dict[str, int] = {}
+        for name in comp.stored:
+            if name not in comp.placements and type(comp.tensors[name]).__name__ != "DTensor":
+                done[name] = _sample(comp.tensors[name])
+        out[comp.name] = {name: done[comp.aliases.get(name, name)] for name in comp.tensors
+                          if comp.aliases.get(name, name) in done}
     return out
 
 
@@ -73,31 +88,35 @@ def digests(prepared: PreparedState) -> dict[str, str]:
 
 def tensor_digests(prepared: PreparedState, components: Sequence[str]) -> dict[str, dict[str, int]]:
     """Component -> plain tensor name -> its sample's digest, for the components asked about."""
-    return _plain(prepared, set(components))
+    return _plain(prepared, set(components)) if components else {}
 
 
-def differing(all_digests: Sequence[Mapping[str, str]], skip: Set[str]) -> list[str]:
-    """Components (not in ``skip``: their trees differ, some ranks hold tensors of their own)
-    whose plain tensors' samples are not the same on every rank."""
-    first = all_digests[0]
-    return [c for c in first if c not in skip and any(d.get(c, first[c]) != first[c] for d in all_digests[1:])]
+def differing(all_samples: Sequence[Samples], skip: Set[str]) -> list[str]:
+    """Components (not in ``skip``: their trees differ, and their tensors are compared one by
+    one) whose plain tensors' samples are not the same on every rank."""
+    first = all_samples[0].components
+    return [c for c in first
+            if c not in skip and any(s.components.get(c, first[c]) != first[c] for s in all_samples[1:])]
 
 
-def refuse(all_tensors: Sequence[Mapping[str, Mapping[str, int]]]) -> None:
-    """Raise naming the first tensor whose sample differs between rank 0 and another rank."""
-    for comp, mine in all_tensors[0].items():
-        for name, value in mine.items():
-            for rank, theirs in enumerate(all_tensors[1:], start=1):
-                other = theirs.get(comp, {}).get(name, value)
-                if other != value:
+def refuse(all_samples: Sequence[Samples], *, asked: bool) -> None:
+    """Raise naming the first tensor whose sample differs between the first rank holding it
+    and another rank (``asked``: the components' digests differed, so one must)."""
+    first: dict[tuple[str, str], tuple[int, int]] = {}
+    for rank, samples in enumerate(all_samples):
+        for comp, tensors in samples.tensors.items():
+            for name, value in tensors.items():
+                holder, seen = first.setdefault((comp, name), (rank, value))
+                if seen != value:
                     raise InvalidStateError(
-                        f"tensor {name!r} of component {comp!r} holds different values on rank 0 and rank {rank}: "
-                        "in a collective save a plain tensor is taken as the same on every rank (replicated, as "
-                        "DDP keeps it) and written once, so one rank's values (or a mix of rows of several) would "
+                        f"tensor {name!r} of component {comp!r} holds different values on rank {holder} and rank "
+                        f"{rank}: in a collective save a plain tensor is taken as the same on every rank (replicated, "
+                        "as DDP keeps it) and written once, so one rank's values (or a mix of rows of several) would "
                         "be committed. Make the ranks agree (the same seed, gradients reduced), make it a DTensor, "
                         "or put what differs under a key of each rank's own. Nothing was saved"
                     )
-    raise InvalidStateError(  # the components' digests differed: a tensor must have
-        "the ranks' plain tensors held different values, but no single differing tensor was found when they were "
-        "compared again (a tensor changed while it was being saved?); nothing was saved"
-    )
+    if asked:
+        raise InvalidStateError(  # the components' digests differed: a tensor must have
+            "the ranks' plain tensors held different values, but no single differing tensor was found when they were "
+            "compared again (a tensor changed while it was being saved?); nothing was saved"
+        )

@@ -96,8 +96,15 @@ def check_names(prepared: PreparedState, all_plans: Sequence[Sequence[ChunkPlan]
     the trees merged from every rank's (``merged``: (component, name) of their tensors)
     refer to it: else it would be saved but never loaded."""
     known = {(comp.name, name) for comp in prepared.components for name in comp.stored} | merged
+    tied = {(comp.name, name): to for comp in prepared.components for name, to in comp.aliases.items()}
     for rank, plans in enumerate(all_plans):
         for p in plans:
+            if (p.component, p.name) in tied:
+                raise InvalidStateError(
+                    f"tensor {p.name!r} of component {p.component!r} is tied to {tied[(p.component, p.name)]!r} on "
+                    f"rank 0 (one tensor) but a tensor of its own on rank {rank}: in a collective save every rank "
+                    "ties the same weights; tie them on every rank, or on none. Nothing was saved"
+                )
             if (p.component, p.name) not in known:
                 raise InvalidStateError(
                     f"rank {rank} holds tensor {p.name!r} of component {p.component!r}, which rank 0's "
