@@ -11,6 +11,7 @@ key refused, and a meta tensor nothing can rebuild reported.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -532,3 +533,21 @@ def test_dtype_auto_loads_in_the_checkpoint_s_own_dtype(tmp_path: Path) -> None:
     from_pt = sp.empty_model(transformers.LlamaForCausalLM, _llama_config())
     assert sp.load_into(from_pt, tmp_path / "model.pt", dtype="AUTO").ok
     assert {p.dtype for p in from_pt.parameters()} == {torch.bfloat16}
+
+
+def test_dtype_auto_takes_the_dtype_config_json_names_first(tmp_path: Path) -> None:
+    """As from_pretrained(dtype="auto"): config.json's dtype, else the weights'. A config
+    written from a float32 model beside weights saved after a cast to bfloat16 loaded in
+    bfloat16 here and in float32 there (logits differed)."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_llama_config())
+    model.config.dtype = torch.float32
+    sp.save(model.to(torch.bfloat16).state_dict(), tmp_path / "ckpt")
+    model.config.save_pretrained(tmp_path / "ckpt")
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["dtype"] == "float32"
+    empty = sp.empty_model(transformers.LlamaForCausalLM, _llama_config())
+    assert sp.load_into(empty, tmp_path / "ckpt", dtype="auto").ok
+    reference = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "ckpt", dtype="auto")
+    assert {p.dtype for p in empty.parameters()} == {p.dtype for p in reference.parameters()} == {torch.float32}
+    ids = torch.arange(6).reshape(1, 6)
+    assert torch.equal(empty(ids).logits, reference(ids).logits)

@@ -127,7 +127,8 @@ def load_into(
             move there too. Real parameters stay where they are.
         dtype: the floating-point dtype of every loaded parameter and persistent buffer,
             as ``from_pretrained(dtype=...)`` (``"auto"``: the checkpoint's own, the dtype
-            holding most of its floating-point elements): integer and bool tensors keep theirs,
+            its ``config.json`` names, else the one holding most of its floating-point
+            elements): integer and bool tensors keep theirs,
             a ``transformers`` model's non-persistent buffers take the dtype its class
             builds them in under ``dtype`` (rotary ``inv_freq`` stays float32; other
             models' non-persistent buffers keep theirs), and keys of a
@@ -270,7 +271,8 @@ def _load_into(target: Any, path: str | os.PathLike[str], settings: IntoSettings
 
 @torch.no_grad()  # planning makes views of the targets' memory to read into: no autograd nodes
 def _load_into_checkpoint(target: Any, ckpt: Checkpoint, settings: IntoSettings) -> Callable[[], LoadResult]:
-    settings = settings.settled((r.dtype, r.shape) for comp in ckpt.components.values() for r in comp.tensors.values())
+    settings = settings.settled([(r.dtype, r.shape) for comp in ckpt.components.values() for r in comp.tensors.values()],
+                                lambda: _config_of(ckpt))
     batch = ReadBatch(ckpt, verify=settings.verify, staging_bytes=settings.staging_bytes,
                       ranks_here=settings.ranks_here)
     planner = Planner(ckpt.location, batch, allow_pickle=settings.allow_pickle, device=settings.device,
@@ -290,6 +292,16 @@ def _load_into_checkpoint(target: Any, ckpt: Checkpoint, settings: IntoSettings)
         planner.node(value, comp.tree, comp, "" if ckpt.flat else cname, setter)
     planner.unexpected.extend(c for c in ckpt.components if c not in targets)
     return _run(planner, batch, ckpt.location, settings)
+
+
+def _config_of(ckpt: Checkpoint) -> bytes | None:
+    """The checkpoint's ``config.json`` (for ``dtype="auto"``), or None."""
+    if ckpt.single_file or "config.json" not in ckpt.listing():
+        return None
+    try:
+        return ckpt.read_member("config.json", where=os.path.join(ckpt.location, "config.json"))
+    except (CheckpointError, OSError):
+        return None  # unreadable: the weights decide
 
 
 def _load_pickled_into(target: Any, path: str | os.PathLike[str], spec: SourceSpec,

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,18 +198,38 @@ class IntoSettings:
     auto_dtype: bool = False
     """``dtype="auto"``: ``dtype`` becomes the checkpoint's own, once it is open."""
 
-    def settled(self, records: Iterable[tuple[str | torch.dtype, Sequence[int]]]) -> IntoSettings:
+    def settled(self, records: Iterable[tuple[str | torch.dtype, Sequence[int]]],
+                config: Callable[[], bytes | None] = lambda: None) -> IntoSettings:
         """These settings for the opened checkpoint whose tensors are ``records`` ((stored
-        dtype, shape) pairs, consumed only for ``dtype="auto"``, which becomes its weights'
-        dtype)."""
+        dtype, shape) pairs) and whose ``config.json`` is ``config()`` (None: it has none),
+        both consulted only for ``dtype="auto"``: as ``from_pretrained`` takes it, the dtype
+        the config names, else its weights' dtype."""
         if not self.auto_dtype:
             return self
-        return dataclasses.replace(self, dtype=weights_dtype(records), auto_dtype=False)
+        return dataclasses.replace(self, dtype=config_dtype(config()) or weights_dtype(records), auto_dtype=False)
 
 
 def is_auto(dtype: object) -> bool:
     """``dtype="auto"``, as ``from_pretrained`` takes it (transformers 5's default)."""
     return isinstance(dtype, str) and dtype.strip().lower() == "auto"
+
+
+def config_dtype(config: bytes | None) -> torch.dtype | None:
+    """The floating-point dtype a ``config.json`` names (``dtype``, or ``torch_dtype`` as
+    transformers 4 wrote it), or None.
+
+    >>> config_dtype(b'{"model_type": "llama", "torch_dtype": "bfloat16"}'), config_dtype(b'{"dtype": null}')
+    (torch.bfloat16, None)
+    """
+    try:
+        parsed = json.loads(config) if config else None
+    except ValueError:
+        return None  # not ours to judge here: the weights decide
+    if not isinstance(parsed, dict):
+        return None
+    named = parsed.get("dtype") or parsed.get("torch_dtype")
+    dtype = getattr(torch, named, None) if isinstance(named, str) else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
 
 
 def weights_dtype(records: Iterable[tuple[str | torch.dtype, Sequence[int]]]) -> torch.dtype | None:
