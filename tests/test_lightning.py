@@ -516,3 +516,17 @@ def test_a_checkpoint_that_cannot_be_removed_is_a_storage_error_naming_it(tmp_pa
         "left in place. Check the directory's permissions, or remove it yourself"
     )
     assert os.path.isdir(tmp_path / "p" / "a.ckpt")
+
+
+def test_lightning_checkpoint_dicts_keep_a_schedulers_counter(tmp_path: Path) -> None:
+    """Mappings become dicts on the way in (Lightning's AttributeDict), but MultiStepLR's
+    milestones stay a Counter: a resumed run called .elements() on them and failed."""
+    import collections
+
+    from shardpoint.integrations.lightning import ShardpointCheckpointIO
+
+    checkpoint = {"lr_schedulers": [{"milestones": collections.Counter({2: 1, 4: 1}), "gamma": 0.5}], "epoch": 1}
+    io = ShardpointCheckpointIO()
+    io.save_checkpoint(checkpoint, tmp_path / "last.ckpt")
+    back = io.load_checkpoint(tmp_path / "last.ckpt")
+    assert back == checkpoint and type(back["lr_schedulers"][0]["milestones"]) is collections.Counter

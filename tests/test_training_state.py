@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -528,3 +530,50 @@ def test_optimizer_state_is_found_when_a_module_joins_or_leaves_the_state(tmp_pa
     with pytest.raises(sp.LoadMismatchError, match=r"several parameters of the target optimizer match the "
                                                     r"checkpoint's parameter\(s\) '0.bias', '0.weight'"):
         sp.load_into({**twins, "optim": both}, tmp_path / "one", strict=False)
+
+
+def test_multisteplr_milestones_stay_a_counter_and_the_run_resumes(tmp_path: Path) -> None:
+    """MultiStepLR keeps its milestones in a collections.Counter and calls .elements() on
+    it when stepped to an epoch (SequentialLR does at its milestone): restored as a dict,
+    the resumed run raised AttributeError after an ok load."""
+    from torch.optim import lr_scheduler as lr
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = lr.SequentialLR(opt, [lr.LinearLR(opt, 0.1, total_iters=3), lr.MultiStepLR(opt, [2, 4], gamma=0.5)],
+                                milestones=[3])
+        return model, opt, sched
+
+    def run(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, steps: int) -> list[float]:
+        rates = []
+        for _ in range(steps):
+            model(torch.ones(1, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            rates.append(opt.param_groups[0]["lr"])
+        return rates
+
+    model, opt, sched = build()
+    run(model, opt, sched, 2)
+    sp.save({"model": model, "optim": opt, "sched": sched}, tmp_path / "ckpt")
+    expected = run(model, opt, sched, 5)
+    model2, opt2, sched2 = build()
+    assert sp.load_into({"model": model2, "optim": opt2, "sched": sched2}, tmp_path / "ckpt").ok
+    assert type(sched2._schedulers[1].milestones) is collections.Counter
+    assert run(model2, opt2, sched2, 5) == expected
+    assert expected[-1] == pytest.approx(0.025)  # both milestones of MultiStepLR passed
+
+
+def test_counters_and_defaultdicts_come_back_as_they_were(tmp_path: Path) -> None:
+    state = {"seen": collections.Counter({"a": 2, 3: 1}), "by_word": collections.defaultdict(list, {"x": [1]}),
+             "counts": collections.defaultdict(int, {"y": 4}), "plain": {"z": 1},
+             "odd": collections.defaultdict(lambda: 7, {"w": 1})}  # a factory of its own: a dict, as before
+    sp.save(state, tmp_path / "ckpt")
+    loaded = sp.load(tmp_path / "ckpt")
+    assert type(loaded["seen"]) is collections.Counter and loaded["seen"] == collections.Counter({"a": 2, 3: 1})
+    assert type(loaded["by_word"]) is collections.defaultdict and loaded["by_word"].default_factory is list
+    assert loaded["by_word"]["new"] == [] and loaded["counts"]["new"] == 0 and loaded["counts"]["y"] == 4
+    assert type(loaded["plain"]) is dict and type(loaded["odd"]) is dict and loaded["odd"] == {"w": 1}

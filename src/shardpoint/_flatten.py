@@ -11,6 +11,7 @@ the tree, not the name, is the source of truth, so this is still reversible.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import enum
 import math
@@ -55,6 +56,34 @@ average is refused as unfolding exponentially."""
 
 def _is_tensor(value: object) -> bool:
     return isinstance(value, torch.Tensor)
+
+
+DEFAULT_FACTORIES: dict[str, type] = {t.__name__: t for t in (int, float, bool, str, list, dict, set, tuple)}
+"""The ``default_factory`` a ``defaultdict`` is stored with (builtins only: nothing is imported)."""
+
+
+def counting_kind(obj: Mapping[Any, Any]) -> dict[str, str]:
+    """A dict node's ``class`` (and ``default``) for the mappings that behave otherwise than
+    a dict (as torch.load gives them back): a ``Counter`` (``MultiStepLR.milestones``: its
+    ``elements()`` is called at every milestone) and a ``defaultdict`` of a builtin factory."""
+    if type(obj) is collections.Counter:
+        return {"class": "Counter"}
+    if type(obj) is collections.defaultdict and obj.default_factory in DEFAULT_FACTORIES.values():
+        return {"class": "defaultdict", "default": obj.default_factory.__name__}  # type: ignore[union-attr]
+    return {}
+
+
+def counting_mapping(node: Tree, built: dict[Any, Any]) -> dict[Any, Any]:
+    """The mapping a dict node with a ``class`` stands for (see :func:`counting_kind`).
+
+    >>> counting_mapping({"class": "Counter"}, {3: 1, 5: 2})
+    Counter({5: 2, 3: 1})
+    """
+    if node["class"] == "Counter":
+        return collections.Counter(built)
+    made: collections.defaultdict[Any, Any] = collections.defaultdict(DEFAULT_FACTORIES[node["default"]])
+    made.update(built)
+    return made
 
 
 def flatten_state(
@@ -150,7 +179,7 @@ def flatten_state(
                     items.append([kind, stored, {"type": "tensor", "name": name}])
                     continue
                 items.append([kind, stored, walk(child, [*parts, part], depth + 1)])
-            return {"type": "dict", "items": items}
+            return {"type": "dict", **counting_kind(obj), "items": items}
         if type(obj) is torch.Size:  # a tuple, kept a Size (as torch.load gives it back)
             return leaf_node(obj)  # type: ignore[return-value]
         if isinstance(obj, (list, tuple)):
@@ -219,7 +248,8 @@ def unflatten_state(tree: Tree, tensors: Mapping[str, Any], *, where: str, allow
         if kind == "float":
             return float(node["value"])
         if kind == "dict":
-            return {key: build(child, depth + 1) for _, key, child in node["items"]}
+            built = {key: build(child, depth + 1) for _, key, child in node["items"]}
+            return built if "class" not in node else counting_mapping(node, built)
         if kind == "list":
             return [build(child, depth + 1) for child in node["items"]]
         if kind == "tuple":

@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from ._flatten import MAX_DEPTH, WRAPPER_TYPES
+from ._flatten import DEFAULT_FACTORIES, MAX_DEPTH, WRAPPER_TYPES
 from ._typed_nodes import TYPED_LEAVES, TYPED_VALUE_NODES, is_class_name, typed_leaf_problem
 from .errors import CorruptCheckpointError
 
@@ -74,6 +74,10 @@ def validate_tree(tree: Any, names: Any, *, where: str) -> None:
             items = node.get("items")
             if not isinstance(items, list):
                 raise bad("dict node has no 'items' list")
+            if "class" in node and not (node["class"] == "Counter" or (
+                    node["class"] == "defaultdict" and node.get("default") in DEFAULT_FACTORIES)):
+                raise bad(f"dict node's class {str(node['class'])[:40]!r} (default {str(node.get('default'))[:40]!r}) "
+                          "is not Counter or a defaultdict of a builtin")
             seen: set[Any] = set()
             for item in items:
                 if not (isinstance(item, list) and len(item) == 3):

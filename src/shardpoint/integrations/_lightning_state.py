@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from .._flatten import counting_kind, counting_mapping
 from .._format.names import is_component_key
 
 COMPONENT_OF_KEY = {"state_dict": "model", "optimizer_states": "optim"}
@@ -31,13 +32,16 @@ def _component_for(key: Any) -> str:
 
 
 def _plain(value: Any) -> Any:
-    """``value`` with every mapping (Lightning's ``AttributeDict``) replaced by a dict.
+    """``value`` with every mapping (Lightning's ``AttributeDict``) replaced by a dict, but
+    for the ones the state tree keeps (a ``Counter``: ``MultiStepLR.milestones``; a
+    ``defaultdict`` of a builtin).
 
     Everything else is left to shardpoint's state tree, which keeps ``argparse.Namespace``,
     paths, Enum members, dataclasses and datetime values as typed nodes (no pickle).
     """
     if isinstance(value, Mapping) and not isinstance(value, torch.nn.Module):
-        return {k: _plain(v) for k, v in value.items()}
+        plain = {k: _plain(v) for k, v in value.items()}
+        return counting_mapping(counting_kind(value), plain) if counting_kind(value) else plain
     if isinstance(value, list):
         return [_plain(v) for v in value]
     if isinstance(value, tuple) and type(value) is tuple:
