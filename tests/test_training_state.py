@@ -577,3 +577,34 @@ def test_counters_and_defaultdicts_come_back_as_they_were(tmp_path: Path) -> Non
     assert type(loaded["by_word"]) is collections.defaultdict and loaded["by_word"].default_factory is list
     assert loaded["by_word"]["new"] == [] and loaded["counts"]["new"] == 0 and loaded["counts"]["y"] == 4
     assert type(loaded["plain"]) is dict and type(loaded["odd"]) is dict and loaded["odd"] == {"w": 1}
+
+
+def test_an_optimizer_over_meta_parameters_is_refused_before_reading(tmp_path: Path) -> None:
+    """A model built on meta gets new parameters from the load; an optimizer built over the
+    meta ones kept them (its state cast to meta): ok=True, and training never moved the model."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(3, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    sp.save({"model": model, "optim": opt}, tmp_path / "ckpt")
+    with torch.device("meta"):
+        empty = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    stale = torch.optim.AdamW(empty.parameters(), lr=0.1)
+    with pytest.raises(sp.InvalidStateError) as caught:
+        sp.load_into({"model": empty, "optim": stale}, tmp_path / "ckpt")
+    assert str(caught.value) == (
+        "the optimizer at 'optim' holds parameters on the meta device (built over a model made with sp.empty_model "
+        "or under torch.device('meta')): a load gives such a model new parameters, and the optimizer would keep the "
+        "old, empty ones, so training would never update the model. Call model.to_empty(device=...) before building "
+        "the optimizer (the load then fills the parameters in place), or build it after loading the model; nothing "
+        "was loaded")
+    assert all(p.is_meta for p in empty.parameters())
+    empty.to_empty(device="cpu")  # the way out the message gives
+    fresh = torch.optim.AdamW(empty.parameters(), lr=0.1)
+    assert sp.load_into({"model": empty, "optim": fresh}, tmp_path / "ckpt").ok
+    for m, o in ((model, opt), (empty, fresh)):
+        m(torch.ones(3, 4)).sum().backward()
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), empty.parameters(), strict=True))

@@ -278,6 +278,7 @@ def _load_into_checkpoint(target: Any, ckpt: Checkpoint, settings: IntoSettings)
     planner = Planner(ckpt.location, batch, allow_pickle=settings.allow_pickle, device=settings.device,
                       dtype=settings.dtype, device_map=settings.device_map)
     targets = _component_targets(target, ckpt)
+    _refuse_meta_optimizers(targets)
     planner.modules = find_modules(targets)
     planner.param_names = parameter_names(planner.modules)
     for cname, value in targets.items():
@@ -292,6 +293,27 @@ def _load_into_checkpoint(target: Any, ckpt: Checkpoint, settings: IntoSettings)
         planner.node(value, comp.tree, comp, "" if ckpt.flat else cname, setter)
     planner.unexpected.extend(c for c in ckpt.components if c not in targets)
     return _run(planner, batch, ckpt.location, settings)
+
+
+def _refuse_meta_optimizers(value: Any, path: str = "") -> None:
+    """Refuse, before anything is planned, an optimizer over ``meta`` parameters: the load
+    gives their model new ones, and the optimizer would keep the old, empty ones (its state
+    cast to ``meta``), so training would never update the model."""
+    if isinstance(value, torch.optim.Optimizer):
+        if any(p.is_meta for group in value.param_groups for p in group["params"]):
+            raise InvalidStateError(
+                f"the optimizer at {path!r} holds parameters on the meta device (built over a model made with "
+                "sp.empty_model or under torch.device('meta')): a load gives such a model new parameters, and the "
+                "optimizer would keep the old, empty ones, so training would never update the model. Call "
+                "model.to_empty(device=...) before building the optimizer (the load then fills the parameters in "
+                "place), or build it after loading the model; nothing was loaded"
+            )
+    elif isinstance(value, Mapping) and not isinstance(value, torch.nn.Module):
+        for key, child in value.items():
+            _refuse_meta_optimizers(child, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, (list, tuple)):
+        for i, child in enumerate(value):
+            _refuse_meta_optimizers(child, f"{path}.{i}" if path else str(i))
 
 
 def _config_of(ckpt: Checkpoint) -> bytes | None:
