@@ -518,7 +518,7 @@ def test_a_checkpoint_that_cannot_be_removed_is_a_storage_error_naming_it(tmp_pa
     assert os.path.isdir(tmp_path / "p" / "a.ckpt")
 
 
-def test_lightning_checkpoint_dicts_keep_a_schedulers_counter(tmp_path: Path) -> None:
+def test_lightning_checkpoint_dicts_keep_a_schedulers_counter(tmp_path: pathlib.Path) -> None:
     """Mappings become dicts on the way in (Lightning's AttributeDict), but MultiStepLR's
     milestones stay a Counter: a resumed run called .elements() on them and failed."""
     import collections
