@@ -608,3 +608,44 @@ def test_an_optimizer_over_meta_parameters_is_refused_before_reading(tmp_path: P
         m(torch.ones(3, 4)).sum().backward()
         o.step()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), empty.parameters(), strict=True))
+
+
+def test_an_optimizer_over_modules_nested_in_the_state_is_stored_by_name(tmp_path: Path) -> None:
+    """{"models": {"gen": G}, "optims": {"gen": opt}} (GANs, several models): the modules
+    were looked for among top-level values only, so the optimizer was stored by position
+    and loaded, ok=True, into an optimizer listing its parameters in another order: each
+    parameter got another's moments (of the same shape)."""
+    def build(order: list[int]) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        gen = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        params = list(gen.parameters())
+        return gen, torch.optim.Adam([params[i] for i in order], lr=0.1)
+
+    def step(gen: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        gen(torch.arange(4.0)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    gen, opt = build([0, 1, 2, 3])
+    step(gen, opt)
+    sp.save({"models": {"gen": gen}, "optims": {"gen": opt}}, tmp_path / "ckpt")
+    assert sp.load(tmp_path / "ckpt")["optims"]["gen"]["param_groups"][0]["params"] == [
+        "0.weight", "0.bias", "1.weight", "1.bias"]  # one module: its own names
+    step(gen, opt)
+    gen2, opt2 = build([2, 3, 0, 1])
+    assert sp.load_into({"models": {"gen": gen2}, "optims": {"gen": opt2}}, tmp_path / "ckpt").ok
+    step(gen2, opt2)
+    assert all(torch.equal(a, b) for a, b in zip(gen.parameters(), gen2.parameters(), strict=True))
+
+
+def test_an_optimizer_holding_a_parameter_of_no_module_warns_it_is_stored_by_position(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 2)
+    scale = torch.nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([*model.parameters(), scale], lr=0.1)
+    with pytest.warns(UserWarning) as caught:
+        sp.save({"model": model, "optim": opt}, tmp_path / "ckpt")
+    assert [str(w.message) for w in caught] == [
+        "optim: 1 of the optimizer's parameters belong to no module of the saved state (a parameter of its own, "
+        "such as a free logit_scale, or a module saved elsewhere), so its state is stored by position, not by "
+        "parameter name: it loads right only into an optimizer built over the same parameters in the same order. "
+        "Put such parameters in a module of the state (an nn.ParameterDict) to have them stored by name"]

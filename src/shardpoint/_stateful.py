@@ -73,21 +73,59 @@ def renamed_parameter_names(
 
 
 def find_modules(state: Any) -> list[tuple[str, torch.nn.Module]]:
-    """The modules among the top-level values of a state (path, module)."""
+    """The modules of a state (path, module): its top-level values, and those inside its
+    dicts, lists and tuples (``{"models": {"gen": G, "disc": D}, "optims": ...}``, a path
+    of ``models.gen``), each once; an optimizer over their parameters is stored by name.
+
+    >>> g, d = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    >>> [p for p, _ in find_modules({"models": {"gen": g, "disc": d}, "ema": [g], "step": 3})]
+    ['models.gen', 'models.disc']
+    """
     if isinstance(state, torch.nn.Module):
         return [("model", state)]
+    found: list[tuple[str, torch.nn.Module]] = []
+    seen: set[int] = set()
+
+    def walk(value: Any, path: str, depth: int) -> None:
+        if isinstance(value, torch.nn.Module):
+            if id(value) not in seen:
+                seen.add(id(value))
+                found.append((path, value))
+        elif depth < _MODULE_DEPTH and isinstance(value, Mapping):
+            for key, child in value.items():
+                walk(child, f"{path}.{key}" if path else str(key), depth + 1)
+        elif depth < _MODULE_DEPTH and isinstance(value, (list, tuple)) and depth > 0:
+            for i, child in enumerate(value):
+                walk(child, f"{path}.{i}", depth + 1)
+
     if isinstance(state, Mapping):
-        return [(str(k), v) for k, v in state.items() if isinstance(v, torch.nn.Module)]
-    return []
+        walk(state, "", 0)
+    return found
 
 
-def optimizer_state_by_name(optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> Tagged:
-    """The optimizer's state with parameters named; positional when names are unknown."""
+_MODULE_DEPTH = 8
+"""How deep in a state's containers its modules are looked for."""
+
+
+def optimizer_state_by_name(optimizer: torch.optim.Optimizer, names: Mapping[int, str], *,
+                            where: str = "the optimizer") -> Tagged:
+    """The optimizer's state with parameters named; positional when names are unknown (a
+    warning says so where some are known: a parameter outside the state's modules)."""
     sd = optimizer.state_dict()
     group_names: list[list[str]] = []
     for group in optimizer.param_groups:
         group_names.append([names.get(id(p), "") for p in group["params"]])
-    if any(not n for g in group_names for n in g):
+    unnamed = sum(not n for g in group_names for n in g)
+    if unnamed:
+        if unnamed < sum(len(g) for g in group_names):
+            warnings.warn(
+                f"{where}: {unnamed} of the optimizer's parameters belong to no module of the saved state (a "
+                "parameter of its own, such as a free logit_scale, or a module saved elsewhere), so its state is "
+                "stored by position, not by parameter name: it loads right only into an optimizer built over the "
+                "same parameters in the same order. Put such parameters in a module of the state (an "
+                "nn.ParameterDict) to have them stored by name",
+                UserWarning, stacklevel=2,
+            )
         return Tagged("optimizer", sd, {"by_name": False})
     id_to_name = {}
     for saved_group, gnames in zip(sd["param_groups"], group_names, strict=False):
@@ -323,7 +361,7 @@ def make_to_state(names: Mapping[int, str]) -> Callable[[Any, str], Any]:
         if isinstance(obj, torch.nn.Module):
             return Tagged("module", obj.state_dict(), {})
         if isinstance(obj, torch.optim.Optimizer):
-            return optimizer_state_by_name(obj, names)
+            return optimizer_state_by_name(obj, names, where=where)
         if isinstance(obj, Stateful):
             return Tagged("stateful", obj.state_dict(), {"class": type(obj).__qualname__})
         return NotImplemented
