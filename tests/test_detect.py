@@ -315,3 +315,18 @@ def test_import_cycles_finds_a_cycle_hidden_in_a_function(tmp_path: Path) -> Non
         "pkg.c -> pkg.d -> pkg.c (component of 2 modules)\n"
         "8 modules, 5 imports, 2 cycles\n"
     )
+
+
+def test_a_safetensors_file_named_otherwise_is_read_by_its_first_bytes(tmp_path: Path) -> None:
+    """safetensors.load_file reads weights.st; we refused it as 'neither a .safetensors file
+    nor a torch.save file', while a pickle under the same suffix was read (by its bytes)."""
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(2)}, str(tmp_path / "weights.st"), metadata={"format": "pt"})
+    assert torch.equal(sp.load(tmp_path / "weights.st")["w"], torch.ones(2))
+    target = {"w": torch.zeros(2)}
+    assert sp.load_into(target, tmp_path / "weights.st").ok and torch.equal(target["w"], torch.ones(2))
+    done = subprocess.run([sys.executable, "-m", "shardpoint", "verify", str(tmp_path / "weights.st")],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"{tmp_path / 'weights.st'}: hf-file checkpoint, 1 data file"), done.stdout

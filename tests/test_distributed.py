@@ -698,6 +698,14 @@ def llama_worker(rank: int, world: int, root: str) -> None:
         == local_chunk(state["model.embed_tokens.weight"])[2].data_ptr()
     )
     sp.save(state, Path(root) / "llama", layout="hf", max_shard_size="100kB")
+    from shardpoint.integrations.transformers import save_pretrained
+
+    try:  # one process's writer: refused, naming the collective way (it raised deep inside transformers)
+        save_pretrained(model, Path(root) / f"one-process-{rank}")
+        raise AssertionError("save_pretrained of an FSDP2 model was not refused")
+    except sp.InvalidStateError as exc:
+        assert "this one is sharded across ranks ('model.embed_tokens.weight' is a DTensor: FSDP2 or tensor " \
+               "parallel). Save it from every rank with sp.save(model.state_dict(), path, layout='hf')" in str(exc)
 
     # and back into a fresh FSDP2 model: every shard filled, the tied pair still one tensor
     fresh = _llama(6)

@@ -21,7 +21,7 @@ import shardpoint
 MODULES = sorted(
     m.name
     for m in pkgutil.walk_packages(shardpoint.__path__, prefix="shardpoint.")
-    if m.name != "shardpoint._cli.__main__"  # running it is running the command
+    if not m.name.endswith(".__main__")  # running it is running the command
 )
 
 

@@ -477,6 +477,12 @@ def disagreeing_worker(rank: int, world: int, root_str: str) -> None:
         odd = DTensor.from_local(torch.ones(3 if rank == 2 else 2, 3), mesh, [Shard(0)], shape=(7, 3),
                                  stride=(3, 1), run_check=False)
         record(root, "bounds", rank, lambda: sp.save({"w": odd}, root / "bounds"))
+        # Plain tensors and no process_group: each rank saves alone; the second finds the first's.
+        if rank == 0:
+            sp.save({"a": torch.zeros(2)}, root / "alone")
+        dist.barrier()
+        if rank == 1:
+            record(root, "alone", rank, lambda: sp.save({"a": torch.zeros(2)}, root / "alone"))
 
 
 def test_ranks_that_disagree_on_a_tensor_save_nothing(tmp_path: Path) -> None:
@@ -502,6 +508,12 @@ def test_ranks_that_disagree_on_a_tensor_save_nothing(tmp_path: Path) -> None:
         "bounds": "tensor 'w' of component 'model': rank 2's chunk at [6, 0] of shape [3, 3] lies outside its shape "
                   "[7, 3]",
     }
+    (alone,) = outcomes(tmp_path, "alone", [1])
+    assert alone["type"] == "CheckpointExistsError" and alone["message"] == (
+        f"{tmp_path / 'alone'} already exists; pass overwrite=True to replace it, or save to a new path. "
+        f"torch.distributed runs {WORLD} ranks and this save was this process's alone (a state of plain tensors, no "
+        "process_group=): another rank may have just saved the same path. Save from one rank (if dist.get_rank() == "
+        "0), or collectively with process_group=dist.group.WORLD"), alone
     for name, text in expected.items():
         ranks = [0, 1] if name == "mesh" else list(range(WORLD))
         for doc in outcomes(tmp_path, name, ranks):

@@ -772,6 +772,25 @@ def test_a_users_folder_named_like_a_step_is_never_taken_over_by_the_manager(tmp
     assert (root / "step-000010" / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to give files away")
+def test_an_overwrite_keeps_the_folders_owner_and_group(tmp_path: Path) -> None:
+    """The replacement is made beside the folder, so it took the parent's group (and the
+    saving user): a team's 2770 folder was left to root:root, its members locked out."""
+    target = tmp_path / "ckpt"
+    sp.save({"w": torch.zeros(2)}, target)
+    for path in (target, *target.iterdir()):
+        os.chown(path, 65534, 100)
+    os.chmod(target, 0o2770)
+    (target / "notes.txt").write_text("team notes")
+    os.chown(target / "notes.txt", 1000, 100)
+    sp.save({"w": torch.ones(2)}, target, overwrite=True)
+    owners = {p.name: (p.stat().st_uid, p.stat().st_gid) for p in (target, *target.iterdir())}
+    assert owners == {"ckpt": (65534, 100), "model.safetensors": (65534, 100), "shardpoint.json": (65534, 100),
+                      "notes.txt": (1000, 100)}, owners
+    assert oct(target.stat().st_mode & 0o7777) == "0o2770"
+    assert torch.equal(sp.load(target)["w"], torch.ones(2))
+
+
 def test_an_existing_empty_directory_is_written_into_without_overwrite(tmp_path: Path) -> None:
     """A folder made ahead (mkdtemp, makedirs) holds nothing to lose: save writes into it,
     as save_pretrained does; a folder holding anything still needs overwrite=True."""

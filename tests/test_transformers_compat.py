@@ -362,3 +362,30 @@ def test_a_wrapped_model_saves_the_model_s_own_keys(tmp_path: Path, wrap: str) -
     ids = torch.arange(8).reshape(1, 8)
     assert torch.equal(again.eval()(ids).logits, model(ids).logits)
     assert sp.load_into(torch.compile(_model(1)) if wrap == "compile" else _DDPLike(_model(1)), tmp_path / "ck").ok
+
+
+def test_a_folder_saved_over_by_save_pretrained_says_the_manifest_is_stale(tmp_path: Path) -> None:
+    """save_pretrained into a shardpoint folder leaves shardpoint.json behind: the refusal
+    is right (the manifest describes the old files), but it said 'truncated, padded or from
+    another save' and 'the index is damaged', though nothing was."""
+    from shardpoint._verify import verify_checkpoint
+
+    sp.save(_model(0), tmp_path / "one")
+    _model(1).save_pretrained(tmp_path / "one")
+    with pytest.raises(sp.CorruptCheckpointError) as caught:
+        sp.load(tmp_path / "one")
+    assert str(caught.value).startswith(
+        f"{tmp_path / 'one' / 'model.safetensors'} carries no shardpoint save_id (the manifest's save is ")
+    assert str(caught.value).endswith(
+        "): another program wrote it over this save's file after shardpoint.json, which now describes what was "
+        "there before (transformers' save_pretrained into the same folder leaves it so). If the folder was saved "
+        "over on purpose, remove shardpoint.json to read what it now holds; else restore the checkpoint from a copy")
+    (tmp_path / "one" / "shardpoint.json").unlink()  # the way out it gives
+    assert torch.equal(sp.load(tmp_path / "one")["model.embed_tokens.weight"], _model(1).model.embed_tokens.weight)
+
+    sp.save(_model(0), tmp_path / "sharded")
+    _model(1).save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    report = verify_checkpoint(tmp_path / "sharded")
+    assert not report.ok
+    assert any("it names files the manifest does not list ('model-00001-of-" in p and "another program saved into "
+               "this folder after shardpoint.json" in p for p in report.problems), report.problems

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._format.manifest import (
+    MANIFEST_NAME,
     ChunkRef,
     ComponentRecord,
     Manifest,
@@ -297,7 +298,16 @@ class Checkpoint:
             return header
         fd = self.fd(name)
         size = os.fstat(fd).st_size
-        self._check_size(name, size, where, "file")
+        try:
+            self._check_size(name, size, where, "file")
+        except CorruptCheckpointError:
+            # Written over by another program (save_pretrained into the same folder)? Then say so.
+            written: SafetensorsHeader | None = None
+            with contextlib.suppress(CheckpointError, OSError):
+                written = read_header(fd, size, name=where, max_header_bytes=current_options().io.max_header_bytes)
+            if written is not None:
+                self._check_save_id(written, where)
+            raise
         try:
             header = read_header(fd, size, name=where, max_header_bytes=current_options().io.max_header_bytes)
         except CheckpointError:
@@ -369,9 +379,11 @@ class Checkpoint:
             save_id = header.metadata.get("shardpoint.save_id")
             if save_id is None:  # every save writes its id into each of its files
                 raise CorruptCheckpointError(
-                    f"{where} carries no shardpoint save_id (the manifest's save is "
-                    f"{self.manifest.save_id}); a file from elsewhere was put in place of one of "
-                    "this save's: restore the checkpoint from a copy"
+                    f"{where} carries no shardpoint save_id (the manifest's save is {self.manifest.save_id}): "
+                    f"another program wrote it over this save's file after {MANIFEST_NAME}, which now describes "
+                    "what was there before (transformers' save_pretrained into the same folder leaves it so). If "
+                    f"the folder was saved over on purpose, remove {MANIFEST_NAME} to read what it now holds; "
+                    "else restore the checkpoint from a copy"
                 )
             if save_id != self.manifest.save_id:
                 if self.store is not None:  # no snapshot on a store: most likely an overwrite meanwhile

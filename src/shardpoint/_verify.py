@@ -301,11 +301,19 @@ def _check_indexes(
             continue
         if index.weight_map != weight_map:
             wrong = sorted(set(index.weight_map.items()) ^ set(weight_map.items()))
+            foreign = sorted(set(index.weight_map.values()) - set(manifest.files))
+            why = ("the index is damaged" if not foreign else
+                   f"it names files the manifest does not list ({name_list(foreign).split(' ', 1)[1]}): another "
+                   "program saved into "
+                   f"this folder after {MANIFEST_NAME}, which describes what was there before (transformers' "
+                   f"save_pretrained leaves it so); if the folder was saved over on purpose, remove {MANIFEST_NAME} "
+                   "to read what it now holds, else the index is damaged")
             found.problem(
                 "",
                 f"{where}: weight_map disagrees with the manifest on "
-                f"{name_list(list(dict.fromkeys(k for k, _ in wrong)))}; the index is damaged",
+                f"{name_list(list(dict.fromkeys(k for k, _ in wrong)))}; {why}",
             )
+            continue  # its total_size says the same again
         recorded = index.metadata.get("total_size")
         if recorded != total:
             found.problem(

@@ -115,7 +115,7 @@ def detect(names: Collection[str], *, file: str | None = None, head: bytes | Non
 
 def _detect_file(name: str, siblings: set[str], head: bytes | None) -> Detected:
     looks = sniff(head)
-    if name.endswith(".safetensors"):
+    if name.endswith(".safetensors") or looks == "safetensors":  # the first bytes decide, as for pickles
         return Detected(HF_FILE, file=name, named_file=True)
     if name.endswith(PICKLE_WEIGHTS) or looks in ("zip", "pickle"):
         sibling = name.rpartition(".")[0] + ".safetensors" if "." in name else name + ".safetensors"

@@ -84,6 +84,33 @@ def _empty_directory(path: Path) -> bool:
         return False
 
 
+def _alone_among_ranks() -> str:
+    """A hint where ``torch.distributed`` runs several ranks and a save ran in one process
+    (a DDP state of plain tensors, saved with no ``process_group``): another rank's save of
+    the same path is what is there."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return ""
+    return (f". torch.distributed runs {dist.get_world_size()} ranks and this save was this process's alone (a state "
+            "of plain tensors, no process_group=): another rank may have just saved the same path. Save from one "
+            "rank (if dist.get_rank() == 0), or collectively with process_group=dist.group.WORLD")
+
+
+def _same_owners(directory: str, names: set[str], old: os.stat_result) -> None:
+    """Give the replacement ``directory`` and the files this save wrote in it the replaced
+    folder's group (a team's shared folder, made in a parent of another group, stays
+    readable to its members), and its owner when run as root (a root job overwriting a
+    user's folder leaves it theirs). Where the system refuses, they stay as made."""
+    now = os.stat(directory)
+    uid = old.st_uid if os.geteuid() == 0 else -1
+    if now.st_gid == old.st_gid and uid in (-1, now.st_uid):
+        return
+    for path in (directory, *(os.path.join(directory, n) for n in names)):
+        with contextlib.suppress(OSError):
+            os.chown(path, uid, old.st_gid, follow_symlinks=False)
+
+
 class LocalTransaction(Transaction):
     """One save into ``final``: write files into ``.directory``, then ``commit()``."""
 
@@ -137,7 +164,7 @@ class LocalTransaction(Transaction):
         if not self.overwrite:
             raise CheckpointExistsError(
                 f"{self.final} already exists; pass overwrite=True to replace it, "
-                "or save to a new path"
+                f"or save to a new path{_alone_among_ranks()}"
             )
 
     def _write_files(self, files: Sequence[FileWrite], durable: bool, advance: Advance, write: Writer) -> Crcs:
@@ -229,8 +256,10 @@ class LocalTransaction(Transaction):
             lock_nowait(fd)
             # The folder keeps its permission bits (a group-shared 2775 model folder stays so);
             # one its owner may not write (chmod 555) gets them once the replacement is done.
-            mode = stat.S_IMODE(os.fstat(fd).st_mode)
+            held = os.fstat(fd)
+            mode = stat.S_IMODE(held.st_mode)
             self._mode_after = None if mode & stat.S_IRWXU == stat.S_IRWXU else mode
+            _same_owners(self.directory, new_names, held)
             with contextlib.suppress(OSError):
                 os.chmod(self.directory, mode | stat.S_IRWXU)
             names = os.listdir(old)

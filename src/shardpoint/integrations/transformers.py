@@ -118,6 +118,15 @@ def save_pretrained(
             f"save_pretrained() takes a transformers PreTrainedModel, not {type(model).__name__}; "
             "save other modules with sp.save(module.state_dict(), path)"
         )
+    sharded = next((n for n, t in model.state_dict().items() if type(t).__name__ == "DTensor"), None)
+    if sharded is not None:
+        raise InvalidStateError(
+            f"save_pretrained() writes a model from one process, and this one is sharded across ranks ({sharded!r} "
+            "is a DTensor: FSDP2 or tensor parallel). Save it from every rank with sp.save(model.state_dict(), path, "
+            "layout='hf') (the files from_pretrained reads, each rank writing its shards) and "
+            "model.config.save_pretrained(path) on rank 0; or gather a full state dict first "
+            "(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))"
+        )
     max_bytes = parse_size(_default_shard_size(model) if max_shard_size is None else max_shard_size)
     metadata = json_metadata(save_kwargs.get("metadata"))
     weights, kept, reverted = weights_to_save(model)
