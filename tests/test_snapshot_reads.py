@@ -102,6 +102,32 @@ def test_loads_racing_overwrites_see_one_version(tmp_path: Path, how: str) -> No
 
 
 @pytest.mark.slow
+def test_verify_racing_overwrites_never_calls_a_version_damaged(tmp_path: Path) -> None:
+    """An overwrite swaps a new directory in and empties the old one: verify read the index
+    of the old one after it was emptied ("cannot be read: No such file", 1 in 20), or took
+    a file removed under it for one it may not read ("permission denied")."""
+    from shardpoint._verify import verify_checkpoint
+
+    path = tmp_path / "ckpt"
+    sp.save(_state(1.0), path, max_shard_size="1MiB")
+    writer = _writer(path, 6.0, "overwrite")
+    problems, verified = [], 0
+    try:
+        while writer.poll() is None:
+            try:
+                report = verify_checkpoint(path, checksums=False)
+            except CheckpointError as exc:
+                problems.append(str(exc))
+                continue
+            verified += 1
+            problems.extend(report.problems)
+    finally:
+        writer.wait(timeout=60)
+    assert writer.returncode == 0
+    assert problems == [] and verified >= 20
+
+
+@pytest.mark.slow
 def test_loads_racing_deletion_see_one_version_or_say_removed(tmp_path: Path) -> None:
     """A checkpoint saved and deleted in a loop (as retention retires steps): a load returns
     one whole version or says the checkpoint is not there; never a mix or a damage alarm."""

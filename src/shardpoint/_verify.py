@@ -129,6 +129,35 @@ def _verify_local(store: LocalStore, *, checksums: bool, progress: bool | None) 
         return _verify_foreign(location, directory, "hf-file", None, [name], checksums=checksums)
     if not os.path.isdir(location):
         raise CheckpointNotFoundError(f"{location} is neither a directory nor a checkpoint file")
+    # A save overwriting the path swaps a new directory in, then empties the old one: what
+    # this verification read of the old one may then be gone. The new one is judged instead.
+    for _ in range(_REPLACED_TRIES - 1):
+        before = _identity(location)
+        try:
+            report = _verify_directory(store, location, checksums=checksums, progress=progress)
+        except (CheckpointError, OSError):
+            if _identity(location) == before:
+                raise
+            continue
+        if report.ok or _identity(location) == before:
+            return report
+    return _verify_directory(store, location, checksums=checksums, progress=progress)
+
+
+_REPLACED_TRIES = 3
+"""Verifications of a directory replaced (by an overwriting save) while being verified."""
+
+
+def _identity(location: str) -> tuple[int, int] | None:
+    """(device, inode) of the directory at ``location`` now (an overwrite swaps in another)."""
+    try:
+        st = os.stat(location)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _verify_directory(store: LocalStore, location: str, *, checksums: bool, progress: bool | None) -> VerifyReport:
     names = list_directory(location, "verify")
     _refuse_unreadable(location, names)
     found = detect(names)
@@ -152,7 +181,7 @@ def _refuse_unreadable(location: str, names: list[str]) -> None:
     damaged and advising to restore it from a copy."""
     for name in names:
         path = os.path.join(location, name)
-        if os.path.isfile(path) and not os.access(path, os.R_OK):
+        if os.path.isfile(path) and not os.access(path, os.R_OK) and os.path.lexists(path):  # not just removed
             err = StorageError(
                 f"{path}: this user may not read it (permission denied); make it readable (chmod, chown) "
                 "or verify as a user who may. Nothing was judged"
