@@ -54,6 +54,9 @@ _WRITER = textwrap.dedent(
         state = {n: torch.full((1 << 18,), float(i)) for n in "abcd"}
         if mode == "overwrite":
             sp.save(state, path, max_shard_size="1MiB", overwrite=True)
+        elif mode == "overwrite-small":  # many small saves: many swaps
+            sp.save({f"l{j}": torch.full((2000,), float(i)) for j in range(6)}, path, max_shard_size="10KB",
+                    overwrite=True, durable=False)
         else:  # appear, then be deleted (retention)
             sp.save(state, path, max_shard_size="1MiB", overwrite=True)
             time.sleep(0.02)  # a step lives a while before retention retires it
@@ -125,6 +128,24 @@ def test_verify_racing_overwrites_never_calls_a_version_damaged(tmp_path: Path) 
         writer.wait(timeout=60)
     assert writer.returncode == 0
     assert problems == [] and verified >= 20
+
+
+@pytest.mark.slow
+def test_two_processes_overwriting_one_path_both_succeed_every_time(tmp_path: Path) -> None:
+    """reliability.md: with overwrite=True both saves succeed, one after the other. One in
+    30 failed (ENOENT, "the filesystem failed after the rename"): a save took over the
+    directory another had just swapped in, before that one had dealt with the one it
+    replaced, and their clean-ups raced over it."""
+    path = tmp_path / "ckpt"
+    sp.save(_state(1.0), path, max_shard_size="1MiB")
+    (path / "notes.txt").write_text("mine")
+    writers = [_writer(path, 6.0, "overwrite-small") for _ in range(2)]
+    for writer in writers:
+        writer.wait(timeout=120)
+    assert [w.returncode for w in writers] == [0, 0]
+    assert (path / "notes.txt").read_text() == "mine"
+    assert len(_versions(sp.load(path))) == 1
+    assert [n for n in os.listdir(tmp_path) if n != "ckpt"] == []
 
 
 @pytest.mark.slow

@@ -22,12 +22,13 @@ import contextlib
 import json
 import os
 import stat
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from .._format.names import TMP_MARKER
 from .._io.writes import FileWrite, write_files
-from ..errors import CheckpointExistsError, InvalidArgumentError
+from ..errors import CheckpointExistsError, InvalidArgumentError, StorageError
 from .local_recovery import (
     _OLD,
     SAVE_MARKER,
@@ -82,6 +83,40 @@ def _empty_directory(path: Path) -> bool:
             return next(entries, None) is None
     except OSError:
         return False
+
+
+_COMMIT_WAIT_S = 60.0
+"""How long an overwrite waits for another save that is still committing the directory it
+replaces (that save holds its lock from before its swap until its old directory is dealt
+with: a few milliseconds, or its fsyncs)."""
+
+
+def _open_locked(path: str) -> int:
+    """The directory at ``path``, opened and (where it is free) locked by this save. One
+    another save just swapped in is still that save's (locked, its marker inside) until it
+    has dealt with the one it replaced: taken over before, that save's recovery and this
+    one's raced over the same old directory (1 save in 30 of two overwriting one path
+    failed), so this waits for it. A committed one locked by another overwrite about to
+    swap is not waited for (that save may be waiting on this one's outcome)."""
+    deadline = time.monotonic() + _COMMIT_WAIT_S
+    while True:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            locked = lock_nowait(fd)
+            if locked is False and not any(n.startswith(SAVE_MARKER) for n in os.listdir(fd)):
+                return fd  # a committed directory: as before, carried over without its lock
+            if locked is not False and os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False)):
+                return fd  # ours (or no locks on this filesystem), and still the one at the path
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+        if time.monotonic() > deadline:
+            raise StorageError(
+                f"{path} is being committed by another save that has held it for over {_COMMIT_WAIT_S:.0f} s; "
+                "this save was not committed. Save again once the other one finished, or to another path"
+            )
+        time.sleep(0.005)
 
 
 def _alone_among_ranks() -> str:
@@ -251,9 +286,8 @@ class LocalTransaction(Transaction):
         new_names = {n for n in os.listdir(self.directory) if not n.startswith(SAVE_MARKER)}
         self._components = components = manifest_components(manifest_doc(self.directory))
         old = str(self.final)
-        fd = os.open(old, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        fd = _open_locked(old)
         try:
-            lock_nowait(fd)
             # The folder keeps its permission bits (a group-shared 2775 model folder stays so);
             # one its owner may not write (chmod 555) gets them once the replacement is done.
             held = os.fstat(fd)

@@ -260,7 +260,10 @@ def carry_over(old: str, new: str, replaced: set[str], *, durable: bool) -> dict
         if name in replaced or os.path.lexists(os.path.join(new, name)):
             continue
         src, dst = entry.path, os.path.join(new, name)
-        st = entry.stat(follow_symlinks=False)
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue  # removed meanwhile (another save finishing the directory it replaced)
         if stat.S_ISREG(st.st_mode):
             try:
                 os.link(src, dst, follow_symlinks=False)
@@ -275,7 +278,10 @@ def carry_over(old: str, new: str, replaced: set[str], *, durable: bool) -> dict
                     finally:
                         os.close(fd)
         elif stat.S_ISLNK(st.st_mode):
-            os.symlink(os.readlink(src), dst)
+            try:
+                os.symlink(os.readlink(src), dst)
+            except FileNotFoundError:
+                continue
         else:
             continue
         carried[name] = _version(st)
@@ -309,7 +315,11 @@ def _move_out(
     """
     kept = []
     moved = 0
-    for entry in list(os.scandir(old)):
+    try:
+        entries = list(os.scandir(old))
+    except FileNotFoundError:
+        return kept, moved  # another save's recovery finished it (from the record in final's marker)
+    for entry in entries:
         name = entry.name
         if name in replaced:
             continue
