@@ -313,7 +313,7 @@ def _move_out(
     not be placed (a name taken in ``final`` by something else): they stay in ``old``;
     and how many entries were moved.
     """
-    kept = []
+    kept: list[str] = []
     moved = 0
     try:
         entries = list(os.scandir(old))
