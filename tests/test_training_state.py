@@ -649,3 +649,20 @@ def test_an_optimizer_holding_a_parameter_of_no_module_warns_it_is_stored_by_pos
         "such as a free logit_scale, or a module saved elsewhere), so its state is stored by position, not by "
         "parameter name: it loads right only into an optimizer built over the same parameters in the same order. "
         "Put such parameters in a module of the state (an nn.ParameterDict) to have them stored by name"]
+
+
+def test_a_scheduler_of_another_class_is_refused(tmp_path: Path) -> None:
+    """torch's load_state_dict takes any scheduler's attributes: a CosineAnnealingLR took a
+    StepLR's step_size and gamma (ok=True) and kept its own schedule."""
+    from torch.optim import lr_scheduler as lr
+
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    sp.save({"sched": lr.StepLR(opt, step_size=3, gamma=0.5)}, tmp_path / "ckpt")
+    with pytest.raises(sp.LoadMismatchError) as caught:
+        sp.load_into({"sched": lr.CosineAnnealingLR(opt, T_max=10)}, tmp_path / "ckpt")
+    assert str(caught.value) == (
+        f"{tmp_path / 'ckpt'}: 'sched' was saved from a StepLR but the target is a CosineAnnealingLR: loading one "
+        "scheduler's state into another class gives it attributes it does not use and keeps its own schedule. "
+        "Build the scheduler class it was saved from (or leave the scheduler out of the target to load the rest); "
+        "nothing was loaded")
+    assert sp.load_into({"sched": lr.StepLR(opt, step_size=1)}, tmp_path / "ckpt").ok

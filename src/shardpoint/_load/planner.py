@@ -887,6 +887,16 @@ class Planner:
             self.tensors_into({"": target}, {"": node["name"]}, comp, path, None)
             return
         if isinstance(target, Stateful) and not isinstance(target, Mapping):
+            saved_class = node.get("class") if kind == "stateful" else None
+            if (isinstance(target, torch.optim.lr_scheduler.LRScheduler) and isinstance(saved_class, str)
+                    and saved_class != type(target).__qualname__
+                    and isinstance(getattr(torch.optim.lr_scheduler, saved_class, None), type)):
+                raise LoadMismatchError(  # torch takes any scheduler's attributes without a word
+                    f"{self.location}: {path!r} was saved from a {saved_class} but the target is a "
+                    f"{type(target).__name__}: loading one scheduler's state into another class gives it "
+                    "attributes it does not use and keeps its own schedule. Build the scheduler class it was "
+                    "saved from (or leave the scheduler out of the target to load the rest); nothing was loaded"
+                )
             self.build(comp, node, target.load_state_dict, path)
             return
         if isinstance(target, MutableMapping) and inner.get("type") == "dict":
