@@ -185,6 +185,25 @@ def test_a_checkpoint_of_another_expert_count_is_refused_before_the_model_change
     assert not torch.equal(target.state_dict()["model.embed_tokens.weight"], before["model.embed_tokens.weight"])
 
 
+def test_a_missing_expert_weight_is_named_as_missing(tmp_path: Path) -> None:
+    """One expert's w1 gone from Hub-format files: the model's converter failed on tensor
+    sizes, and the refusal advised loading into the class the files were saved from."""
+    from safetensors.torch import load_file, save_file
+
+    cls, config, _ = _hub_files("mixtral", tmp_path / "hub")
+    tensors = load_file(str(tmp_path / "hub" / "model.safetensors"))
+    del tensors["model.layers.0.block_sparse_moe.experts.3.w1.weight"]
+    (tmp_path / "cut").mkdir()
+    save_file(tensors, str(tmp_path / "cut" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(LoadMismatchError) as err:
+        sp.load_into(cls(config), tmp_path / "cut", strict=False)
+    assert str(err.value) == (
+        f"{tmp_path / 'cut'}: the model's weight conversion to 'model.layers.0.mlp.experts.gate_up_proj' combines "
+        "keys matching '.experts.*.w1.weight' (3), '.experts.*.w3.weight' (4), and the checkpoint holds fewer of "
+        "'.experts.*.w1.weight' than of the others: a tensor is missing from the checkpoint (an incomplete download "
+        "or copy?); check it with `shardpoint verify`, and fetch the missing file or tensor")
+
+
 def test_a_damaged_expert_weight_is_caught_naming_it(tmp_path: Path) -> None:
     cls, config, _ = _hub_files("mixtral", tmp_path / "hub")
     # shardpoint's own copy of the Hub's files (a manifest with every tensor's crc32c).

@@ -24,7 +24,7 @@ and others are reported as missing / unexpected keys, never guessed at.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,6 +190,7 @@ def plan(
             groups.setdefault(new, []).append((key, pattern))
     for first, sources in groups.items():
         template = by_pattern[sources[0][1]]
+        _refuse_uneven(first, sources, template, location)
         fusion = Fusion(first, sources, {}, template, location)
         metas = {}
         for key, _ in sources:
@@ -200,6 +201,25 @@ def plan(
     if not out.renamed and not out.fusions:
         return None
     return out
+
+
+def _refuse_uneven(first: str, sources: Sequence[tuple[str, str]], template: Any, location: str) -> None:
+    """Refuse a fusion whose source patterns the checkpoint matches unevenly (4 experts'
+    ``w3`` but 3 experts' ``w1``: a key is missing), naming the counts, before the model's
+    converter fails on it with an error about tensor sizes."""
+    patterns = [p for p in getattr(template, "source_patterns", ()) if isinstance(p, str)]
+    counts = {p: sum(1 for _, q in sources if q == p) for p in patterns}
+    if len(patterns) < 2 or len(set(counts.values())) == 1:
+        return
+    most = max(counts.values())
+    short = [p for p in patterns if counts[p] < most]
+    raise LoadMismatchError(
+        f"{location}: the model's weight conversion to {first!r} combines keys matching "
+        + ", ".join(f"{printable(p)!r} ({counts[p]})" for p in patterns)
+        + f", and the checkpoint holds fewer of {', '.join(repr(printable(p)) for p in short)} than of the others: "
+        "a tensor is missing from the checkpoint (an incomplete download or copy?); check it with "
+        "`shardpoint verify`, and fetch the missing file or tensor"
+    )
 
 
 def _convert(fusion: Fusion, module: Any, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
