@@ -854,3 +854,29 @@ def test_float8_convert_and_a_kept_config_of_another_model(tmp_path: Path) -> No
     with pytest.warns(UserWarning, match=r"convert: kept .*dst's own config.json, which describes another model"):
         sp.convert(src, dst, overwrite=True, dtype="bf16")
     assert json.loads((dst / "config.json").read_text()) == {"model_type": "gpt2", "n_embd": 4}
+
+
+def test_convert_keeps_in_float32_what_from_pretrained_keeps(tmp_path: Path) -> None:
+    """T5 keeps its feed-forward output ("wo") in float32 under float16, as its class says
+    (_keep_in_fp32_modules): convert --dtype fp16 cast it, where transformers' own
+    from_pretrained(dtype=float16).save_pretrained() keeps it."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors import safe_open
+
+    config = transformers.T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
+    torch.manual_seed(0)
+    transformers.T5ForConditionalGeneration(config).save_pretrained(tmp_path / "fp32")
+    sp.convert(tmp_path / "fp32", tmp_path / "sp-fp16", dtype="fp16")
+    transformers.T5ForConditionalGeneration.from_pretrained(
+        tmp_path / "fp32", dtype=torch.float16).save_pretrained(tmp_path / "hf-fp16")
+
+    def dtypes(folder: Path) -> dict[str, str]:
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            return {k: str(f.get_slice(k).get_dtype()) for k in f.keys()}  # noqa: SIM118 - not a dict
+
+    ours, theirs = dtypes(tmp_path / "sp-fp16"), dtypes(tmp_path / "hf-fp16")
+    assert {k: v for k, v in ours.items() if "wo" in k} == {
+        "encoder.block.0.layer.1.DenseReluDense.wo.weight": "F32",
+        "decoder.block.0.layer.2.DenseReluDense.wo.weight": "F32"}
+    assert {k: v for k, v in ours.items() if k in theirs} == theirs
+    assert set(ours.values()) == {"F16", "F32"}

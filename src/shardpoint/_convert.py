@@ -9,12 +9,15 @@ writes each planned file's tensors a batch at a time from the source. Peak memor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
+import re
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +29,7 @@ from ._format.companions import travels_with_weights
 from ._format.dtypes import OutOfRange, parse_dtype, range_lost
 from ._hub import local_path
 from ._io.writes import FileWrite, write_files
+from ._module_fit import keep_fp32_pattern
 from ._prepare import Component, PreparedState
 from ._sizes import parse_size
 from ._source import list_directory
@@ -88,7 +92,11 @@ def _write_job(
     first = True
     for run in batches(sizes, budget):
         entries = [job.entries[i] for i in run]
-        with source.batch([e.ref for e in entries], dtype) as tensors:
+        kept = {id(e) for e in entries if dtype is not None and source.descriptor(e.ref).dtype == e.dtype}
+        entries = [e for e in entries if id(e) not in kept] + [e for e in entries if id(e) in kept]
+        split = len(entries) - len(kept)  # cast ones first, then those read as stored (float32 kept)
+        with _batch(source, entries[:split], dtype) as cast, _batch(source, entries[split:], None) as as_stored:
+            tensors = [*cast, *as_stored]
             for e, t in zip(entries, tensors, strict=True):
                 if t.dtype != e.dtype or tuple(t.shape) != e.shape:
                     raise CorruptCheckpointError(
@@ -104,7 +112,7 @@ def _write_job(
             part = FileWrite(job.name, job.header if first else b"", job.size, items)
             # shared: opened without truncation, so the file is filled in several calls.
             crcs.update(write_files(directory, [part], durable=False, advance=advance, shared=True))
-        del tensors, items, part  # free this batch (cast copies) before reading the next
+        del tensors, cast, as_stored, items, part  # free this batch (cast copies) before reading the next
         first = False
     if durable:
         fd = os.open(os.path.join(directory, job.name), os.O_RDONLY)
@@ -113,6 +121,12 @@ def _write_job(
         finally:
             os.close(fd)
     return crcs
+
+
+def _batch(source: TensorSource, entries: Sequence[_Entry], dtype: torch.dtype | None
+           ) -> AbstractContextManager[Sequence[torch.Tensor]]:
+    """``source.batch`` of ``entries`` (nothing read for none)."""
+    return source.batch([e.ref for e in entries], dtype) if entries else contextlib.nullcontext(())
 
 
 def _overflow(source: TensorSource, ref: Ref, cast: torch.Tensor) -> tuple[int, float] | None:
@@ -214,10 +228,29 @@ class _StreamingWrite:
         return crcs
 
 
+def kept_in_fp32(config: bytes | None, dtype: torch.dtype | None) -> re.Pattern[str] | None:
+    """The keys ``from_pretrained(dtype=dtype)`` keeps in float32 for the model class the
+    ``config.json`` names (its ``architectures``; ``transformers`` installed), as
+    :func:`~shardpoint._module_fit.keep_fp32_pattern` finds them on a model; else None."""
+    if config is None or dtype not in (torch.float16, torch.bfloat16):
+        return None
+    try:
+        names = json.loads(config).get("architectures") or []
+        import transformers
+    except (ValueError, AttributeError, ImportError):
+        return None
+    for name in names if isinstance(names, list) else []:
+        cls = getattr(transformers, name, None) if isinstance(name, str) and name.isidentifier() else None
+        if isinstance(cls, type):
+            return keep_fp32_pattern(cls, dtype)
+    return None
+
+
 def output_state(
-    source: TensorSource, dtype: torch.dtype | None
+    source: TensorSource, dtype: torch.dtype | None, keep_fp32: re.Pattern[str] | None = None
 ) -> tuple[PreparedState, dict[int, Ref]]:
-    """The output as meta tensors of the output dtype, and id(descriptor) -> source ref."""
+    """The output as meta tensors of the output dtype (float32 kept for the keys
+    ``keep_fp32`` finds, as ``from_pretrained`` keeps them), and id(descriptor) -> source ref."""
     refs: dict[int, Ref] = {}
     components = []
     for comp in source.components:
@@ -225,6 +258,8 @@ def output_state(
         for name in comp.stored:
             src = comp.tensors[name]
             want = dtype if (dtype is not None and src.is_floating_point()) else src.dtype
+            if keep_fp32 is not None and src.dtype == torch.float32 and keep_fp32.search(name):
+                want = torch.float32
             out[name] = meta_like(want, src.shape)
             refs[id(out[name])] = (comp.name, name)
         for alias, stored in comp.aliases.items():
@@ -467,7 +502,10 @@ def convert(
         dst: the checkpoint directory to create.
         max_shard_size: largest output file, e.g. ``"5GB"`` or ``"500MiB"``.
         dtype: cast every floating-point tensor (all components) to ``"bf16"``,
-            ``"fp16"`` or ``"fp32"``; integer and bool tensors are kept.
+            ``"fp16"`` or ``"fp32"``; integer and bool tensors are kept, and so are the
+            float32 tensors ``from_pretrained(dtype=...)`` keeps in float32 for the model
+            class ``config.json`` names (its ``_keep_in_fp32_modules`` for float16, and
+            ``_keep_in_fp32_modules_strict``; ``transformers`` installed).
         trust_pickle: allow a full unpickle (torch.save files that ``weights_only``
             refuses, DCP). Unpickling runs code from the file: only for trusted files.
             Values that are not tensors, containers or JSON are then stored pickled
@@ -520,7 +558,7 @@ def convert(
     try:
         select_components(source, components)
         companions = companion_files(os.fspath(src), want, source.notes, _overwritten_folder(src, dst, overwrite))
-        prepared, refs = output_state(source, want)
+        prepared, refs = output_state(source, want, kept_in_fp32(companions.get("config.json"), want))
         producer = _StreamingWrite(source, refs, want, workers)
         info = write_checkpoint(
             prepared,

@@ -174,9 +174,9 @@ def rename_keys(
     return out
 
 
-def keep_fp32_pattern(module: torch.nn.Module, dtype: torch.dtype | None) -> re.Pattern[str] | None:
+def keep_fp32_pattern(module: torch.nn.Module | type, dtype: torch.dtype | None) -> re.Pattern[str] | None:
     """The keys ``from_pretrained(dtype=dtype)`` keeps in float32, as one pattern (searched
-    in each key, ``*`` as any text), or None.
+    in each key, ``*`` as any text), or None; of a model, or of its class (``convert``).
 
     ``_keep_in_fp32_modules`` applies to float16 only, ``_keep_in_fp32_modules_strict`` to
     float16 and bfloat16, exactly as ``transformers`` reads them.
