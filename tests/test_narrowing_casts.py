@@ -155,3 +155,18 @@ def test_integers_a_load_wraps_around_are_named(tmp_path: Path) -> None:
     assert len(said) == 1 and said[0].startswith("load as float16: 1 value(s) of 'x' are past float16's range")
     within = {"x": torch.zeros(2, dtype=torch.int32)}
     assert _warned(lambda: sp.load_into(within, tmp_path / "big"))[1] == [] and within["x"].tolist() == [100000, 7]
+
+
+def test_dcp_load_through_the_storage_reader_names_them_too(tmp_path: Path) -> None:
+    """dcp.load(storage_reader=ShardpointStorageReader) cast with copy_ and said nothing."""
+    import torch.distributed.checkpoint as dcp
+
+    from shardpoint.integrations.dcp import ShardpointStorageReader
+
+    path = _saved(tmp_path, "safetensors")
+    target = {"a": torch.zeros(5, dtype=torch.float16), "b": torch.zeros(3, dtype=torch.float16)}
+    _, messages = _warned(lambda: dcp.load(target, storage_reader=ShardpointStorageReader(path), no_dist=True))
+    assert messages == [_expected(path)]
+    same = {"a": torch.zeros(5, dtype=torch.float16), "b": torch.zeros(3, dtype=torch.float16)}
+    _warned(lambda: sp.load_into(same, path, strict=False))
+    assert torch.equal(target["a"], same["a"]) and torch.equal(target["b"], same["b"])

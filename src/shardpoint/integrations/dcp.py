@@ -253,8 +253,10 @@ class ShardpointStorageReader(_base()):  # type: ignore[misc]
         batch.run(False)
         for item, target, region in pending:
             if region is not target:
+                batch.out_of_range.check(item.storage_index.fqn, region, target.dtype)
                 target.copy_(region)
             planner.commit_tensor(item, target)
+        batch.warn_out_of_range()  # a narrowing cast says what it did, as load_into does
         done: torch.futures.Future[None] = torch.futures.Future()
         done.set_result(None)
         return done
