@@ -169,4 +169,4 @@ def test_dcp_load_through_the_storage_reader_names_them_too(tmp_path: Path) -> N
     assert messages == [_expected(path)]
     same = {"a": torch.zeros(5, dtype=torch.float16), "b": torch.zeros(3, dtype=torch.float16)}
     _warned(lambda: sp.load_into(same, path, strict=False))
-    assert torch.equal(target["a"], same["a"]) and torch.equal(target["b"], same["b"])
+    assert all(torch.equal(target[k].nan_to_num(), same[k].nan_to_num()) for k in "ab")  # nan != nan
