@@ -461,6 +461,11 @@ def disagreeing_worker(rank: int, world: int, root_str: str) -> None:
         shared = torch.arange(4.0)
         record(root, "tie", rank, lambda: sp.save({"a": shared, "b": shared if rank == 0 else shared.clone()},
                                                   root / "tie", process_group=group))
+        # A module's buffers are not compared: under DDP BatchNorm's running statistics are each
+        # rank's own until the next forward broadcasts rank 0's (a ResNet could not be saved).
+        norm = torch.nn.BatchNorm1d(3)
+        norm.running_mean.fill_(float(rank))
+        record(root, "buffers", rank, lambda: sp.save(norm, root / "buffers", process_group=group))
         torch.manual_seed(rank)
         record(root, "seeded", rank, lambda: sp.save(torch.nn.Linear(4, 2), root / "seeded", process_group=group,
                                                      layout="hf"))
@@ -508,6 +513,8 @@ def test_ranks_that_disagree_on_a_tensor_save_nothing(tmp_path: Path) -> None:
         "bounds": "tensor 'w' of component 'model': rank 2's chunk at [6, 0] of shape [3, 3] lies outside its shape "
                   "[7, 3]",
     }
+    assert [d["ok"] for d in outcomes(tmp_path, "buffers", list(range(WORLD)))] == [True] * WORLD
+    assert sp.load(tmp_path / "buffers")["running_mean"].tolist() in ([float(r)] * 3 for r in range(WORLD))
     (alone,) = outcomes(tmp_path, "alone", [1])
     assert alone["type"] == "CheckpointExistsError" and alone["message"] == (
         f"{tmp_path / 'alone'} already exists; pass overwrite=True to replace it, or save to a new path. "

@@ -110,7 +110,7 @@ def stage(prepared: PreparedState, pool: StagingPool) -> PreparedState:
             tensors[alias] = tensors[stored]
         components.append(
             Component(comp.name, comp.tree, tensors, list(comp.stored), dict(comp.aliases), placements[comp.name],
-                      dict(comp.hf_storage), comp.parameters, layouts[comp.name])
+                      dict(comp.hf_storage), comp.parameters, comp.buffers, layouts[comp.name])
         )
     return PreparedState(components, prepared.flat)
 

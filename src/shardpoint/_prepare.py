@@ -38,6 +38,10 @@ class Component:
     parameters: int | None = None
     """Parameter count of the module this component was taken from (``num_parameters()``
     in ``transformers``); None for a state dict, where every stored element counts."""
+    buffers: frozenset[str] = frozenset()
+    """Names of the tensors that are a module's buffers (``BatchNorm``'s running statistics:
+    under DDP each rank holds its own batch's until the next forward broadcasts rank 0's, so
+    a collective save does not compare them across ranks)."""
     layouts: dict[str, Any] = field(default_factory=dict)
     """For staged shards of DTensors: name -> the DTensor's mesh layout
     (``_distributed.regular.MeshLayout``), so a staged save can still be planned by rules."""
@@ -305,6 +309,13 @@ def _without_wrappers(state: Any) -> Any:
     return state
 
 
+def _where(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """A tensor's memory, as a key (a state dict's ``detach()`` of a buffer is another object)."""
+    if tensor.device.type == "meta" or type(tensor).__name__ == "DTensor":
+        return (id(tensor),)
+    return tensor.device, tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype
+
+
 def prepare_state(state: Any, *, allow_pickle: bool = False, keep: Collection[str] = ()) -> PreparedState:
     """Flatten, check and dedup ``state`` into components.
 
@@ -324,10 +335,12 @@ def prepare_state(state: Any, *, allow_pickle: bool = False, keep: Collection[st
             )
     raw, flat = split_components(state)
     to_state = make_to_state(parameter_names(modules))
+    buffers = {_where(b) for _, m in modules for b in m.buffers()}
     components = []
     for cname, value in raw.items():
         tree, tensors = flatten_state(value, path=cname, to_state=to_state, allow_pickle=allow_pickle)
         comp = Component(cname, tree, tensors)
+        comp.buffers = frozenset(n for n, t in tensors.items() if buffers and _where(t) in buffers)
         module = state if flat and isinstance(state, torch.nn.Module) else value
         comp_keep: Collection[str] = keep if flat else ()
         for name, tensor in tensors.items():
