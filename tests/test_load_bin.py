@@ -248,6 +248,14 @@ def test_a_pickle_of_shared_containers_unfolding_exponentially_is_refused(tmp_pa
                               capture_output=True, text=True, timeout=120, check=False)
         assert (done.returncode, done.stdout, done.stderr) == (2, "", f"shardpoint: error: {text}\n"), argv
     assert not (tmp_path / "out").exists()
+    # Sharing that does not unfold: one tuple 140 000 times in a list, 140 000 temporary dicts
+    # (each Namespace's fields) whose ids are reused. Both were refused by the first version.
+    import argparse
+
+    legit = {"pairs": [(0, 0)] * 140_000, "recs": [argparse.Namespace(a=i) for i in range(140_000)]}
+    sp.save(legit, tmp_path / "legit")
+    back = sp.load(tmp_path / "legit")
+    assert len(back["pairs"]) == len(back["recs"]) == 140_000 and back["pairs"][-1] == (0, 0)
 
 
 def test_a_pickled_view_unfolding_far_past_its_data_is_refused(tmp_path: Path) -> None:

@@ -122,16 +122,22 @@ def flatten_state(
         # would otherwise spend more on naming paths than on everything else here.
         return f"{path}" + "".join(f"[{p!r}]" for p in parts)
 
-    containers: set[int] = set()  # ids of the dicts, lists and tuples walked (all alive: held by value)
+    # Every container met, held so that its id is not reused by a later temporary one (a
+    # dataclass's fields, a Stateful's state_dict()); the references they hold in all.
+    containers: dict[int, Any] = {}
+    references = 0
     walked = 0  # containers walked, each time it is met
 
     def repeated(obj: Any) -> None:
-        """Refuse a state that holds the same containers over and over: a pickle of a few
-        kilobytes (``x = [x, x]`` forty times) unfolds into 2^40 nodes ("billion laughs")."""
-        nonlocal walked
+        """Refuse a state that walks far more containers than its distinct ones hold
+        references: a pickle of a few kilobytes (``x = [x, x]`` forty times) unfolds into
+        2^40 nodes ("billion laughs"); a list of one tuple 140 000 times walks 140 001."""
+        nonlocal walked, references
         walked += 1
-        containers.add(id(obj))
-        if walked > MAX_REPEATED_NODES and walked > 64 * len(containers):
+        if id(obj) not in containers:
+            containers[id(obj)] = obj
+            references += len(obj)
+        if walked > MAX_REPEATED_NODES and walked > 64 * (references + len(containers)):
             raise InvalidStateError(
                 f"state at {path} refers to the same {len(containers)} dicts, lists and tuples over and over: "
                 f"walked as a tree it has more than {walked} of them and keeps growing (a pickle built to unfold "
