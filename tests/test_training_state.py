@@ -666,3 +666,27 @@ def test_a_scheduler_of_another_class_is_refused(tmp_path: Path) -> None:
         "Build the scheduler class it was saved from (or leave the scheduler out of the target to load the rest); "
         "nothing was loaded")
     assert sp.load_into({"sched": lr.StepLR(opt, step_size=1)}, tmp_path / "ckpt").ok
+
+
+def test_an_ema_nested_in_the_state_added_or_dropped_still_finds_the_optimizer_state(tmp_path: Path) -> None:
+    """{"models": {"net": M, "ema": E}}: parameter names carry the module's path
+    (models.net.0.weight); dropping the EMA at resume leaves one module (0.weight)."""
+    def build(with_ema: bool) -> tuple[dict[str, Any], torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(3, 3))
+        models = {"net": net, **({"ema": torch.nn.Sequential(torch.nn.Linear(3, 3))} if with_ema else {})}
+        opt = torch.optim.Adam(net.parameters(), lr=0.1)
+        net(torch.ones(1, 3)).sum().backward()
+        opt.step()
+        return {"models": models, "optim": opt}, opt
+
+    for saved_with, loaded_with in ((True, False), (False, True)):
+        state, opt = build(saved_with)
+        sp.save(state, tmp_path / f"ckpt-{saved_with}", overwrite=True)
+        target, fresh = build(loaded_with)
+        for group in fresh.state.values():
+            group["exp_avg"].zero_()
+        sp.load_into(target, tmp_path / f"ckpt-{saved_with}", strict=False)
+        assert all(torch.equal(fresh.state[p]["exp_avg"], opt.state[q]["exp_avg"])
+                   for p, q in zip(target["models"]["net"].parameters(), state["models"]["net"].parameters(),
+                                   strict=True)), (saved_with, loaded_with)

@@ -297,26 +297,30 @@ without it."""
 
 
 def _without_component(saved: Mapping[str, int]) -> dict[str, str | None]:
-    """Saved parameter name without its first component -> the name (None where two saved
+    """Saved parameter name without its module's path -> the name (None where two saved
     names share it): a state saved with one module names its parameters ``0.weight``, with
-    several ``model.0.weight`` (an EMA or teacher added to the state, or dropped from it)."""
+    several ``model.0.weight``, or ``models.net.0.weight`` for a module inside a dict (an
+    EMA or teacher added to the state, or dropped from it). Each leading path is tried."""
     out: dict[str, str | None] = {}
     for name in saved:
-        _, dot, rest = name.partition(".")
-        if dot:
-            out[rest] = None if rest in out else name
+        rest = name
+        while "." in rest:
+            rest = rest.partition(".")[2]
+            out[rest] = None if out.get(rest, name) != name else name
     return out
 
 
 def _component_match(name: str, saved: Mapping[str, int], by_component: Mapping[str, str | None]) -> str:
     """The saved name ``name`` stands for across a change in the number of modules of the
-    state (a component prefix added or dropped, one saved name only), else ``name``."""
+    state (a module path added or dropped, one saved name only), else ``name``."""
     match = by_component.get(name)
     if match is not None:
         return match  # saved prefixed (several modules), loaded unprefixed
-    _, dot, rest = name.partition(".")
-    if dot and rest in saved:
-        return rest  # saved unprefixed (one module), loaded prefixed
+    rest = name
+    while "." in rest:
+        rest = rest.partition(".")[2]
+        if rest in saved:
+            return rest  # saved unprefixed (one module), loaded prefixed
     return name
 
 
