@@ -519,8 +519,8 @@ def test_ranks_that_disagree_on_a_tensor_save_nothing(tmp_path: Path) -> None:
     assert alone["type"] == "CheckpointExistsError" and alone["message"] == (
         f"{tmp_path / 'alone'} already exists; pass overwrite=True to replace it, or save to a new path. "
         f"torch.distributed runs {WORLD} ranks and this save was this process's alone (a state of plain tensors, no "
-        "process_group=): another rank may have just saved the same path. Save from one rank (if dist.get_rank() == "
-        "0), or collectively with process_group=dist.group.WORLD"), alone
+        "process_group=): if every rank saves this path, another rank's save is what is there; save from one rank "
+        "(if dist.get_rank() == 0), or collectively with process_group=dist.group.WORLD"), alone
     for name, text in expected.items():
         ranks = [0, 1] if name == "mesh" else list(range(WORLD))
         for doc in outcomes(tmp_path, name, ranks):

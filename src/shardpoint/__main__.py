@@ -7,4 +7,5 @@ import sys
 
 from ._cli.main import main
 
-sys.exit(main())
+if __name__ == "__main__":  # imported (autodoc, pkgutil walks): nothing runs
+    sys.exit(main())

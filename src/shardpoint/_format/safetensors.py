@@ -419,9 +419,14 @@ def sniff(head: bytes | None) -> str | None:
         return "pickle"
     if len(head) >= 9:
         (size,) = struct.unpack("<Q", head[:8])
-        if head[8:9] == b"{" and size >= 2:
+        if head[8:9] == b"{" and 2 <= size <= _SNIFFED_HEADER_MAX:  # text ("metrics={") reads as exabytes
             return "safetensors"
     return None
+
+
+_SNIFFED_HEADER_MAX = 100_000_000
+"""The largest header a file's first bytes are taken as safetensors with (the default
+``IOOptions.max_header_bytes``)."""
 
 
 def _other_format(prefix: bytes) -> str:

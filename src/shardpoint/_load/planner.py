@@ -323,7 +323,9 @@ class Planner:
         if fit is None:
             return None  # a plain dict's tensor: filled where it is
         if type(tensor) not in (torch.Tensor, torch.nn.Parameter):  # a DTensor, a wrapper subclass
-            if want != tensor.dtype and self.dtype is not None:
+            # Refused where the dtype asked for is not the DTensor's (a key transformers keeps in
+            # float32 in a model converted whole before sharding is the model's choice: cast into it).
+            if want != tensor.dtype and self.dtype is not None and want == self.dtype:
                 raise InvalidStateError(
                     f"dtype= asks for {want} but target tensor {key!r} is a {type(tensor).__name__} of "
                     f"{tensor.dtype}, which is filled where it is and keeps its dtype (FSDP2 and tensor parallelism "

@@ -128,8 +128,9 @@ def _alone_among_ranks() -> str:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return ""
     return (f". torch.distributed runs {dist.get_world_size()} ranks and this save was this process's alone (a state "
-            "of plain tensors, no process_group=): another rank may have just saved the same path. Save from one "
-            "rank (if dist.get_rank() == 0), or collectively with process_group=dist.group.WORLD")
+            "of plain tensors, no process_group=): if every rank saves this path, another rank's save is what is "
+            "there; save from one rank (if dist.get_rank() == 0), or collectively with "
+            "process_group=dist.group.WORLD")
 
 
 def _same_owners(directory: str, names: set[str], old: os.stat_result) -> None:
@@ -143,6 +144,9 @@ def _same_owners(directory: str, names: set[str], old: os.stat_result) -> None:
         return
     for path in (directory, *(os.path.join(directory, n) for n in names)):
         with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            if path != directory and (not stat.S_ISREG(st.st_mode) or st.st_nlink > 1):
+                continue  # a link to another checkpoint's file (link_unchanged): that one's, not ours
             os.chown(path, uid, old.st_gid, follow_symlinks=False)
 
 
