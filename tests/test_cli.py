@@ -969,10 +969,14 @@ def test_ctrl_c_while_the_command_starts_exits_130_with_one_line(tmp_path: Path)
     import time
 
     sp.save({"w": torch.ones(2)}, tmp_path / "ck")
-    entry = "import sys; from _shardpoint_cli import main; sys.argv[0] = 'shardpoint'; main()"
+    # The child says when the interpreter is up (a Ctrl-C before Python runs any code of ours
+    # is Python's own); the command's entry point is what it imports next.
+    entry = ("import sys; sys.stderr.write('>'); sys.stderr.flush(); from _shardpoint_cli import main; "
+             "sys.argv[0] = 'shardpoint'; main()")
     for delay in (0.05, 0.3):
         proc = subprocess.Popen([sys.executable, "-c", entry, "verify", str(tmp_path / "ck")],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stderr is not None and proc.stderr.read(1) == ">"
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=120)
@@ -1107,3 +1111,13 @@ def test_running_out_of_memory_is_one_line_not_a_traceback(
     monkeypatch.setattr(inspect_command, "run", bug)
     with pytest.raises(RuntimeError, match="a bug of ours"):  # its traceback is what a report needs
         run(capsys, "inspect", ckpt)
+
+
+def test_convert_takes_the_dtype_names_the_api_takes(ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--dtype bfloat16 was 'invalid choice' while sp.convert(dtype='bfloat16') worked."""
+    code, _, err = run(capsys, "convert", ckpt, tmp_path / "bf16", "--dtype", "bfloat16")
+    assert (code, err) == (0, "")
+    assert {t.dtype for t in sp.load(tmp_path / "bf16").values() if t.is_floating_point()} == {torch.bfloat16}
+    code, _, err = run(capsys, "convert", ckpt, tmp_path / "int8", "--dtype", "int8")
+    assert code == 2 and err.endswith(
+        "shardpoint convert: error: argument --dtype: unknown dtype 'int8'; use bf16, fp16, fp32 or fp64\n"), err

@@ -130,6 +130,13 @@ def _cases(ckpt: Path, tmp: Path) -> list[tuple[str, Callable[[], Any], type[Exc
          sp.InvalidArgumentTypeError, TypeError, "diff: atol must be a number, not str"),
         ("hf:// storage_options", lambda: sp.load("hf://org/name", storage_options={"token": "x"}),
          sp.InvalidArgumentError, ValueError, "storage_options ['token'] do not apply to hf://org/name"),
+        ("empty_model of a built model", lambda: sp.empty_model(torch.nn.Linear(2, 2)),
+         sp.InvalidArgumentTypeError, TypeError, "empty_model takes a class or a function that builds the model "
+         "(e.g. sp.empty_model(LlamaForCausalLM, config)), not a model already built (a Linear): calling it would "
+         "run its forward"),
+        ("load_into a class", lambda: sp.load_into(torch.nn.Linear, ckpt),
+         sp.InvalidArgumentTypeError, TypeError, "load_into loads into objects that exist, and got the class Linear: "
+         "build it first, e.g. model = sp.empty_model(Linear, config)"),
     ]
 
 

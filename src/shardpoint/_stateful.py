@@ -17,7 +17,7 @@ from typing import Any, Protocol, cast, runtime_checkable
 import torch
 
 from ._flatten import Tagged
-from .errors import LoadMismatchError
+from .errors import InvalidArgumentTypeError, LoadMismatchError
 
 
 @runtime_checkable
@@ -479,6 +479,11 @@ def empty_model(factory: Callable[..., torch.nn.Module], *args: Any, **kwargs: A
         >>> model.weight.device.type
         'meta'
     """
+    if isinstance(factory, torch.nn.Module):
+        raise InvalidArgumentTypeError(
+            f"empty_model takes a class or a function that builds the model (e.g. sp.empty_model(LlamaForCausalLM, "
+            f"config)), not a model already built (a {type(factory).__name__}): calling it would run its forward"
+        )
     builder = threading.get_ident()
 
     def to_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> Any:

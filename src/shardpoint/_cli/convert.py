@@ -35,6 +35,7 @@ import argparse
 import os
 
 from .._convert import run_convert
+from .._format.dtypes import parse_dtype
 from .._sizes import human_size
 from ..errors import InvalidArgumentError
 from .main import EXIT_OK, add_cache_dir
@@ -58,8 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype",
-        choices=["bf16", "fp16", "fp32"],
-        help="cast every floating-point tensor to this dtype (integer tensors are kept)",
+        type=_dtype_name,
+        metavar="{bf16,fp16,fp32,fp64}",
+        help="cast every floating-point tensor to this dtype (integer tensors are kept; bfloat16, float16, "
+        "half, ... as the Python API takes them)",
     )
     parser.add_argument(
         "--layout",
@@ -139,3 +142,12 @@ def run(args: argparse.Namespace) -> int:
         f"{files} file{'s' if files != 1 else ''} ({info.seconds:.1f} s)"
     ])
     return EXIT_OK
+
+
+def _dtype_name(text: str) -> str:
+    """``--dtype``: a floating-point dtype's name as ``sp.convert(dtype=)`` takes it."""
+    try:
+        parse_dtype(text)
+    except InvalidArgumentError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text

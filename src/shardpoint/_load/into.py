@@ -33,6 +33,7 @@ from .._storage.store import open_store
 from ..errors import (
     CheckpointError,
     InvalidArgumentError,
+    InvalidArgumentTypeError,
     InvalidStateError,
     LoadMismatchError,
     StorageError,
@@ -171,6 +172,12 @@ def load_into(
     """
     check_flags("load_into", strict=strict, allow_pickle=allow_pickle, progress=progress, verify=verify,
                 optional=("progress", "verify"))
+    if isinstance(target, type):
+        raise InvalidArgumentTypeError(
+            f"load_into loads into objects that exist, and got the class {target.__name__}: build it first, e.g. "
+            f"model = sp.empty_model({target.__name__}, config) (weights on meta, filled by the load), then "
+            "sp.load_into(model, path)"
+        )
     with applied(options):
         group = resolve_group(process_group, target)
 
