@@ -295,6 +295,10 @@ def run(args: argparse.Namespace) -> int:
         ok = _part_two(workdir, args.steps, args.seed) and ok
         from .demo_ranks import part_three
 
-        ok = part_three(workdir) and ok
+        try:
+            ok = part_three(workdir) and ok
+        except RuntimeError as exc:  # a rank process failed: what it said, not a traceback of ours
+            print(f"  FAILED: {exc}")
+            ok = False
     print(f"\ndemo {'passed' if ok else 'FAILED'} in {time.perf_counter() - started:.1f} s")
     return 0 if ok else 1

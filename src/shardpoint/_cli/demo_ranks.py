@@ -12,6 +12,7 @@ global batch is split evenly over the ranks, so every world size computes the sa
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import socket
@@ -139,6 +140,11 @@ def rank_main(args: argparse.Namespace) -> int:
             report(saved=step, seconds=time.perf_counter() - started,
                    fingerprint=_fingerprint(model, state["optim"]))
     dist.barrier()
+    # Reference cycles still holding gloo work and DTensors, left to the interpreter's
+    # finalization, abort a rank now and then ("terminate called without an active
+    # exception", SIGABRT) once its work is done: collect them first.
+    del model, optim, manager
+    gc.collect()
     dist.destroy_process_group()
     return 0
 
@@ -226,4 +232,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # the work is reported: no finalization of torch's threads left to abort it
