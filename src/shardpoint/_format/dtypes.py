@@ -152,6 +152,11 @@ def parse_dtype(dtype: object) -> torch.dtype | None:
             f"dtype must be a torch.dtype or its name (e.g. torch.bfloat16 or 'bf16'), not {type(dtype).__name__}"
         )
     found = CAST_NAMES.get(dtype.strip().lower().removeprefix("torch."))
+    if found is None and dtype.strip().lower() == "auto":
+        raise InvalidArgumentError(
+            "dtype='auto' (the checkpoint's own dtype, as from_pretrained takes it) is load_into's; here leave dtype "
+            "out to keep each tensor's stored dtype, or name one: bf16, fp16, fp32 or fp64"
+        )
     if found is None:
         raise InvalidArgumentError(f"unknown dtype {dtype[:40]!r}; use bf16, fp16, fp32 or fp64")
     return found

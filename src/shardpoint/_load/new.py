@@ -28,7 +28,7 @@ from .._source import open_checkpoint
 from .._storage.store import open_store
 from ..errors import InvalidArgumentError
 from .memory import check_memory
-from .pickled import load_pickled, route
+from .pickled import load_pickled, route, tied_head_hint
 from .settings import device_arg, keys_arg, resolve_verify, staging_size
 
 
@@ -63,7 +63,7 @@ def _selection(ckpt: Checkpoint, keys: Sequence[str] | None) -> dict[str, list[s
             raise InvalidArgumentError(
                 f"{ckpt.location} has no tensor named {', '.join(map(repr, unknown[:10]))}"
                 + (f" (and {len(unknown) - 10} more)" if len(unknown) > 10 else "")
-                + "; `shardpoint inspect` lists the names"
+                + "; `shardpoint inspect` lists the names" + tied_head_hint(unknown, list(comp.tensors))
             )
         return {"model": wanted}
     unknown = [k for k in wanted if k not in ckpt.components]

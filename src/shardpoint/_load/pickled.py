@@ -34,6 +34,23 @@ from .._storage.paths import member_path
 from .._storage.store import Store
 from ..errors import InvalidArgumentError, InvalidStateError
 
+_EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight", "shared.weight")
+
+
+def tied_head_hint(unknown: list[str], names: list[str]) -> str:
+    """Where an output head is asked for that the files do not store (``save_pretrained``
+    stores tied weights once, under the input embedding's name), that name.
+
+    >>> tied_head_hint(["lm_head.weight"], ["model.embed_tokens.weight", "model.norm.weight"])
+    " (a model with tied word embeddings stores 'lm_head.weight' once, as 'model.embed_tokens.weight': load that)"
+    """
+    heads = [k for k in unknown if k.endswith("lm_head.weight")]
+    embedding = next((n for n in names if n.endswith(_EMBEDDINGS)), None)
+    if not heads or embedding is None:
+        return ""
+    return f" (a model with tied word embeddings stores {heads[0]!r} once, as {embedding!r}: load that)"
+
+
 
 def route(store: Store) -> tuple[Store, SourceSpec | None]:
     """What a load of ``store`` reads, as ``_format.detect`` decides: ``(store, None)`` for
@@ -94,7 +111,7 @@ def load_pickled(
         if unknown:
             raise InvalidArgumentError(
                 f"{os.fspath(path)} has no tensor named {', '.join(map(repr, unknown[:10]))}; "
-                "`shardpoint inspect` lists the names"
+                "`shardpoint inspect` lists the names" + tied_head_hint(unknown, list(comp.tensors))
             )
         stored = list(dict.fromkeys(comp.aliases.get(k, k) for k in wanted))
         out: dict[str, torch.Tensor] = {}
