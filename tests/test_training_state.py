@@ -690,3 +690,28 @@ def test_an_ema_nested_in_the_state_added_or_dropped_still_finds_the_optimizer_s
         assert all(torch.equal(fresh.state[p]["exp_avg"], opt.state[q]["exp_avg"])
                    for p, q in zip(target["models"]["net"].parameters(), state["models"]["net"].parameters(),
                                    strict=True)), (saved_with, loaded_with)
+
+
+def test_modules_held_in_tuples_namespaces_or_lists_are_loaded_in_place_or_refused(tmp_path: Path) -> None:
+    """A tuple of modules, a Namespace holding a model: the container was replaced by one of
+    state dicts (ok=True, the modules never loaded); a list of another length likewise."""
+    import argparse
+
+    torch.manual_seed(0)
+    gen, disc = torch.nn.Linear(2, 2), torch.nn.Linear(2, 3)
+    sp.save({"models": (gen, disc), "ns": argparse.Namespace(net=gen, lr=0.5)}, tmp_path / "ckpt")
+    torch.manual_seed(1)
+    gen2, disc2, net2 = torch.nn.Linear(2, 2), torch.nn.Linear(2, 3), torch.nn.Linear(2, 2)
+    target = {"models": (gen2, disc2), "ns": argparse.Namespace(net=net2, lr=0.1)}
+    assert sp.load_into(target, tmp_path / "ckpt").ok
+    assert target["models"][0] is gen2 and target["ns"].net is net2 and target["ns"].lr == 0.5
+    assert torch.equal(gen2.weight, gen.weight) and torch.equal(disc2.weight, disc.weight)
+    assert torch.equal(net2.weight, gen.weight)
+    more = {"models": [torch.nn.Linear(2, 2), torch.nn.Linear(2, 3), torch.nn.Linear(2, 2)],
+            "ns": argparse.Namespace(net=net2, lr=0.1)}
+    with pytest.raises(sp.LoadMismatchError) as caught:
+        sp.load_into(more, tmp_path / "ckpt")
+    assert str(caught.value) == (
+        f"{tmp_path / 'ckpt'}: the target's 'models' is a list holding modules, optimizers or tensors (loaded in "
+        "place), but the checkpoint holds 2 items there: it does not fit (an entry added or dropped since the save?). "
+        "Make the target's structure the saved one, or load that part with sp.load(...)['models']; nothing was loaded")

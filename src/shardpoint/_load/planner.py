@@ -181,6 +181,37 @@ def _copy_into(tensor: torch.Tensor, value: torch.Tensor, key: str) -> None:
         ) from exc
 
 
+
+def _holds_live(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` (a container, a Namespace, a dataclass) holds something a load fills
+    in place: a module, an optimizer or a tensor (a few levels down)."""
+    if isinstance(value, (torch.nn.Module, torch.optim.Optimizer, torch.Tensor)):
+        return True
+    if depth > 4:
+        return False
+    if isinstance(value, Mapping):
+        children: Any = value.values()
+    elif isinstance(value, (list, tuple)):
+        children = value
+    else:
+        fields = _fields_of(value)
+        if fields is None:
+            return False
+        children = fields.values()
+    return any(_holds_live(c, depth + 1) for c in list(children)[:10_000])
+
+
+def _fields_of(value: Any) -> dict[str, Any] | None:
+    """A Namespace's or a dataclass instance's fields (name -> value), else None."""
+    import argparse
+    import dataclasses
+
+    if type(value) is argparse.Namespace:
+        return dict(vars(value))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    return None
+
 def _item_setter(
     container: MutableMapping[Any, Any] | MutableSequence[Any], key: Any
 ) -> Callable[[Any], None]:
@@ -921,6 +952,32 @@ class Planner:
             for i, child in enumerate(inner["items"]):
                 self.node(target[i], child, comp, f"{path}.{i}", _item_setter(target, i))
             return
+        if _holds_live(target):
+            # Modules, optimizers, tensors are loaded in place, never replaced by a rebuilt value:
+            # a tuple of them, a Namespace or dataclass holding them is walked; a list of another
+            # length is refused (a rebuilt container of state dicts took their place, ok=True).
+            if isinstance(target, tuple) and inner.get("type") in ("list", "tuple") and len(target) == len(inner["items"]):
+                for i, child in enumerate(inner["items"]):
+                    self.node(target[i], child, comp, f"{path}.{i}", None)
+                return
+            fields = _fields_of(target)
+            if fields is not None and kind in ("namespace", "dataclass") and node["value"].get("type") == "dict":
+                for _, key, child in node["value"]["items"]:
+                    child_path = f"{path}.{key}" if path else str(key)
+                    if key in fields:
+                        self.node(fields[key], child, comp, child_path, functools.partial(setattr, target, key))
+                    else:
+                        self.unexpected.append(child_path)
+                saved = {key for _, key, _ in node["value"]["items"]}
+                self.missing.extend(f"{path}.{k}" if path else k for k in fields if k not in saved)
+                return
+            held = f"{len(inner['items'])} items" if inner.get("type") in ("list", "tuple") else f"a {kind} node"
+            raise LoadMismatchError(
+                f"{self.location}: the target's {path!r} is a {type(target).__name__} holding modules, optimizers or "
+                f"tensors (loaded in place), but the checkpoint holds {held} there: it does not fit (an entry added "
+                "or dropped since the save?). Make the target's structure the saved one, or load that part with "
+                f"sp.load(...)[{path!r}]; nothing was loaded"
+            )
         if setter is None:
             raise InvalidStateError(
                 f"cannot load {path!r} into a {type(target).__name__}: it is neither a module, "
