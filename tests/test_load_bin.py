@@ -238,7 +238,7 @@ def test_a_pickle_of_shared_containers_unfolding_exponentially_is_refused(tmp_pa
     torch.save({"model": node}, tmp_path / "model.pt")
     text = (f"{tmp_path / 'model.pt'} is read by torch.load(weights_only=True), but what it holds cannot be a "
             "checkpoint's state (state at model refers to the same 41 dicts, lists and tuples over and over: walked "
-            "as a tree it has more than 131073 of them and keeps growing (a pickle built to unfold exponentially?); "
+            "as a tree it has more than 131073 values and keeps growing (a pickle built to unfold exponentially?); "
             "store each value once); read it with torch.load and save the parts you need with sp.save")
     with pytest.raises(sp.UnsupportedFormatError) as caught:
         sp.load(tmp_path / "model.pt")
@@ -253,6 +253,16 @@ def test_a_pickle_of_shared_containers_unfolding_exponentially_is_refused(tmp_pa
     import argparse
 
     legit = {"pairs": [(0, 0)] * 140_000, "recs": [argparse.Namespace(a=i) for i in range(140_000)]}
+    # Fan-out without nesting ([[0] * F] * F: F + 1 lists, F^2 values) and a long text held many
+    # times unfold too: refused; so is an int JSON cannot hold.
+    row = [0] * 2000
+    text = "x" * (1 << 20)
+    for what, state in (("fan-out", {"x": [row] * 2000}), ("text", {"x": [text] * 2000})):
+        with pytest.raises(sp.InvalidStateError, match="refers to the same .* over and over"):
+            sp.save(state, tmp_path / what)
+    with pytest.raises(sp.InvalidStateError, match=r"state at n is an int of 16610 bits, more than the manifest"):
+        sp.save({"n": 10**5000}, tmp_path / "int")
+    assert not any((tmp_path / w).exists() for w in ("fan-out", "text", "int"))
     sp.save(legit, tmp_path / "legit")
     back = sp.load(tmp_path / "legit")
     assert len(back["pairs"]) == len(back["recs"]) == 140_000 and back["pairs"][-1] == (0, 0)
@@ -279,6 +289,26 @@ def test_a_pickled_view_unfolding_far_past_its_data_is_refused(tmp_path: Path) -
         {"metadata": {}, "weight_map": {"a": "pytorch_model-00001-of-00001.bin", "b": "pytorch_model-00001-of-00001.bin"}}))
     with pytest.raises(sp.UnsupportedFormatError, match=r"pytorch_model-00001-of-00001.bin: tensor 'b' is a view of 4 B"):
         sp.load(shards)
+    # Many overlapping views of one storage (2.3 MB -> 2.1 GB), and expanded tensors spread
+    # over .bin shards: one budget for the views of a storage, and for all shards.
+    base = torch.zeros(1 << 19)
+    torch.save({f"v{i}": base[i:i + (1 << 18)] for i in range(1100)}, tmp_path / "views.pt")
+    with pytest.raises(sp.UnsupportedFormatError, match=r"views.pt: tensor 'v\d+' is a view of 2.10 MB of data"):
+        sp.load(tmp_path / "views.pt")
+    spread = tmp_path / "spread"
+    spread.mkdir()
+    weight_map = {}
+    for i in range(3):
+        name = f"pytorch_model-0000{i + 1}-of-00003.bin"
+        torch.save({f"w{i}": torch.zeros(1).expand(100 << 18)}, spread / name)  # 100 MiB each
+        weight_map[f"w{i}"] = name
+    (spread / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    with pytest.raises(sp.UnsupportedFormatError, match=r"pytorch_model-00003-of-00003.bin: tensor 'w2' is a view"):
+        sp.load(spread)
+    # One tensor under three names (tied weights) is read once: not an unfolding.
+    tied = torch.zeros(40 << 20)  # 160 MiB
+    torch.save({"a": tied, "b": tied, "c": tied}, tmp_path / "tied.pt")
+    assert sorted(sp.load(tmp_path / "tied.pt", keys=["a"])) == ["a"]
     # A view a little larger than its data is what some files hold: read as the tensor it is.
     torch.save({"bias": torch.arange(3.0).expand(1000, 3)}, tmp_path / "small.pt")
     assert torch.equal(sp.load(tmp_path / "small.pt")["bias"], torch.arange(3.0).expand(1000, 3))

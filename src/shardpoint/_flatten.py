@@ -49,6 +49,7 @@ class Tagged:
     """JSON attributes recorded on the node (e.g. ``{"by_name": True}``)."""
 
 MAX_DEPTH = 200
+_MAX_INT_BITS = 14_000
 MAX_REPEATED_NODES = 1 << 17
 """Containers walked (each time met) past which a state that meets each one 64 times on
 average is refused as unfolding exponentially."""
@@ -133,20 +134,33 @@ def flatten_state(
         references: a pickle of a few kilobytes (``x = [x, x]`` forty times) unfolds into
         2^40 nodes ("billion laughs"); a list of one tuple 140 000 times walks 140 001."""
         nonlocal walked, references
-        walked += 1
         if id(obj) not in containers:
             containers[id(obj)] = obj
             references += len(obj)
+        growing()
+
+    def growing() -> None:
         if walked > MAX_REPEATED_NODES and walked > 64 * (references + len(containers)):
             raise InvalidStateError(
                 f"state at {path} refers to the same {len(containers)} dicts, lists and tuples over and over: "
-                f"walked as a tree it has more than {walked} of them and keeps growing (a pickle built to unfold "
+                f"walked as a tree it has more than {walked} values and keeps growing (a pickle built to unfold "
                 "exponentially?); store each value once"
             )
 
+    texts: set[int] = set()  # ids of the long strings met (held by their containers)
+
     def walk(obj: Any, parts: list[str], depth: int) -> Tree:
+        nonlocal walked, references
         if depth > MAX_DEPTH:
             raise InvalidStateError(f"state at {where_of(parts)} nests deeper than {MAX_DEPTH} levels")
+        walked += 1  # every node: leaves under shared containers unfold too ([[0] * F] * F)
+        if isinstance(obj, (str, bytes)) and len(obj) > 4096:  # a long text met again is written again
+            weight = len(obj) // 4096
+            walked += weight
+            if id(obj) not in texts:
+                texts.add(id(obj))
+                references += weight
+            growing()
         if _is_tensor(obj):
             name = name_for(parts)
             tensors[name] = obj
@@ -159,6 +173,12 @@ def flatten_state(
         if obj is None or isinstance(obj, (bool, str)):
             return {"type": "json", "value": obj}
         if isinstance(obj, int):
+            if obj.bit_length() > _MAX_INT_BITS:  # JSON (and Python's int to str) stops at 4300 digits
+                raise InvalidStateError(
+                    f"state at {where_of(parts)} is an int of {obj.bit_length()} bits, more than the manifest's "
+                    f"JSON holds ({_MAX_INT_BITS} bits, about 4300 digits): store it as bytes "
+                    "(n.to_bytes(...)) or a string"
+                )
             return {"type": "json", "value": int(obj)}
         if isinstance(obj, float):
             if math.isfinite(obj):

@@ -142,25 +142,34 @@ UNFOLD_LIMIT = 256 << 20
 overlapping strides), all together: past it a file of kilobytes would make gigabytes."""
 
 
-def refuse_unfolding(named: Iterable[tuple[str, torch.Tensor]], *, where: str) -> None:
-    """Refuse a pickle whose tensors are views unfolding far past their data
+def refuse_unfolding(named: Iterable[tuple[str, torch.Tensor]], *, where: str, spent: int = 0) -> int:
+    """Refuse a pickle whose tensors are views unfolding far past their data: one view
     (``torch.zeros(1).expand(2**37)`` is 4 bytes in the file and 512 GiB as safetensors,
-    which stores every element): converting, loading or checking it would allocate it all.
+    which stores every element), or many views of one storage (2000 overlapping 1 MiB views
+    of 2 MiB): converting, loading or checking it would allocate it all. ``spent``: the
+    excess already counted in other files of the same checkpoint (shards); returns the total.
 
     >>> refuse_unfolding([("w", torch.zeros(1).expand(2**37))], where="model.pt")
     Traceback (most recent call last):
     ...
     shardpoint.errors.UnsupportedFormatError: model.pt: tensor 'w' is a view of 4 B of data that unfolds into 549.76 GB (a stride-0 or overlapping view): reading it as a checkpoint would allocate and write every element. If the file is yours and this is meant, torch.load it and save .contiguous() copies of what you need
     """
-    excess = 0
+    by_storage: dict[tuple[Any, int], list[int]] = {}  # storage -> [its bytes, bytes its views read]
     worst: tuple[int, str, int, int] | None = None
+    views: set[tuple[Any, ...]] = set()  # one view under several names (tied weights) counts once
     for name, tensor in named:
         if tensor.is_meta:
             continue
-        logical, held = tensor.numel() * tensor.element_size(), tensor.untyped_storage().nbytes()
-        if logical > held:
-            excess += logical - held
-            worst = max(worst or (0, "", 0, 0), (logical - held, name, held, logical))
+        view = (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        if view in views:
+            continue
+        views.add(view)
+        storage = tensor.untyped_storage()
+        logical, held = tensor.numel() * tensor.element_size(), storage.nbytes()
+        totals = by_storage.setdefault((tensor.device, storage.data_ptr()), [held, 0])
+        totals[1] += logical
+        worst = max(worst or (0, "", 0, 0), (totals[1] - held, name, held, totals[1]))
+    excess = spent + sum(max(0, read - held) for held, read in by_storage.values())
     if excess > UNFOLD_LIMIT and worst is not None:
         _, name, held, logical = worst
         raise UnsupportedFormatError(
@@ -168,6 +177,7 @@ def refuse_unfolding(named: Iterable[tuple[str, torch.Tensor]], *, where: str) -
             "(a stride-0 or overlapping view): reading it as a checkpoint would allocate and write every element. "
             "If the file is yours and this is meant, torch.load it and save .contiguous() copies of what you need"
         )
+    return excess
 
 
 def components_from_object(

@@ -381,6 +381,7 @@ class BinShardsSource(TensorSource):
         self._file_of: dict[str, str] = {}
         skeleton: dict[str, torch.Tensor] = {}
         # First pass: shapes and dtypes, one shard mapped at a time (no tensor data read).
+        unfolded = 0
         for fname in sorted(set(index.weight_map.values())):
             shard = self._load(fname)[0]
             for key, tensor in shard.items():
@@ -396,8 +397,9 @@ class BinShardsSource(TensorSource):
                     raise CorruptCheckpointError(f"{self._label(fname)}: {key!r} is not a tensor")
                 skeleton[key] = meta_like(tensor.dtype, tensor.shape)
                 self._file_of[key] = fname
-            refuse_unfolding(((k, t) for k, t in shard.items() if k in self._file_of and isinstance(t, torch.Tensor)),
-                             where=self._label(fname))
+            unfolded = refuse_unfolding(((k, t) for k, t in shard.items()
+                                         if k in self._file_of and isinstance(t, torch.Tensor)),
+                                        where=self._label(fname), spent=unfolded)  # one budget for all shards
             del shard
         missing = [k for k in index.weight_map if k not in skeleton]
         if missing:
