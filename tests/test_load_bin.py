@@ -258,7 +258,7 @@ def test_a_pickle_of_shared_containers_unfolding_exponentially_is_refused(tmp_pa
     row = [0] * 2000
     text = "x" * (1 << 20)
     for what, state in (("fan-out", {"x": [row] * 2000}), ("text", {"x": [text] * 2000})):
-        with pytest.raises(sp.InvalidStateError, match="refers to the same .* over and over"):
+        with pytest.raises(sp.InvalidStateError, match=r"refers to the same .* over and over"):
             sp.save(state, tmp_path / what)
     with pytest.raises(sp.InvalidStateError, match=r"state at n is an int of 16610 bits, more than the manifest"):
         sp.save({"n": 10**5000}, tmp_path / "int")
