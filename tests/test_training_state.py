@@ -715,3 +715,26 @@ def test_modules_held_in_tuples_namespaces_or_lists_are_loaded_in_place_or_refus
         f"{tmp_path / 'ckpt'}: the target's 'models' is a list holding modules, optimizers or tensors (loaded in "
         "place), but the checkpoint holds 2 items there: it does not fit (an entry added or dropped since the save?). "
         "Make the target's structure the saved one, or load that part with sp.load(...)['models']; nothing was loaded")
+
+
+def test_named_parameter_groups_keep_the_targets_names(tmp_path: Path) -> None:
+    """An optimizer built from named_parameters() keeps param_names: loaded into one that
+    lists its parameters in another order, the names were the saved order's (each
+    parameter's state then shown under another's name by state_dict())."""
+    def build(order: list[str]) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict({"a": torch.nn.Linear(2, 2), "b": torch.nn.Linear(2, 2)})
+        named = dict(model.named_parameters())
+        return model, torch.optim.Adam([(n, named[n]) for n in order], lr=0.1)
+
+    model, opt = build(["a.weight", "a.bias", "b.weight", "b.bias"])
+    model["a"](torch.ones(2)).sum().backward()
+    model["b"](torch.ones(2)).pow(2).sum().backward()
+    opt.step()
+    sp.save({"model": model, "optim": opt}, tmp_path / "ckpt")
+    model2, opt2 = build(["b.weight", "b.bias", "a.weight", "a.bias"])
+    assert sp.load_into({"model": model2, "optim": opt2}, tmp_path / "ckpt").ok
+    saved, loaded = opt.state_dict(), opt2.state_dict()
+    by_name = {n: saved["state"][i]["exp_avg"] for i, n in enumerate(saved["param_groups"][0]["param_names"])}
+    for i, name in enumerate(loaded["param_groups"][0]["param_names"]):
+        assert torch.equal(loaded["state"][i]["exp_avg"], by_name[name]), name

@@ -279,7 +279,10 @@ def optimizer_state_for(
                 state[pid] = saved_state[name]
             ids.append(pid)
             pid += 1
-        groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": ParamIds(ids)})
+        made = {**{k: v for k, v in saved_group.items() if k != "params"}, "params": ParamIds(ids)}
+        if "param_names" in made:  # named groups: the target's own order of names, as its params are
+            made["param_names"] = list(group.get("param_names", made["param_names"]))
+        groups.append(made)
     return {"state": state, "param_groups": groups}
 
 
