@@ -523,12 +523,7 @@ def test_dtype_auto_loads_in_the_checkpoint_s_own_dtype(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(_llama_config()).to(torch.bfloat16)
     model.save_pretrained(tmp_path / "bf16")
-    empty = sp.empty_model(transformers.LlamaForCausalLM, _llama_config())
-    assert sp.load_into(empty, tmp_path / "bf16", dtype="auto").ok
-    reference = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "bf16", dtype="auto")
-    assert {p.dtype for p in empty.parameters()} == {p.dtype for p in reference.parameters()} == {torch.bfloat16}
-    ids = torch.arange(6).reshape(1, 6)
-    assert torch.equal(empty(ids).logits, reference(ids).logits)
+    _auto_loads_as_from_pretrained(tmp_path / "bf16", torch.bfloat16)
     torch.save(model.state_dict(), tmp_path / "model.pt")  # a .bin / .pt source too
     from_pt = sp.empty_model(transformers.LlamaForCausalLM, _llama_config())
     assert sp.load_into(from_pt, tmp_path / "model.pt", dtype="AUTO").ok
@@ -545,9 +540,14 @@ def test_dtype_auto_takes_the_dtype_config_json_names_first(tmp_path: Path) -> N
     sp.save(model.to(torch.bfloat16).state_dict(), tmp_path / "ckpt")
     model.config.save_pretrained(tmp_path / "ckpt")
     assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["dtype"] == "float32"
+    _auto_loads_as_from_pretrained(tmp_path / "ckpt", torch.float32)
+
+
+def _auto_loads_as_from_pretrained(folder: Path, dtype: torch.dtype) -> None:
+    """load_into(dtype="auto") of a Llama gives from_pretrained(dtype="auto")'s dtype and logits."""
     empty = sp.empty_model(transformers.LlamaForCausalLM, _llama_config())
-    assert sp.load_into(empty, tmp_path / "ckpt", dtype="auto").ok
-    reference = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "ckpt", dtype="auto")
-    assert {p.dtype for p in empty.parameters()} == {p.dtype for p in reference.parameters()} == {torch.float32}
+    assert sp.load_into(empty, folder, dtype="auto").ok
+    reference = transformers.LlamaForCausalLM.from_pretrained(folder, dtype="auto")
+    assert {p.dtype for p in empty.parameters()} == {p.dtype for p in reference.parameters()} == {dtype}
     ids = torch.arange(6).reshape(1, 6)
     assert torch.equal(empty(ids).logits, reference(ids).logits)
