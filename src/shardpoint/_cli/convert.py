@@ -10,8 +10,9 @@ converts only the components named, e.g. --component model to publish the weight
 A chunked shardpoint checkpoint (a distributed save) is consolidated into whole tensors.
 
 From a model folder, config.json, generation config, tokenizer and processor files, custom
-code, README and license are copied beside the converted weights (config.json naming the
---dtype), so DST loads with from_pretrained as SRC did; a Trainer's training state is not.
+code, README and license are copied beside the converted weights (the dtype config.json
+names, where it names one, becomes --dtype's), so DST loads with from_pretrained as SRC did;
+a Trainer's training state is not.
 
 Tensors are streamed a batch at a time: memory stays about 64 MB (or the largest tensor),
 whatever the size of the model. The output appears at DST only once it is complete.
