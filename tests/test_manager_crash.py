@@ -664,10 +664,17 @@ def test_an_async_error_after_a_timed_out_or_interrupted_wait_is_still_raised(
 
     monkeypatch.setattr(sp_files, "_pwrite_all", slow)
     mgr.save(3, state)
-    timer = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))  # a Ctrl-C
-    timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        mgr.wait()
+    # A Ctrl-C, raised as Python raises it (a run started in the background may ignore SIGINT),
+    # sent to the waiting thread itself: a signal the kernel hands to another thread of the
+    # process does not wake a lock wait.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        timer = threading.Timer(0.1, signal.pthread_kill, (threading.get_ident(), signal.SIGINT))
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            mgr.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert mgr.steps() == [1]  # still being written
     gate.set()
     mgr.wait()  # waits for it again, not forgotten
