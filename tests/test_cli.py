@@ -1073,13 +1073,14 @@ def test_sigterm_unwinds_a_command_as_ctrl_c_does(tmp_path: Path, capsys: pytest
     """`kill` (or a scheduler's stop) mid-convert left the hidden temporary destination; now
     SIGTERM unwinds the command (its cleanup runs) and exits 143 with one line."""
     import signal
+    import threading
 
     import shardpoint._cli.verify as verify_command
 
     sp.save({"w": torch.ones(2)}, tmp_path / "ck")
 
     def killed(*args: Any, **kwargs: Any) -> None:
-        os.kill(os.getpid(), signal.SIGTERM)
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)  # to this thread: handled before the next line
         raise AssertionError("SIGTERM did not stop the command")
 
     before = signal.getsignal(signal.SIGTERM)
