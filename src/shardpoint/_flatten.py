@@ -51,8 +51,8 @@ class Tagged:
 MAX_DEPTH = 200
 _MAX_INT_BITS = 14_000
 MAX_REPEATED_NODES = 1 << 17
-"""Containers walked (each time met) past which a state that meets each one 64 times on
-average is refused as unfolding exponentially."""
+"""Values walked (each time met; a long text counts by size) past which a state that walks
+64 times more than its distinct containers hold references is refused as unfolding."""
 
 
 def _is_tensor(value: object) -> bool:
@@ -127,7 +127,7 @@ def flatten_state(
     # dataclass's fields, a Stateful's state_dict()); the references they hold in all.
     containers: dict[int, Any] = {}
     references = 0
-    walked = 0  # containers walked, each time it is met
+    walked = 0  # values walked, each time met (a long text weighs by its size)
 
     def repeated(obj: Any) -> None:
         """Refuse a state that walks far more containers than its distinct ones hold

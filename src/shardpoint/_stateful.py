@@ -7,11 +7,14 @@ freshly built optimizer whose parameters are filtered or ordered differently.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import itertools
 import random
 import threading
 import warnings
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
@@ -72,10 +75,17 @@ def renamed_parameter_names(
     return out
 
 
+_STATE_DEPTH = 8
+"""How deep in a state's containers its modules, optimizers and tensors are looked for."""
+_STATE_ITEMS = 10_000
+"""Items of each container looked at (a sampler's list of two million indices holds no module)."""
+
+
 def find_modules(state: Any) -> list[tuple[str, torch.nn.Module]]:
     """The modules of a state (path, module): its top-level values, and those inside its
-    dicts, lists and tuples (``{"models": {"gen": G, "disc": D}, "optims": ...}``, a path
-    of ``models.gen``), each once; an optimizer over their parameters is stored by name.
+    dicts, lists, tuples, Namespaces and dataclasses (``{"models": {"gen": G, "disc": D},
+    "optims": ...}``, a path of ``models.gen``), each once; an optimizer over their
+    parameters is stored by name.
 
     >>> g, d = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
     >>> [p for p, _ in find_modules({"models": {"gen": g, "disc": d}, "ema": [g], "step": 3})]
@@ -83,28 +93,54 @@ def find_modules(state: Any) -> list[tuple[str, torch.nn.Module]]:
     """
     if isinstance(state, torch.nn.Module):
         return [("model", state)]
-    found: list[tuple[str, torch.nn.Module]] = []
-    seen: set[int] = set()
-
-    def walk(value: Any, path: str, depth: int) -> None:
-        if isinstance(value, torch.nn.Module):
-            if id(value) not in seen:
-                seen.add(id(value))
-                found.append((path, value))
-        elif depth < _MODULE_DEPTH and isinstance(value, Mapping):
-            for key, child in value.items():
-                walk(child, f"{path}.{key}" if path else str(key), depth + 1)
-        elif depth < _MODULE_DEPTH and isinstance(value, (list, tuple)) and depth > 0:
-            for i, child in enumerate(value):
-                walk(child, f"{path}.{i}", depth + 1)
-
-    if isinstance(state, Mapping):
-        walk(state, "", 0)
-    return found
+    if not isinstance(state, Mapping):
+        return []
+    found: dict[int, tuple[str, torch.nn.Module]] = {}
+    for path, value in state_objects(state):
+        if isinstance(value, torch.nn.Module) and id(value) not in found:
+            found[id(value)] = (path, value)
+    return list(found.values())
 
 
-_MODULE_DEPTH = 8
-"""How deep in a state's containers its modules are looked for."""
+def state_objects(state: Any, *, depth: int = _STATE_DEPTH) -> Iterator[tuple[str, Any]]:
+    """(path, value) of what a state holds inside its dicts, lists, tuples, Namespaces and
+    dataclass instances (a module, a tensor, any other object is a value, not looked into),
+    ``depth`` levels down, the first :data:`_STATE_ITEMS` items of each: the one walk by
+    which saves and loads find the modules, optimizers and tensors of a state.
+
+    >>> [p for p, _ in state_objects({"a": [1, {"b": 2}], "c": torch.zeros(1)})]
+    ['a.0', 'a.1.b', 'c']
+    """
+    def walk(value: Any, path: str, level: int) -> Iterator[tuple[str, Any]]:
+        children = _children(value) if level < depth else None
+        if children is None:
+            yield path, value
+            return
+        for key, child in children:
+            yield from walk(child, f"{path}.{key}" if path else str(key), level + 1)
+
+    yield from walk(state, "", 0)
+
+
+def _children(value: Any) -> Iterable[tuple[Any, Any]] | None:
+    """A container's (key, child) pairs (the first :data:`_STATE_ITEMS`), or None for a value."""
+    if isinstance(value, torch.nn.Module):
+        return None
+    if isinstance(value, Mapping):
+        return itertools.islice(value.items(), _STATE_ITEMS)
+    if isinstance(value, (list, tuple)):
+        return itertools.islice(enumerate(value), _STATE_ITEMS)
+    fields = fields_of(value)
+    return None if fields is None else fields.items()
+
+
+def fields_of(value: Any) -> dict[str, Any] | None:
+    """A Namespace's or a dataclass instance's fields (name -> value), else None."""
+    if type(value) is argparse.Namespace:
+        return dict(vars(value))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    return None
 
 
 def optimizer_state_by_name(optimizer: torch.optim.Optimizer, names: Mapping[int, str], *,

@@ -28,7 +28,7 @@ from .._progress import byte_progress, loading_label
 from .._read import ReadBatch
 from .._source import OPEN_TRIES, open_checkpoint
 from .._sources.contract import SourceSpec
-from .._stateful import find_modules, parameter_names
+from .._stateful import find_modules, parameter_names, state_objects
 from .._storage.store import open_store
 from ..errors import (
     CheckpointError,
@@ -302,12 +302,13 @@ def _load_into_checkpoint(target: Any, ckpt: Checkpoint, settings: IntoSettings)
     return _run(planner, batch, ckpt.location, settings)
 
 
-def _refuse_meta_optimizers(value: Any, path: str = "") -> None:
+def _refuse_meta_optimizers(targets: Any) -> None:
     """Refuse, before anything is planned, an optimizer over ``meta`` parameters: the load
     gives their model new ones, and the optimizer would keep the old, empty ones (its state
     cast to ``meta``), so training would never update the model."""
-    if isinstance(value, torch.optim.Optimizer):
-        if any(p.is_meta for group in value.param_groups for p in group["params"]):
+    for path, value in state_objects(targets):
+        if isinstance(value, torch.optim.Optimizer) and any(
+                p.is_meta for group in value.param_groups for p in group["params"]):
             raise InvalidStateError(
                 f"the optimizer at {path!r} holds parameters on the meta device (built over a model made with "
                 "sp.empty_model or under torch.device('meta')): a load gives such a model new parameters, and the "
@@ -315,12 +316,6 @@ def _refuse_meta_optimizers(value: Any, path: str = "") -> None:
                 "model.to_empty(device=...) before building the optimizer (the load then fills the parameters in "
                 "place), or build it after loading the model; nothing was loaded"
             )
-    elif isinstance(value, Mapping) and not isinstance(value, torch.nn.Module):
-        for key, child in value.items():
-            _refuse_meta_optimizers(child, f"{path}.{key}" if path else str(key))
-    elif isinstance(value, (list, tuple)):
-        for i, child in enumerate(value):
-            _refuse_meta_optimizers(child, f"{path}.{i}" if path else str(i))
 
 
 def _config_of(ckpt: Checkpoint) -> bytes | None:

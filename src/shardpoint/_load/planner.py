@@ -24,7 +24,13 @@ from .._format.manifest import ComponentRecord
 from .._io.memory import storage_less
 from .._prepare import storage_key
 from .._read import ReadBatch
-from .._stateful import Stateful, optimizer_state_for, renamed_parameter_names
+from .._stateful import (
+    Stateful,
+    fields_of,
+    optimizer_state_for,
+    renamed_parameter_names,
+    state_objects,
+)
 from ..errors import CheckpointError, InvalidStateError, LoadMismatchError
 from . import fusions
 from .memory import allocate
@@ -182,35 +188,13 @@ def _copy_into(tensor: torch.Tensor, value: torch.Tensor, key: str) -> None:
 
 
 
-def _holds_live(value: Any, depth: int = 0) -> bool:
+
+def _holds_live(value: Any) -> bool:
     """Whether ``value`` (a container, a Namespace, a dataclass) holds something a load fills
     in place: a module, an optimizer or a tensor (a few levels down)."""
-    if isinstance(value, (torch.nn.Module, torch.optim.Optimizer, torch.Tensor)):
-        return True
-    if depth > 4:
-        return False
-    if isinstance(value, Mapping):
-        children: Any = value.values()
-    elif isinstance(value, (list, tuple)):
-        children = value
-    else:
-        fields = _fields_of(value)
-        if fields is None:
-            return False
-        children = fields.values()
-    return any(_holds_live(c, depth + 1) for c in list(children)[:10_000])
+    live = (torch.nn.Module, torch.optim.Optimizer, torch.Tensor)
+    return any(isinstance(v, live) for _, v in state_objects(value, depth=5))
 
-
-def _fields_of(value: Any) -> dict[str, Any] | None:
-    """A Namespace's or a dataclass instance's fields (name -> value), else None."""
-    import argparse
-    import dataclasses
-
-    if type(value) is argparse.Namespace:
-        return dict(vars(value))
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-    return None
 
 def _item_setter(
     container: MutableMapping[Any, Any] | MutableSequence[Any], key: Any
@@ -960,7 +944,7 @@ class Planner:
                 for i, child in enumerate(inner["items"]):
                     self.node(target[i], child, comp, f"{path}.{i}", None)
                 return
-            fields = _fields_of(target)
+            fields = fields_of(target)
             if fields is not None and kind in ("namespace", "dataclass") and node["value"].get("type") == "dict":
                 for _, key, child in node["value"]["items"]:
                     child_path = f"{path}.{key}" if path else str(key)
