@@ -194,6 +194,7 @@ def write_checkpoint(
     resend = False
     trees_wanted: list[str] | None = None  # components whose trees the coordinator asked for
     values_wanted: list[str] | None = None  # components whose plain tensors' samples it asked for
+    sampled: dict[tuple[str, str], int] = {}  # each plain tensor's sample, taken once for every round
     merged_trees: dict[str, Any] = {}  # the coordinator's: component -> every rank's (tree, aliases) merged
 
     # Messages travel as plain tuples (``Offer``, ``_Assignment`` rebuilt on arrival): a
@@ -205,7 +206,8 @@ def write_checkpoint(
         # where the coordinator asks (their digests differed, or the trees did: ranks of their own).
         asked = [*(values_wanted or ()), *(trees_wanted or ())]
         shape = ((trees.digests(prepared), None if trees_wanted is None else trees.trees_of(prepared, trees_wanted),
-                  tuple(replicas.Samples(replicas.digests(prepared), replicas.tensor_digests(prepared, asked))))
+                  tuple(replicas.Samples(replicas.digests(prepared, sampled),
+                                         replicas.tensor_digests(prepared, asked, sampled))))
                  if group.distributed else ({}, None, None))
         if by_rules:
             desc = regular.describe(prepared, group.ranks)

@@ -68,9 +68,11 @@ class Samples(NamedTuple):
     """Component -> plain tensor name -> its sample's digest (the components asked for)."""
 
 
-def _plain(prepared: PreparedState, names: Set[str] | None = None) -> dict[str, dict[str, int]]:
+def _plain(prepared: PreparedState, cache: dict[tuple[str, str], int],
+           names: Set[str] | None = None) -> dict[str, dict[str, int]]:
     """Component -> plain tensor name (aliases of tied tensors too) -> its sample's digest
-    (of the components ``names``, or all)."""
+    (of the components ``names``, or all); ``cache`` keeps each tensor's sample across the
+    rounds of one save."""
     out: dict[str, dict[str, int]] = {}
     for comp in prepared.components:
         if names is not None and comp.name not in names:
@@ -80,20 +82,24 @@ def _plain(prepared: PreparedState, names: Set[str] | None = None) -> dict[str, 
                  and type(comp.tensors[name]).__name__ != "DTensor"]
         every = 1 if names is not None else max(1, -(-len(plain) // MAX_TENSORS))  # asked by name: each one
         for name in plain[::every]:
-            done[name] = _sample(comp.tensors[name])
+            key = (comp.name, name)
+            if key not in cache:
+                cache[key] = _sample(comp.tensors[name])
+            done[name] = cache[key]
         out[comp.name] = {name: done[comp.aliases.get(name, name)] for name in comp.tensors
                           if comp.aliases.get(name, name) in done}
     return out
 
 
-def digests(prepared: PreparedState) -> dict[str, str]:
+def digests(prepared: PreparedState, cache: dict[tuple[str, str], int]) -> dict[str, str]:
     """Component -> one digest of its plain tensors' samples."""
-    return {comp: fingerprint(sorted(tensors.items())) for comp, tensors in _plain(prepared).items()}
+    return {comp: fingerprint(sorted(tensors.items())) for comp, tensors in _plain(prepared, cache).items()}
 
 
-def tensor_digests(prepared: PreparedState, components: Sequence[str]) -> dict[str, dict[str, int]]:
+def tensor_digests(prepared: PreparedState, components: Sequence[str],
+                   cache: dict[tuple[str, str], int]) -> dict[str, dict[str, int]]:
     """Component -> plain tensor name -> its sample's digest, for the components asked about."""
-    return _plain(prepared, set(components)) if components else {}
+    return _plain(prepared, cache, set(components)) if components else {}
 
 
 def differing(all_samples: Sequence[Samples], skip: Set[str]) -> list[str]:
