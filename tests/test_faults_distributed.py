@@ -496,7 +496,8 @@ def test_ranks_that_disagree_on_a_tensor_save_nothing(tmp_path: Path) -> None:
     run_ranks(disagreeing_worker, WORLD, str(tmp_path), timeout=240)
     expected = {
         "shape": "tensor 'a' of component 'model' is F32[6] on rank 0 but F32[7] on rank 1: in a collective save a "
-                 "plain tensor is taken as the same on every rank (replicated)",
+                 "tensor has one shape and dtype on every rank (a plain tensor is taken as replicated, a DTensor's "
+                 "global shape as its placements give it)",
         "dtype": "tensor 'a' of component 'model' is F32[4] on rank 0 but I64[4] on rank 1",
         "values": "tensor 'b' of component 'model' holds different values on rank 0 and rank 2: in a collective "
                   "save a plain tensor is taken as the same on every rank (replicated, as DDP keeps it) and written "

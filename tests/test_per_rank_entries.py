@@ -122,3 +122,56 @@ def test_entries_of_each_rank_are_kept_and_each_rank_restores_its_own(tmp_path: 
                 "by rank 0 alone, or by fewer ranks); this rank's generators are left as they are"], alone
 
 
+
+
+def zero_worker(rank: int, world: int, root: str) -> None:
+    """A ``ZeroRedundancyOptimizer``: saved before its shards are gathered, refused with what to
+    do; done as told (gathered on rank 0, saved from rank 0 only), every rank gets its shard back."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    def build(seed: int, lr: float) -> tuple[torch.nn.Module, ZeroRedundancyOptimizer]:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+        return model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=lr)
+
+    model, opt = build(0, 0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    path = Path(root) / "zero"
+    report: dict[str, Any] = {}
+    try:
+        sp.save({"model": model, "optim": opt}, path)
+    except sp.CheckpointError as exc:
+        report["refused"] = [type(exc).__name__, str(exc)]
+    opt.consolidate_state_dict(to=0)
+    expected = opt.state_dict() if rank == 0 else None
+    import torch.distributed as dist
+
+    if rank == 0:
+        sp.save({"model": model, "optim": opt}, path)
+    dist.barrier()
+    model2, opt2 = build(1, 0.5)
+    report["ok"] = sp.load_into({"model": model2, "optim": opt2}, path).ok
+    opt2.consolidate_state_dict(to=0)
+    if rank == 0:
+        got = opt2.state_dict()
+        report["lr"] = got["param_groups"][0]["lr"]
+        report["same_state"] = sorted(got["state"]) == sorted(expected["state"]) and all(
+            torch.equal(got["state"][i][k], v) for i, s in expected["state"].items() for k, v in s.items()
+        )
+    (Path(root) / f"zero{rank}.json").write_text(json.dumps(report))
+
+
+def test_zero_redundancy_optimizer_is_refused_until_gathered_then_round_trips(tmp_path: Path) -> None:
+    run_ranks(zero_worker, WORLD, str(tmp_path), timeout=240)
+    for rank in range(WORLD):
+        report = json.loads((tmp_path / f"zero{rank}.json").read_text())
+        kind, message = report["refused"]
+        assert kind == "InvalidStateError", report
+        assert message.startswith("optim: a ZeroRedundancyOptimizer holds only this rank's shard"), message
+        assert "consolidate_state_dict(to=0) on every rank" in message, message
+        assert report["ok"] is True, report
+    rank0 = json.loads((tmp_path / "zero0.json").read_text())
+    assert rank0["lr"] == 0.1 and rank0["same_state"] is True, rank0

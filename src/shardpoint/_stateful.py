@@ -20,7 +20,7 @@ from typing import Any, Protocol, cast, runtime_checkable
 import torch
 
 from ._flatten import Tagged
-from .errors import InvalidArgumentTypeError, LoadMismatchError
+from .errors import InvalidArgumentTypeError, InvalidStateError, LoadMismatchError
 
 
 @runtime_checkable
@@ -143,11 +143,27 @@ def fields_of(value: Any) -> dict[str, Any] | None:
     return None
 
 
+def _optimizer_state_dict(optimizer: torch.optim.Optimizer, where: str) -> dict[str, Any]:
+    """``optimizer.state_dict()``; a ``ZeroRedundancyOptimizer`` whose shards were not gathered
+    first is refused with what to do (its own error names neither the state nor a way out)."""
+    if type(optimizer).__name__ != "ZeroRedundancyOptimizer":
+        return optimizer.state_dict()
+    try:
+        return optimizer.state_dict()
+    except RuntimeError:
+        raise InvalidStateError(
+            f"{where}: a ZeroRedundancyOptimizer holds only this rank's shard of its state, and its shards were "
+            "not gathered. Call optimizer.consolidate_state_dict(to=0) on every rank of its group first, then save "
+            "from rank 0 alone (if dist.get_rank() == 0: sp.save(...)), as with DDP. At load, give every rank the "
+            "optimizer: each keeps its own shard of what was saved"
+        ) from None
+
+
 def optimizer_state_by_name(optimizer: torch.optim.Optimizer, names: Mapping[int, str], *,
                             where: str = "the optimizer") -> Tagged:
     """The optimizer's state with parameters named; positional when names are unknown (a
     warning says so where some are known: a parameter outside the state's modules)."""
-    sd = optimizer.state_dict()
+    sd = _optimizer_state_dict(optimizer, where)
     group_names: list[list[str]] = []
     for group in optimizer.param_groups:
         group_names.append([names.get(id(p), "") for p in group["params"]])

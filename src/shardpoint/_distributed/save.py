@@ -134,9 +134,10 @@ def check_agreement(all_plans: Sequence[Sequence[ChunkPlan]]) -> None:
             if (seen[1], seen[2]) != (p.dtype, p.global_shape):
                 raise InvalidStateError(
                     f"tensor {p.name!r} of component {p.component!r} is {seen[1]}{list(seen[2])} on rank {seen[0]} "
-                    f"but {p.dtype}{list(p.global_shape)} on rank {rank}: in a collective save a plain tensor is "
-                    "taken as the same on every rank (replicated); make it so, or make it a DTensor, or save "
-                    "what differs per rank to a path of its own. Nothing was saved"
+                    f"but {p.dtype}{list(p.global_shape)} on rank {rank}: in a collective save a tensor has one "
+                    "shape and dtype on every rank (a plain tensor is taken as replicated, a DTensor's global shape "
+                    "as its placements give it). Make them agree (for a plain tensor held apart on each rank, make "
+                    "it a DTensor, or save what differs per rank to a path of its own). Nothing was saved"
                 )
             if len(p.offsets) != len(p.global_shape) or any(
                     o < 0 or o + n > g for o, n, g in zip(p.offsets, p.shape, p.global_shape, strict=False)):
