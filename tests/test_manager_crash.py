@@ -818,6 +818,24 @@ def test_an_unchanged_step_manifest_is_parsed_once_per_manager(tmp_path: Path, m
     assert parsed.count(4) == 2 and mgr.metrics(4) == {"loss": 0.01}
 
 
+def test_another_tools_latest_file_is_refused_before_a_save_writes_anything(tmp_path: Path) -> None:
+    """DeepSpeed's latest (naming its global_stepN folder) was replaced by the manager's
+    without a word, so DeepSpeed's load_checkpoint(root) then looked for step-000001."""
+    (tmp_path / "global_step100").mkdir()
+    latest = tmp_path / "latest"
+    latest.write_text("global_step100")
+    mgr = sp.CheckpointManager(tmp_path, durable=False)
+    assert mgr.restore(_tiny(0.0)) is None
+    with pytest.raises(sp.InvalidArgumentError) as exc:
+        mgr.save(1, _tiny(1.0))
+    assert str(exc.value) == (
+        f"{latest} names 'global_step100', not a step of a CheckpointManager (step-NNNNNN): it is another tool's "
+        "(DeepSpeed writes one naming its global_stepN folder), and a save would replace it. Give the manager a "
+        "root of its own; nothing was written"
+    )
+    assert latest.read_text() == "global_step100" and sorted(os.listdir(tmp_path)) == ["global_step100", "latest"]
+
+
 @pytest.mark.parametrize("kind", ["directory", "symlink"])
 def test_a_users_latest_is_refused_before_a_save_writes_anything(tmp_path: Path, kind: str) -> None:
     """A folder named latest made every save fail after committing ("check the filesystem"),

@@ -908,3 +908,18 @@ def test_a_mount_point_as_the_destination_or_inside_it_is_refused_before_writing
     finally:
         for where in (inner, volume):
             subprocess.run(["umount", str(where)], capture_output=True)
+
+
+def test_saving_over_the_working_directory_leaves_the_process_in_the_new_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """sp.save(sd, ".", overwrite=True) from inside the model folder left the process in the
+    replaced folder, deleted: relative writes failed and sp.load(".") said it was replaced
+    5 times while being opened."""
+    proj = tmp_path / "my-model"
+    sp.save({"w": torch.zeros(2)}, proj)
+    (proj / "config.json").write_text("{}")
+    monkeypatch.chdir(proj)
+    sp.save({"w": torch.ones(2)}, ".", overwrite=True)
+    Path("notes.txt").write_text("after the save")
+    assert sorted(os.listdir(proj)) == ["config.json", "model.safetensors", "notes.txt", "shardpoint.json"]
+    assert sp.load(".")["w"].tolist() == [1.0, 1.0]

@@ -50,6 +50,7 @@ from ._manager_steps import (
     step_of,
 )
 from ._options import OptionsArg, current_options, merged
+from ._printable import printable
 from ._sizes import parse_size
 from ._storage.local_store import LocalStore
 from ._storage.posix import reported
@@ -137,6 +138,21 @@ def _check_latest(path: str) -> None:
             "save replaces): a save would fail after committing, or replace it. Rename or move it, then save "
             "again; nothing was written"
         )
+    if os.path.isfile(latest):
+        try:
+            with open(latest, "rb") as f:
+                held = f.read(256)
+        except OSError:
+            return
+        name = held.decode("utf-8", "replace").strip()
+        # Another tool's names something of the root (a torn write of ours names nothing).
+        if (STEP_RE.match(name) is None and name not in ("", ".", "..") and "/" not in name and "\0" not in name
+                and os.path.lexists(os.path.join(path, name))):
+            raise InvalidArgumentError(
+                f"{latest} names {printable(name[:80])!r}, not a step of a CheckpointManager (step-NNNNNN): it is "
+                "another tool's (DeepSpeed writes one naming its global_stepN folder), and a save would replace it. "
+                "Give the manager a root of its own; nothing was written"
+            )
 
 
 def _check_step(call: str, step: object) -> int:

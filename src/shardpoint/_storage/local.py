@@ -19,11 +19,12 @@ primitives (``renameat2``, fsync, ``flock``, error reports) :mod:`~shardpoint._s
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import os
 import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from .._format.names import TMP_MARKER
@@ -72,6 +73,22 @@ __all__ = [
 ]
 
 # ------------------------------------------------------------------ the transaction
+
+_REPLACING_A_FILE: contextvars.ContextVar[bool] = contextvars.ContextVar("shardpoint_replacing_a_file", default=False)
+
+
+@contextlib.contextmanager
+def replacing_a_file() -> Iterator[None]:
+    """Saves in this block may replace a file or symlink at their path (Lightning's
+    ``last.ckpt`` of an earlier ``torch.save``, a ``save_last="link"`` link): the new
+    checkpoint takes its place at the commit, in one step where the kernel can exchange
+    the two, so a save that fails leaves it as it was. Elsewhere a save refuses one."""
+    token = _REPLACING_A_FILE.set(True)
+    try:
+        yield
+    finally:
+        _REPLACING_A_FILE.reset(token)
+
 
 
 def _empty_directory(path: Path) -> bool:
@@ -133,6 +150,14 @@ def _alone_among_ranks() -> str:
             "process_group=dist.group.WORLD")
 
 
+def _is_cwd(path: Path) -> bool:
+    """Whether ``path`` is this process's working directory (``sp.save(sd, ".")``)."""
+    try:
+        return os.path.samestat(os.stat("."), os.stat(path))
+    except OSError:
+        return False
+
+
 def _same_owners(directory: str, names: set[str], old: os.stat_result) -> None:
     """Give the replacement ``directory`` and the files this save wrote in it the replaced
     folder's group (a team's shared folder, made in a parent of another group, stays
@@ -156,6 +181,8 @@ class LocalTransaction(Transaction):
     def __init__(self, final: str | os.PathLike[str], *, overwrite: bool) -> None:
         self.final = Path(final).absolute()
         self.overwrite = overwrite
+        self._file_target = _REPLACING_A_FILE.get()
+        """Whether a file or symlink at ``final`` is replaced at the commit (:func:`replacing_a_file`)."""
         with reported(self.final, "creating its temporary directory"):
             recover(self.final)
             self._check_target()
@@ -179,6 +206,8 @@ class LocalTransaction(Transaction):
                     "under it; pick another path"
                 )
             return
+        if self._file_target and (self.final.is_symlink() or not self.final.is_dir()):
+            return  # replaced at the commit, never followed
         if not self.overwrite and _empty_directory(self.final):
             # Made ahead (mkdtemp, makedirs): nothing to lose, as save_pretrained writes
             # into it. Replaced as an overwrite, which keeps whatever appears meanwhile.
@@ -233,6 +262,9 @@ class LocalTransaction(Transaction):
 
     def _commit(self, *, durable: bool) -> None:
         self._check_target()
+        if self._file_target and os.path.lexists(self.final) and (self.final.is_symlink() or not self.final.is_dir()):
+            self._replace_file(durable=durable)
+            return
         replaced: set[str] = set()
         carried: dict[str, tuple[int, ...]] = {}
         old_fd: int | None = None
@@ -265,8 +297,12 @@ class LocalTransaction(Transaction):
                     if durable:
                         fsync_dir(self.final.parent)
             if replace:
+                here = _is_cwd(self.final)
                 old = self._swap()
                 self._done = True  # from here on self.directory may be the old one: never abort it
+                if here:  # the process stood in the replaced folder: it now stands in the new one
+                    with contextlib.suppress(OSError):
+                        os.chdir(self.final)
                 try:
                     if durable:
                         fsync_dir(self.final.parent)
@@ -319,6 +355,33 @@ class LocalTransaction(Transaction):
             os.close(fd)
             raise
         return replaced, carried, fd
+
+    def _replace_file(self, *, durable: bool) -> None:
+        """Commit over a file or symlink at ``final``: exchanged with the new directory in
+        one step, then removed (a crash in between leaves it at the temporary name, where
+        nothing reads it). Without the exchange it moves aside first and is put back if
+        the rename fails (a crash in between: :func:`recover` puts it back)."""
+        if durable:
+            fsync_dir(self.directory)
+        if _rename2(self.directory, str(self.final), _RENAME_EXCHANGE):
+            old = self.directory
+        else:
+            prefix = temp_prefix(self.final)
+            old = str(self.final.parent / f"{prefix}{_OLD}{os.path.basename(self.directory)[len(prefix):]}")
+            os.rename(self.final, old)
+            try:
+                os.rename(self.directory, self.final)
+            except BaseException:
+                os.rename(old, self.final)
+                raise
+        self._done = True
+        with contextlib.suppress(OSError):
+            os.unlink(self.final / marker_name(self.directory))
+        with contextlib.suppress(OSError):
+            os.unlink(old)
+        if durable:
+            fsync_dir(self.final.parent)
+        self._unlock()
 
     def _swap(self) -> str:
         """Put the new directory at ``final``; return where the old one now is."""

@@ -431,6 +431,9 @@ def recover(final: str | os.PathLike[str], *, no_locks_means_dead: bool = False)
         try:
             fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         except OSError:
+            if aside and not os.path.lexists(final):  # a file a save replaced (replacing_a_file)
+                with contextlib.suppress(OSError):
+                    os.rename(entry.path, final)
             continue
         try:
             locked = lock_nowait(fd)

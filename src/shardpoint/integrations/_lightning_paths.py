@@ -20,13 +20,6 @@ def is_lightning_distributed_checkpoint(path: str) -> bool:
     )
 
 
-def clear_non_directory(path: str) -> None:
-    """Remove a file or symlink at ``path`` (a ``torch.save`` checkpoint, a ``save_last="link"``
-    link), never what a link points to; a directory is left to the atomic replace."""
-    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
-        os.unlink(path)
-
-
 def path_key(path: str) -> str:
     """How pending removals know a path (absolute)."""
     return os.path.abspath(path)

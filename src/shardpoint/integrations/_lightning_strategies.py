@@ -43,13 +43,13 @@ from .._format.manifest import MANIFEST_NAME
 from .._load.into import load_into
 from .._load.result import report_lines
 from .._source import open_checkpoint
+from .._storage.local import replacing_a_file
 from ..errors import (
     InvalidArgumentError,
     InvalidArgumentTypeError,
     InvalidStateError,
     LoadMismatchError,
 )
-from ._lightning_paths import clear_non_directory
 from ._lightning_state import (
     COMPONENT_OF_KEY,
     METADATA_KEY,
@@ -199,25 +199,24 @@ class ShardpointStrategyMixin:
         options = self._shardpoint_options()
         state, metadata = to_shardpoint_state(checkpoint)
         metadata[METADATA_KEY]["sharded"] = True
-        if self.is_global_zero:
-            clear_non_directory(path)
         import torch.distributed as dist
 
         from .._api import save
 
         try:
-            save(
-                state,
-                path,
-                process_group=dist.group.WORLD,
-                layout="chunked",
-                max_shard_size=options.max_shard_bytes,
-                overwrite=True,
-                metadata=metadata,
-                durable=options.durable,
-                allow_pickle=options.allow_pickle,
-                progress=False,
-            )
+            with replacing_a_file():  # a file or link at the path: replaced at the commit
+                save(
+                    state,
+                    path,
+                    process_group=dist.group.WORLD,
+                    layout="chunked",
+                    max_shard_size=options.max_shard_bytes,
+                    overwrite=True,
+                    metadata=metadata,
+                    durable=options.durable,
+                    allow_pickle=options.allow_pickle,
+                    progress=False,
+                )
         except InvalidStateError as exc:
             if options.allow_pickle:
                 raise

@@ -71,6 +71,7 @@ from .._prepare import prepare_state
 from .._reuse import link_unchanged
 from .._sizes import parse_size
 from .._source import open_checkpoint
+from .._storage.local import replacing_a_file
 from .._write import json_metadata, write_checkpoint
 from ..errors import (
     IncompleteCheckpointError,
@@ -79,7 +80,6 @@ from ..errors import (
     UnsupportedFormatError,
 )
 from ._lightning_paths import (
-    clear_non_directory,
     is_lightning_distributed_checkpoint,
     path_key,
     remove_path,
@@ -239,8 +239,20 @@ class ShardpointCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         step: tuple[int, int] | None,
         previous: _Saved | None,
     ) -> tuple[bool, str]:
-        """Link the previous save's files if nothing changed, else write; (linked, save_id)."""
-        clear_non_directory(location)
+        """Link the previous save's files if nothing changed, else write; (linked, save_id).
+        A file or link at ``location`` (a ``torch.save`` checkpoint, a ``save_last="link"``
+        link) is replaced when the new checkpoint commits, never before."""
+        with replacing_a_file():
+            return self._write_over(prepared, location, meta, step, previous)
+
+    def _write_over(
+        self,
+        prepared: Any,
+        location: str,
+        meta: dict[str, Any],
+        step: tuple[int, int] | None,
+        previous: _Saved | None,
+    ) -> tuple[bool, str]:
         info = None
         if (
             self.link_unchanged
