@@ -476,18 +476,38 @@ def test_storage_options_refused(tmp_path) -> None:
 
 
 def test_removal_of_a_queued_save_happens_when_it_commits(tmp_path) -> None:
+    """Under AsyncCheckpointIO Lightning may remove a path whose save is queued behind the one
+    running: removed when it commits. A removal of a path that never comes expires, where it
+    deleted a later save of that path (OnExceptionCheckpoint's teardown, then a crash)."""
+    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     ckpt = {"epoch": 0, "global_step": 1, "state_dict": {"w": torch.ones(2)}}
     io = ShardpointCheckpointIO()
+    write, running, go = io._write, threading.Event(), threading.Event()
+
+    def held(*args, **kwargs):  # the save running while Lightning removes the queued one
+        running.set()
+        go.wait(60)
+        return write(*args, **kwargs)
+
     with ThreadPoolExecutor(max_workers=1) as pool:  # as AsyncCheckpointIO runs saves
-        pool.submit(io.save_checkpoint, ckpt, tmp_path / "a.ckpt").result()
-        io.remove_checkpoint(tmp_path / "b.ckpt")  # its save is still queued
-        pool.submit(io.save_checkpoint, ckpt, tmp_path / "b.ckpt").result()
+        io._write = held
+        first = pool.submit(io.save_checkpoint, ckpt, tmp_path / "a.ckpt")
+        assert running.wait(60)
+        io._write = write
+        io.remove_checkpoint(tmp_path / "b.ckpt")  # its save is queued behind a.ckpt's
+        queued = pool.submit(io.save_checkpoint, ckpt, tmp_path / "b.ckpt")
+        go.set()
+        first.result(), queued.result()
+        assert sorted(os.listdir(tmp_path)) == ["a.ckpt"]
         pool.submit(io.save_checkpoint, ckpt, tmp_path / "b.ckpt").result()  # a later save stays
     assert sorted(os.listdir(tmp_path)) == ["a.ckpt", "b.ckpt"]
 
-    # Used synchronously, removing a path that does not exist is a no-op.
+    # Removing a path that does not exist while no save runs is a no-op, after async saves too.
+    io.remove_checkpoint(tmp_path / "on_exception.ckpt")
+    io.save_checkpoint(ckpt, tmp_path / "on_exception.ckpt")
+    assert os.path.isdir(tmp_path / "on_exception.ckpt")
     sync = ShardpointCheckpointIO()
     sync.remove_checkpoint(tmp_path / "c.ckpt")
     sync.save_checkpoint(ckpt, tmp_path / "c.ckpt")
@@ -590,3 +610,28 @@ def test_a_file_moved_aside_by_a_save_cut_short_is_put_back(tmp_path: pathlib.Pa
     torch.save({"epoch": 3}, aside)
     recover(last)
     assert last.is_file() and torch.load(last)["epoch"] == 3 and os.listdir(tmp_path) == ["last.ckpt"]
+
+
+# --------------------------------------------------------------------- Fabric
+
+
+def test_fabric_save_and_load_give_back_the_keys_saved_also_for_a_dict_of_tensors_alone(
+        tmp_path: pathlib.Path) -> None:
+    """A dict of tensors alone (an EMA's step and decay, fabric.save(p, model.state_dict()))
+    is stored flat; it came back as {"state_dict": ...}: fabric.load(strict=False) restored
+    nothing without a word, and load_raw raised torch's unexpected-key error."""
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[ShardpointCheckpointIO()])
+    fabric.save(tmp_path / "ema.ckpt", {"ema_decay": torch.tensor(0.999), "step": torch.tensor(1234)})
+    state = {"ema_decay": torch.tensor(0.0), "step": torch.tensor(0)}
+    assert fabric.load(tmp_path / "ema.ckpt", state, strict=False) == {}
+    assert (state["step"].item(), state["ema_decay"].item()) == (1234, pytest.approx(0.999))
+    assert list(fabric.load(tmp_path / "ema.ckpt")) == ["ema_decay", "step"]
+    model, other = nn.Linear(3, 2), nn.Linear(3, 2)
+    fabric.save(tmp_path / "w.ckpt", model.state_dict())
+    fabric.load_raw(tmp_path / "w.ckpt", other)
+    assert torch.equal(model.weight, other.weight) and torch.equal(model.bias, other.bias)
+    # A flat checkpoint not written by the plugin (a plain sp.save of a state dict) is the model's.
+    sp.save(model.state_dict(), tmp_path / "plain")
+    assert list(ShardpointCheckpointIO().load_checkpoint(tmp_path / "plain")) == ["state_dict"]

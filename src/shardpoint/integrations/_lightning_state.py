@@ -80,17 +80,25 @@ def from_shardpoint_state(
 ) -> dict[str, Any]:
     """The Lightning checkpoint dict back from what ``sp.load`` returned.
 
-    A flat checkpoint (a model's state dict, e.g. a Hugging Face directory) comes back as
-    ``{"state_dict": ...}``; a nested one not written by this plugin as its components.
+    What this plugin wrote comes back with the keys it was given (a dict of tensors alone,
+    ``fabric.save(path, model.state_dict())``, is stored flat, each key a tensor). A flat
+    checkpoint written otherwise (a model's state dict, a Hugging Face directory) comes back
+    as ``{"state_dict": ...}``; a nested one as its components.
+
+    >>> t = torch.zeros(1)
+    >>> state, meta = to_shardpoint_state({"step": t, "ema": t})
+    >>> list(from_shardpoint_state(state, meta, flat=True)), list(from_shardpoint_state(state, {}, flat=True))
+    (['step', 'ema'], ['state_dict'])
     """
-    if flat:
-        return {"state_dict": loaded}
     info = metadata.get(METADATA_KEY)
-    if not isinstance(info, Mapping) or not isinstance(info.get("keys"), list):
+    keys = info.get("keys") if isinstance(info, Mapping) else None
+    if flat and not (isinstance(keys, list) and all(component in loaded for _, component in keys)):
+        return {"state_dict": loaded}
+    if not isinstance(keys, list):
         # Saved by plain `sp.save`, not by this plugin: the components are the keys.
         return {("state_dict" if k == "model" else k): v for k, v in loaded.items()}
     checkpoint: dict[str, Any] = {}
-    for key, component in info["keys"]:
+    for key, component in keys:
         checkpoint[key] = (
             loaded[EXTRA_COMPONENT][key] if component == EXTRA_COMPONENT else loaded[component]
         )

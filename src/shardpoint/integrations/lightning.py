@@ -180,16 +180,19 @@ class ShardpointCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         self._previous: _Saved | None = None
         self._lock = threading.Lock()
         self._saving = 0
-        self._save_threads: set[int] = set()
+        """Saves running now (under ``AsyncCheckpointIO``, on its thread)."""
         self._removal_pending: set[str] = set()
+        """Paths Lightning removed while a save ran and they did not exist yet (their save
+        may be queued behind it): removed when their save commits, if it is the next to start."""
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
         """Save ``checkpoint`` (Lightning's dict) as a shardpoint checkpoint directory at ``path``.
 
-        An existing checkpoint at ``path`` is replaced atomically; a file or symlink there
-        (an old ``torch.save`` checkpoint, a ``save_last="link"`` link) is removed first.
+        An existing checkpoint at ``path`` is replaced atomically; so is a file or symlink
+        there (an old ``torch.save`` checkpoint, a ``save_last="link"`` link), when the new
+        checkpoint commits: a save that fails leaves it as it was.
 
         Raises:
             InvalidArgumentTypeError: ``storage_options`` was given (not supported; also a TypeError).
@@ -201,24 +204,27 @@ class ShardpointCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
                 f"{type(self).__name__}; leave storage_options unset"
             )
         location = os.fspath(path)
-        state, metadata = to_shardpoint_state(checkpoint)
-        try:
-            prepared = prepare_state(state, allow_pickle=self.allow_pickle)
-        except InvalidStateError as exc:
-            if self.allow_pickle:
-                raise
-            raise InvalidStateError(
-                f"{exc}. With Lightning, build the plugin as ShardpointCheckpointIO(allow_pickle=True) "
-                "to pickle such values, or keep hyperparameters to JSON values"
-            ) from None
-        meta = json_metadata(metadata)
-        step = _step_of(checkpoint)
         with self._lock:
-            previous = self._previous
             self._saving += 1
-            self._save_threads.add(threading.get_ident())
+            # A removal waits only for the save queued next: once another path's save starts,
+            # the one removed was not queued (Lightning removed a path that never came).
+            self._removal_pending &= {path_key(location)}
         saved: tuple[bool, str] | None = None
         try:
+            state, metadata = to_shardpoint_state(checkpoint)
+            try:
+                prepared = prepare_state(state, allow_pickle=self.allow_pickle)
+            except InvalidStateError as exc:
+                if self.allow_pickle:
+                    raise
+                raise InvalidStateError(
+                    f"{exc}. With Lightning, build the plugin as ShardpointCheckpointIO(allow_pickle=True) "
+                    "to pickle such values, or keep hyperparameters to JSON values"
+                ) from None
+            meta = json_metadata(metadata)
+            step = _step_of(checkpoint)
+            with self._lock:
+                previous = self._previous
             saved = self._write(prepared, location, meta, step, previous)
         finally:
             with self._lock:
@@ -337,14 +343,14 @@ class ShardpointCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         checkpoint) was not written by this plugin: it is left alone, with a warning.
 
         Under ``AsyncCheckpointIO`` Lightning may ask to remove a checkpoint whose save is
-        still queued or running: when ``path`` does not exist yet and saves run on another
-        thread, the removal is carried out as soon as that save commits.
+        still queued or running: when ``path`` does not exist yet while a save runs, the
+        removal is carried out when that path's save commits, if it is the next save to
+        start. Otherwise removing a path that does not exist does nothing.
         """
         location = os.fspath(path)
         with self._lock:
             if not os.path.lexists(location):
-                me = threading.get_ident()
-                if self._saving or any(t != me for t in self._save_threads):
+                if self._saving:
                     self._removal_pending.add(path_key(location))
                 return
         if (
