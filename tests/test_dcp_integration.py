@@ -265,6 +265,31 @@ def three_ranks_worker(rank: int, world: int, root: str) -> None:
         assert torch.equal(state["model"][n].full_tensor(), _full(n)), n
     assert torch.equal(state["extra"]["c"], _full("c")) and state["extra"]["step"] == 11
 
+    # dcp.save(no_dist=True) on one rank of three saves alone, as with DCP's own writer; the
+    # shardpoint writer started a collective save there (the others never came: a hang).
+    import torch.distributed as dist
+
+    plain = {"model": {"w": _full("c")}}
+    if rank == 1:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(plain, storage_writer=ShardpointStorageWriter(Path(root) / "alone"), no_dist=True)
+        assert torch.equal(sp.load(Path(root) / "alone")["model"]["w"], _full("c"))
+    # Over a subgroup: refused on its ranks before anything is written, where it hung (DCP
+    # gathers the ranks' errors into its CheckpointException).
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    pair = dist.new_group([0, 2])
+    if rank in (0, 2):
+        with warnings.catch_warnings(), pytest.raises(CheckpointException) as caught:
+            warnings.simplefilter("ignore")
+            dcp.save(plain, storage_writer=ShardpointStorageWriter(Path(root) / "pair"), process_group=pair)
+        text = str(caught.value)
+        assert text.count("InvalidArgumentError: ShardpointStorageWriter(") == 2, text
+        assert "this dcp.save runs over 2 of the 3 ranks (process_group=)" in text, text
+        assert not (Path(root) / "pair").exists()
+    dist.barrier()
+
 
 @pytest.mark.slow
 def test_two_rank_saves_load_with_dcp_resharded_and_in_one_process(tmp_path: Path) -> None:

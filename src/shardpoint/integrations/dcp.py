@@ -29,6 +29,7 @@ collective commit (layout ``chunked``), inside ``write_data``, where all ranks a
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
@@ -290,6 +291,10 @@ def _writer_base() -> type:
     return _dcp().StorageWriter
 
 
+_RANKS_KEY = "shardpoint_ranks"
+"""What ``prepare_global_plan`` puts in each rank's plan: the ranks of the ``dcp.save``."""
+
+
 class ShardpointStorageWriter(_writer_base()):  # type: ignore[misc]
     """A ``torch.distributed.checkpoint`` ``StorageWriter`` writing a shardpoint checkpoint.
 
@@ -299,8 +304,9 @@ class ShardpointStorageWriter(_writer_base()):  # type: ignore[misc]
     state from the planner (``DefaultSavePlanner``'s flattened ``state_dict`` and
     ``mappings``) and every rank calls ``sp.save`` together over the default group (each
     writes only its shards, replicated tensors split between the ranks; a failure on any
-    rank fails all, nothing committed). A ``dcp.save`` over a subgroup is not supported. Either way ``sp.load`` returns the
-    state that was saved, DCP's int keys as strings (as DCP stores them).
+    rank fails all, nothing committed). A ``dcp.save`` over a subgroup is refused on its
+    ranks before anything is written. Either way ``sp.load`` returns the state that was
+    saved, DCP's int keys as strings (as DCP stores them).
 
     Args:
         path: the checkpoint directory to create (``dcp.save(checkpoint_id=...)`` may name
@@ -343,13 +349,29 @@ class ShardpointStorageWriter(_writer_base()):  # type: ignore[misc]
         return plan
 
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
-        return plans
+        # The coordinator sees one plan per rank of this dcp.save: 1 with no_dist=True (one
+        # process saving alone, whatever the world), else the ranks of its group. Each rank
+        # learns it from its plan, so that none starts a collective save the others skip.
+        return [dataclasses.replace(p, storage_data={_RANKS_KEY: len(plans)}) for p in plans]
 
     def write_data(self, plan: Any, planner: Any) -> torch.futures.Future[list[Any]]:
         from torch.distributed.checkpoint.planner import WriteItemType
         from torch.distributed.checkpoint.storage import WriteResult
 
+        told = plan.storage_data.get(_RANKS_KEY) if isinstance(plan.storage_data, dict) else None
+        if isinstance(told, int):
+            self._ranks = told
         if self._ranks > 1:
+            import torch.distributed as dist
+
+            world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+            if self._ranks != world:
+                raise InvalidArgumentError(
+                    f"ShardpointStorageWriter({self.path!r}): this dcp.save runs over {self._ranks} of the "
+                    f"{world} ranks (process_group=): a collective shardpoint save runs over every rank. Save over "
+                    "the default group, or with sp.save(state, path, process_group=group) on the ranks of the "
+                    "group. Nothing was written"
+                )
             return self._write_collectively(plan, planner)
         results = []
         for item in plan.items:
