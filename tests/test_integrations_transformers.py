@@ -233,3 +233,34 @@ def test_save_pretrained_writes_into_a_trainer_output_dir_holding_no_weights(mod
     with pytest.raises(sp.CheckpointExistsError):
         sp.integrations.transformers.save_pretrained(model, weights)
     assert os.listdir(weights) == ["pytorch_model.bin"]
+
+
+def test_a_peft_model_is_refused_by_save_pretrained_and_round_trips_through_sp_save(
+        model: LlamaForCausalLM, tmp_path: Path) -> None:
+    """save_pretrained(PeftModel) wrote peft's names (base_layer, lora_A.default) under a
+    config.json naming PeftModel: from_pretrained started every weight from random values."""
+    peft = pytest.importorskip("peft")
+    from shardpoint.integrations.transformers import save_pretrained
+
+    torch.manual_seed(1)
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    tuned = peft.get_peft_model(model, lora).eval()
+    want = _logits(tuned)
+    with pytest.raises(sp.InvalidStateError) as caught:
+        save_pretrained(tuned, tmp_path / "out")
+    assert str(caught.value) == (
+        "save_pretrained() writes a transformers model, and this PeftModel holds PEFT adapters (default): save the "
+        "adapters with the model's own save_pretrained(path) (adapter_model.safetensors, which "
+        "PeftModel.from_pretrained reads), or merge them first (model = model.merge_and_unload()) and save the "
+        "merged model here"
+    )
+    assert not (tmp_path / "out").exists()
+    # The whole adapted model through sp.save / load_into: exact.
+    sp.save(tuned, tmp_path / "whole")
+    torch.manual_seed(2)
+    again = peft.get_peft_model(LlamaForCausalLM(model.config), lora).eval()
+    assert sp.load_into(again, tmp_path / "whole").ok and torch.equal(_logits(again), want)
+    # Merged, it is a transformers model again.
+    save_pretrained(tuned.merge_and_unload(), tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert torch.allclose(_logits(merged), want, atol=1e-5)

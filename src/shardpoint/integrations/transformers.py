@@ -113,6 +113,15 @@ def save_pretrained(
         )
     if isinstance(model, torch.nn.Module):  # torch.compile / DDP: the model's own names, as transformers writes them
         model = unwrapped(model)[0]
+    if isinstance(model, torch.nn.Module) and getattr(model, "peft_config", None):
+        # peft's names (base_layer, lora_A.default) match no transformers class: from_pretrained
+        # would start every weight from random values.
+        raise InvalidStateError(
+            f"save_pretrained() writes a transformers model, and this {type(model).__name__} holds PEFT adapters "
+            f"({', '.join(sorted(map(str, model.peft_config))) or 'default'}): save the adapters with the model's own "
+            "save_pretrained(path) (adapter_model.safetensors, which PeftModel.from_pretrained reads), or merge them "
+            "first (model = model.merge_and_unload()) and save the merged model here"
+        )
     if not isinstance(model, torch.nn.Module) or getattr(model, "config", None) is None:
         raise InvalidStateError(
             f"save_pretrained() takes a transformers PreTrainedModel, not {type(model).__name__}; "
