@@ -168,6 +168,14 @@ def test_views_with_odd_strides_and_bits_round_trip_exactly(tmp_path: Path) -> N
         expected = value.detach().resolve_conj().resolve_neg().as_subclass(torch.Tensor)
         assert torch.equal(back[key], expected), key
     assert back["neg_bit"].tolist() == [-2.0, 1.0]
+    # The same views as load_into targets: each shows the checkpoint's values after the load
+    # (a lazily conjugated target raised torch's "view is not supported for conjugate view").
+    base, neg_base = torch.zeros(2, dtype=torch.complex64), torch.zeros(2, dtype=torch.complex64)
+    targets = {"conj": base.conj(), "neg_bit": neg_base.conj().imag, "complex": torch.zeros(2, dtype=torch.complex64)}
+    assert sp.load_into(targets, tmp_path / "ckpt", strict=False).ok is False  # the other keys: unexpected
+    assert torch.equal(targets["conj"].resolve_conj(), z.conj().resolve_conj())
+    assert base.tolist() == [1 + 2j, 3 - 1j] and targets["neg_bit"].tolist() == [-2.0, 1.0]
+    assert torch.equal(targets["complex"], z)
 
 
 # --------------------------------------------------------------------- forged trees

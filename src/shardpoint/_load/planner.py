@@ -498,7 +498,9 @@ class Planner:
                 continue
             for ident in idents:
                 filled[ident] = (key, stored)
-            if storage_less(tensor):  # a wrapper subclass: read aside, given by its own copy_
+            if storage_less(tensor) or tensor.is_conj() or tensor.is_neg():
+                # A wrapper subclass, or a view whose conjugate / negative bit is lazy (its
+                # memory holds other values than it shows): read aside, given by its copy_.
                 value = self.batch.new(record, stored, device=torch.device("cpu"), dtype=None)
                 self.post.append(functools.partial(_copy_into, tensor, value, prefix + key))
             elif type(tensor).__name__ == "DTensor":
