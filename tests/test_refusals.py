@@ -404,6 +404,12 @@ def test_unstorable_dtypes_get_advice_that_keeps_their_values(tmp_path) -> None:
         "`.to(torch.complex64)` (complex values in float32 parts) before saving"
     )
     assert not (tmp_path / "c").exists()
+    # complex128: the advice keeps every bit (complex64 rounded 1e-12j to 9.99999996e-13j).
+    z = torch.tensor([1 + 1e-12j], dtype=torch.complex128)
+    with pytest.raises(sp.InvalidStateError, match=r"store `torch.view_as_real\(t\)` \(its float64 parts, exactly\)"):
+        sp.save({"z": z}, tmp_path / "z")
+    sp.save({"z": torch.view_as_real(z)}, tmp_path / "z")
+    assert torch.equal(torch.view_as_complex(sp.load(tmp_path / "z")["z"]), z)
     if not hasattr(torch, "float4_e2m1fn_x2"):
         return  # torch < 2.8 has no FP4 dtype
     # FP4 packs two values a byte, and torch casts it to nothing: `.to(torch.float32)` failed.
@@ -411,12 +417,28 @@ def test_unstorable_dtypes_get_advice_that_keeps_their_values(tmp_path) -> None:
     with pytest.raises(sp.InvalidStateError) as exc:
         sp.save({"q": fp4}, tmp_path / "q")
     assert str(exc.value) == (
-        "tensor 'q' has dtype torch.float4_e2m1fn_x2, which safetensors cannot store; store its bytes, "
+        "tensor 'q' has dtype torch.float4_e2m1fn_x2, which shardpoint does not store (safetensors' F4: two 4-bit "
+        "values a byte, where shardpoint's reads and resharding count whole bytes); store its bytes, "
         "`.view(torch.uint8)` (two 4-bit values each), and view them back with `.view(torch.float4_e2m1fn_x2)` "
         "after loading"
     )
     sp.save({"q": fp4.view(torch.uint8)}, tmp_path / "q")
     assert sp.load(tmp_path / "q")["q"].view(torch.float4_e2m1fn_x2).view(torch.uint8).tolist() == [[0x12, 0x34]]
+    # A safetensors file holding F4 (safetensors writes it): said to be unread, not "unknown dtype".
+    from safetensors.torch import save_file
+
+    (tmp_path / "f4").mkdir()
+    try:
+        save_file({"w": fp4}, tmp_path / "f4" / "model.safetensors")
+    except Exception:  # a safetensors older than its F4
+        return
+    with pytest.raises(sp.UnsupportedFormatError) as exc:
+        sp.load(tmp_path / "f4")
+    assert str(exc.value) == (
+        f"{tmp_path / 'f4' / 'model.safetensors'}, tensor 'w': dtype F4 (4-bit floats packed two to a byte, "
+        "torch.float4_e2m1fn_x2) is one shardpoint does not read: its elements are smaller than a byte. The file "
+        "itself may be whole; read it with safetensors (safe_open or safetensors.torch.load_file)"
+    )
 
 
 def test_a_device_map_key_that_names_nothing_is_refused(tmp_path) -> None:

@@ -38,6 +38,14 @@ _CANDIDATES: list[tuple[str, str]] = [
     ("C64", "complex64"),
 ]
 
+_NOT_READ = {
+    "F4": "4-bit floats packed two to a byte, torch.float4_e2m1fn_x2",
+    "F6_E2M3": "6-bit floats",
+    "F6_E3M2": "6-bit floats",
+}
+"""safetensors dtypes of fewer than 8 bits an element: whole bytes hold several elements,
+and shardpoint's reads, casts and resharding count whole-byte elements."""
+
 NAME_TO_DTYPE: dict[str, torch.dtype] = {
     name: getattr(torch, attr) for name, attr in _CANDIDATES if hasattr(torch, attr)
 }
@@ -51,6 +59,12 @@ def dtype_from_name(name: object, *, where: str) -> torch.dtype:
         raise UnsupportedFormatError(
             f"{where}: dtype {name} is torch.{newer}, which this torch ({torch.__version__}) does not have; "
             "the checkpoint was written with a newer torch: upgrade torch to read it"
+        )
+    if isinstance(name, str) and name in _NOT_READ:
+        raise UnsupportedFormatError(
+            f"{where}: dtype {name} ({_NOT_READ[name]}) is one shardpoint does not read: its elements are smaller "
+            "than a byte. The file itself may be whole; read it with safetensors (safe_open or "
+            "safetensors.torch.load_file)"
         )
     if not isinstance(name, str) or name not in NAME_TO_DTYPE:
         raise UnsupportedFormatError(
@@ -80,6 +94,11 @@ def dtype_name(dtype: torch.dtype, *, key: str) -> str:
     try:
         return DTYPE_TO_NAME[dtype]
     except KeyError:
+        if str(dtype).startswith("torch.float4"):
+            raise InvalidStateError(
+                f"tensor {key!r} has dtype {dtype}, which shardpoint does not store (safetensors' F4: two 4-bit "
+                f"values a byte, where shardpoint's reads and resharding count whole bytes); {_storable_hint(dtype)}"
+            ) from None
         raise InvalidStateError(
             f"tensor {key!r} has dtype {dtype}, which safetensors cannot store; {_storable_hint(dtype)}"
         ) from None
@@ -90,9 +109,14 @@ def _storable_hint(dtype: torch.dtype) -> str:
 
     >>> _storable_hint(torch.complex32)
     'convert it with `.to(torch.complex64)` (complex values in float32 parts) before saving'
+    >>> _storable_hint(torch.complex128)[:50]
+    'store `torch.view_as_real(t)` (its float64 parts, '
     >>> _storable_hint(torch.qint8)
     'store `.dequantize()` (float32 values), or its `.int_repr()` with its scale and zero point, instead'
     """
+    if dtype == torch.complex128:  # complex64 would round its float64 parts
+        return ("store `torch.view_as_real(t)` (its float64 parts, exactly) and `torch.view_as_complex` it after "
+                "loading; `.to(torch.complex64)` would round each part to float32")
     if dtype.is_complex:
         return "convert it with `.to(torch.complex64)` (complex values in float32 parts) before saving"
     if dtype in (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4):

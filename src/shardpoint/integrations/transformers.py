@@ -113,12 +113,13 @@ def save_pretrained(
         )
     if isinstance(model, torch.nn.Module):  # torch.compile / DDP: the model's own names, as transformers writes them
         model = unwrapped(model)[0]
-    if isinstance(model, torch.nn.Module) and getattr(model, "peft_config", None):
+    adapters: Any = getattr(model, "peft_config", None) if isinstance(model, torch.nn.Module) else None
+    if adapters:
         # peft's names (base_layer, lora_A.default) match no transformers class: from_pretrained
         # would start every weight from random values.
         raise InvalidStateError(
             f"save_pretrained() writes a transformers model, and this {type(model).__name__} holds PEFT adapters "
-            f"({', '.join(sorted(map(str, model.peft_config))) or 'default'}): save the adapters with the model's own "
+            f"({', '.join(sorted(map(str, adapters))) or 'default'}): save the adapters with the model's own "
             "save_pretrained(path) (adapter_model.safetensors, which PeftModel.from_pretrained reads), or merge them "
             "first (model = model.merge_and_unload()) and save the merged model here"
         )
