@@ -309,3 +309,33 @@ def test_a_modules_extra_state_is_restored(tmp_path: Path) -> None:
     result = sp.load_into(torch.nn.ModuleDict({"a": _WithExtra(), "b": torch.nn.Linear(2, 2)}), tmp_path / "without",
                           strict=False)
     assert result.missing_keys == ["a._extra_state"] and not result.ok
+
+
+class _TaggedParam(torch.nn.Parameter):
+    """A Parameter subclass of the user's own (dense memory, an attribute)."""
+
+    def __new__(cls, data: Any = None, requires_grad: bool = True) -> _TaggedParam:
+        made = super().__new__(cls, data, requires_grad)
+        made.tag = "keep-me"
+        return made
+
+
+class _Tagged(torch.nn.Module):
+    def __init__(self, device: str | None = None) -> None:
+        super().__init__()
+        self.w = _TaggedParam(torch.randn(3, 3, device=device))
+
+
+def test_a_parameter_subclass_is_cast_by_dtype_and_keeps_its_class_when_built_on_meta(tmp_path: Path) -> None:
+    """dtype= refused it as if it were FSDP2's DTensor ("convert the model before sharding
+    it"); built on meta it came back a plain Parameter, its class and attributes gone."""
+    torch.manual_seed(0)
+    saved = _Tagged()
+    sp.save(saved, tmp_path / "ck")
+    model = _Tagged()
+    assert sp.load_into(model, tmp_path / "ck", dtype=torch.bfloat16).ok
+    assert type(model.w) is _TaggedParam and model.w.dtype == torch.bfloat16
+    assert torch.equal(model.w, saved.w.to(torch.bfloat16))
+    empty = _Tagged(device="meta")
+    assert sp.load_into(empty, tmp_path / "ck").ok
+    assert type(empty.w) is _TaggedParam and empty.w.tag == "keep-me" and torch.equal(empty.w, saved.w)

@@ -173,6 +173,21 @@ _EXTRA_STATE = "_extra_state"
 """The state-dict key suffix of a module's ``get_extra_state`` value."""
 
 
+def _parameter_like(meta: torch.nn.Parameter, data: torch.Tensor) -> torch.nn.Parameter:
+    """A parameter holding ``data`` in place of the meta parameter ``meta``: of its class (a
+    ``Parameter`` subclass), with its attributes, as accelerate's
+    ``set_module_tensor_to_device`` gives it; a plain ``Parameter`` where the class cannot
+    be built that way."""
+    try:
+        made = type(meta)(data, requires_grad=meta.requires_grad)
+    except (TypeError, RuntimeError):
+        made = torch.nn.Parameter(data, requires_grad=meta.requires_grad)
+    if not isinstance(made, torch.nn.Parameter):
+        made = torch.nn.Parameter(data, requires_grad=meta.requires_grad)
+    made.__dict__.update(meta.__dict__)
+    return made
+
+
 def _copy_into(tensor: torch.Tensor, value: torch.Tensor, key: str) -> None:
     """Give a tensor with no memory of its own (a wrapper subclass) its values through its
     own ``copy_``, as ``load_state_dict`` does."""
@@ -337,7 +352,7 @@ class Planner:
             return device, want
         if fit is None:
             return None  # a plain dict's tensor: filled where it is
-        if type(tensor) not in (torch.Tensor, torch.nn.Parameter):  # a DTensor, a wrapper subclass
+        if type(tensor).__name__ == "DTensor" or storage_less(tensor):  # sharded, or a wrapper subclass
             # Refused where the dtype asked for is not the DTensor's (a key transformers keeps in
             # float32 in a model converted whole before sharding is the model's choice: cast into it).
             if want != tensor.dtype and self.dtype is not None and want == self.dtype:
@@ -472,7 +487,7 @@ class Planner:
                         self.post.append(functools.partial(setattr, tensor, "data", new))
                         value = tensor
                     elif isinstance(tensor, torch.nn.Parameter):
-                        value = torch.nn.Parameter(new, requires_grad=tensor.requires_grad)
+                        value = _parameter_like(tensor, new)
                     else:
                         value = new
                     materialized[id(tensor)] = (value, key, stored, new)
