@@ -199,3 +199,20 @@ def test_a_leading_tilde_is_the_home_directory_for_every_entry_point(tmp_path, m
     assert manager.step_path(1) == home / "run" / "step-000001"
     assert sorted(os.listdir(home)) == ["a", "b", "c", "run"] and os.listdir(work) == []
     assert main(["verify", "~/c"]) == 0
+
+
+def test_a_path_ending_in_dot_dot_or_the_root_is_refused_naming_the_folder(tmp_path: Path) -> None:
+    """sp.save(sd, "x/..", overwrite=True) failed with "Device or resource busy ... check the
+    filesystem"; without overwrite it advised overwrite=True, which led to that error."""
+    (tmp_path / "x").mkdir()
+    for given in (f"{tmp_path}/x/..", f"{tmp_path}/x/../"):
+        with pytest.raises(sp.InvalidArgumentError) as caught:
+            sp.save({"a": torch.zeros(1)}, given, overwrite=True)
+        assert str(caught.value) == (
+            f"cannot save to {tmp_path}/x/..: a path ending in '..' names a folder by way of another; give the "
+            f"folder's own path ({tmp_path}). Nothing was written"
+        )
+    with pytest.raises(sp.InvalidArgumentError, match=r"^cannot save to /: the root folder cannot be a checkpoint"):
+        sp.save({"a": torch.zeros(1)}, "/", overwrite=True)
+    sp.save({"a": torch.zeros(1)}, f"{tmp_path}/x/../y")  # '..' inside a path is fine
+    assert sorted(os.listdir(tmp_path)) == ["x", "y"]

@@ -196,6 +196,14 @@ class LocalTransaction(Transaction):
         new one gets them once the replacement is done."""
 
     def _check_target(self) -> None:
+        if self.final.name in ("", ".."):  # "x/..", "/": a folder named by its child, or the root
+            real = os.path.realpath(self.final)
+            raise InvalidArgumentError(
+                f"cannot save to {self.final}: "
+                + ("the root folder cannot be a checkpoint; save into a folder under it" if real == os.sep else
+                   f"a path ending in '..' names a folder by way of another; give the folder's own path ({real})")
+                + ". Nothing was written"
+            )
         if not os.path.lexists(self.final):
             parent = self.final.parent
             while not os.path.lexists(parent) and parent != parent.parent:
