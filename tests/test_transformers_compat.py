@@ -389,3 +389,16 @@ def test_a_folder_saved_over_by_save_pretrained_says_the_manifest_is_stale(tmp_p
     assert not report.ok
     assert any("it names files the manifest does not list ('model-00001-of-" in p and "another program saved into "
                "this folder after shardpoint.json" in p for p in report.problems), report.problems
+    # Sharded by shardpoint, then one file by save_pretrained (which removed the shards): the
+    # missing shard is said to be another program's doing, not "copy the file back".
+    sp.save(_model(0), tmp_path / "shards", max_shard_size="20KB")
+    _model(1).save_pretrained(tmp_path / "shards")
+    with pytest.raises(sp.MissingShardError) as caught:
+        sp.load(tmp_path / "shards")
+    assert str(caught.value).startswith(f"{tmp_path / 'shards' / 'model-00001-of-000'}")
+    assert str(caught.value).endswith(
+        ".safetensors is missing, and the folder holds 'model.safetensors', which this save did not write: another "
+        "program wrote into the folder after shardpoint.json, which describes what was there before (transformers' "
+        "save_pretrained into the same folder removes the shards it does not write and leaves it so). If the folder "
+        "was saved over on purpose, remove shardpoint.json to read what it now holds; else restore the checkpoint "
+        "from a copy")

@@ -209,10 +209,29 @@ class Checkpoint:
         return fd
 
     def _missing(self, name: str) -> MissingShardError:
+        where = self.file_label(name)
+        others = self._unlisted_weights() if self.manifest is not None and not self.single_file else []
+        if others:  # the folder was written over: say so, not "copy the file back"
+            return MissingShardError(
+                f"{where} is missing, and the folder holds {', '.join(repr(printable(o)) for o in others[:3])}, which "
+                f"this save did not write: another program wrote into the folder after {MANIFEST_NAME}, which "
+                "describes what was there before (transformers' save_pretrained into the same folder removes the "
+                f"shards it does not write and leaves it so). If the folder was saved over on purpose, remove "
+                f"{MANIFEST_NAME} to read what it now holds; else restore the checkpoint from a copy"
+            )
         return MissingShardError(
-            f"{self.file_label(name)} is missing: the checkpoint lists it but it is not there; "
-            f"the checkpoint is incomplete ({missing_file_advice(os.path.dirname(self.file_label(name)))})"
+            f"{where} is missing: the checkpoint lists it but it is not there; "
+            f"the checkpoint is incomplete ({missing_file_advice(os.path.dirname(where))})"
         )
+
+    def _unlisted_weights(self) -> list[str]:
+        """The ``.safetensors`` files of the folder that its manifest does not list."""
+        assert self.manifest is not None
+        try:
+            names = os.listdir(self.dir_fd if self.dir_fd is not None else self.location)
+        except OSError:
+            return []
+        return sorted(n for n in names if n.endswith(".safetensors") and n not in self.manifest.files)
 
     def open_all(self, names: list[str]) -> None:
         """Open every data file in ``names`` now, through the held directory.
