@@ -425,6 +425,22 @@ def test_manager_on_s3_lists_restores_and_applies_retention(url: str, opts: dict
     assert again.steps() == [20, 40, 50] and again.latest_step() == 50
 
 
+def test_retention_under_a_prefix_holding_glob_characters_deletes_only_its_own_steps(
+        url: str, opts: dict[str, Any]) -> None:
+    """Retention of run `sweep/lr[1]` deleted run `sweep/lr1`'s steps: fsspec's rm reads its
+    path as a glob, and `lr[1]/step-000100` matches `lr1/step-000100`."""
+    other = sp.CheckpointManager(f"{url}/sweep/lr1", storage_options=opts)
+    for step in (100, 200):
+        other.save(step, {"w": torch.full((2,), float(step))})
+    mine = sp.CheckpointManager(f"{url}/sweep/lr[1]", keep_last=1, storage_options=opts)
+    for step in (100, 200, 300):
+        mine.save(step, {"w": torch.zeros(2)})
+    assert mine.steps() == [300]
+    assert other.steps() == [100, 200]
+    target = {"w": torch.zeros(2)}
+    assert other.restore(target) == 200 and target["w"].tolist() == [200.0, 200.0]
+
+
 def test_retention_on_s3_keeps_a_damaged_step(url: str, opts: dict[str, Any], fs: Any) -> None:
     """A step whose manifest is damaged is never deleted as if it were whole (locally that
     was so; on S3 retention deleted it and the objects beside it)."""

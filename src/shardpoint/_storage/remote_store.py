@@ -252,8 +252,14 @@ class RemoteStore:
         self.delete(first + [n for n in names if n not in (MANIFEST_NAME, PENDING_NAME)])
         self.abort_uploads()  # a dead save's unfinished uploads go with its prefix
         self.delete([PENDING_NAME])
-        with suppress(Exception):  # a store that keeps directory entries (SeaweedFS)
-            self.fs.rm(self.root, recursive=True)
+        # A store that keeps directory entries (SeaweedFS): remove the prefix's own. fsspec's
+        # rm reads its path as a glob, so a prefix holding * ? [ (`sweep/lr[1]`) would match
+        # other runs' (`sweep/lr1`): only the entry itself, then.
+        with suppress(Exception):
+            if any(c in self.root for c in "*?["):
+                self.fs.rm_file(self.root)
+            else:
+                self.fs.rm(self.root, recursive=True)
         self._refresh(self.root)
 
 
