@@ -485,6 +485,23 @@ def test_manager_async_saves_to_s3(url: str, opts: dict[str, Any]) -> None:
     assert mgr.restore(target) == 3 and torch.equal(target["model"].weight, model.weight)
 
 
+def test_an_async_save_ending_the_program_is_committed_before_it_exits(url: str, opts: dict[str, Any]) -> None:
+    """sp.async_save to S3 as a program's last statement, its first S3 call: the save ran
+    while the interpreter shut down, s3fs could not open a connection ("cannot schedule new
+    futures after interpreter shutdown", retried as a network fault), and the program's last
+    checkpoint was lost, exit code 0."""
+    child = (
+        "import json, sys, torch, shardpoint as sp\n"
+        "state = {f'w{i}': torch.full((64, 64), float(i)) for i in range(8)}\n"
+        "sp.async_save(state, sys.argv[1], max_shard_size='20KB', storage_options=json.loads(sys.argv[2]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", child, url, json.dumps(opts)], capture_output=True, text=True,
+                          timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    back = sp.load(url, storage_options=opts)
+    assert sorted(back) == [f"w{i}" for i in range(8)] and back["w7"].eq(7.0).all()
+
+
 _CHILD = r"""
 import json, os, sys, time
 import torch

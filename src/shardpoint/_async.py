@@ -300,8 +300,22 @@ def _report_unseen_failures() -> None:
             print(message, file=sys.stderr, flush=True)
 
 
+def _finish_pending_saves() -> None:
+    """At interpreter shutdown, before ``concurrent.futures`` refuses new work: let each
+    queue's last save run to its end. Run later, a save whose store opens connections
+    through an executor (s3fs resolving a host) failed with "cannot schedule new futures
+    after interpreter shutdown", and the program's last checkpoint was lost. Its outcome is
+    left for :func:`_report_unseen_failures`."""
+    pending = [q.last._future for q in list(_queues) if q.last is not None]
+    if pending:
+        futures.wait(pending)
+
+
 os.register_at_fork(after_in_child=_after_fork_in_child)
 atexit.register(_report_unseen_failures)
+# threading's exit hooks run in reverse order of registration, and before the one
+# concurrent.futures registered when it was imported (above): so before it stops executors.
+threading._register_atexit(_finish_pending_saves)  # type: ignore[attr-defined]
 
 _default = AsyncQueue()
 
