@@ -502,6 +502,36 @@ def test_an_async_save_ending_the_program_is_committed_before_it_exits(url: str,
     assert sorted(back) == [f"w{i}" for i in range(8)] and back["w7"].eq(7.0).all()
 
 
+@pytest.mark.parametrize("verify", [False, True], ids=["unchecked", "crc32c"])
+def test_a_load_that_an_overwrite_runs_under_is_refused_as_replaced(
+        url: str, opts: dict[str, Any], monkeypatch: pytest.MonkeyPatch, verify: bool) -> None:
+    """An object store reads no snapshot: an overwrite during a load replaced the second data
+    object under it. Unchecked, the load returned one tensor of each save without a word;
+    checked, it called the whole checkpoint damaged."""
+    from shardpoint._storage import remote_store
+
+    size = 64 * 1024  # 256 KiB a tensor, each in a data object of its own
+    sp.save({"a": torch.full((size,), 1.0), "b": torch.full((size,), 1.0)}, url, storage_options=opts,
+            max_shard_size="300KB")
+    read_range, done = remote_store.RemoteStore.read_range, []
+
+    def overwritten_midway(self: Any, name: str, start: int, nbytes: int) -> bytes:
+        if name == "model-00002-of-00002.safetensors" and start != 0 and not done:
+            done.append(name)  # another job overwrites the checkpoint now
+            sp.save({"a": torch.full((size,), 2.0), "b": torch.full((size,), 2.0)}, url, storage_options=opts,
+                    overwrite=True, max_shard_size="300KB")
+        return read_range(self, name, start, nbytes)
+
+    monkeypatch.setattr(remote_store.RemoteStore, "read_range", overwritten_midway)
+    with pytest.raises(sp.StorageError) as caught:
+        sp.load(url, storage_options=opts, verify=verify, options=sp.RemoteOptions(threads=1))
+    assert done and str(caught.value).endswith(
+        "model-00001-of-00002.safetensors was replaced by another save while this load read it (an object store "
+        "holds no snapshot: an overwrite replaces its objects one by one), so what was read may mix the two saves "
+        "(a load_into target may hold part of it). Load again, or load a step nothing writes over")
+    assert sp.load(url, storage_options=opts)["b"].eq(2.0).all()
+
+
 _CHILD = r"""
 import json, os, sys, time
 import torch

@@ -19,6 +19,7 @@ import threading
 import time
 import weakref
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -392,6 +393,20 @@ class Checkpoint:
                 f"{where} is {size} bytes but the manifest recorded {expected}; "
                 f"the {what} is truncated, padded or from another save"
             )
+
+    def replaced_meanwhile(self, names: Iterable[str]) -> str | None:
+        """On an object store, the first of the data objects ``names`` that another save has
+        written since this checkpoint was opened (its save id is no longer the manifest's),
+        else None. A store reads no snapshot: an overwrite during a load replaces objects
+        under it, one by one."""
+        save_id_of = getattr(self.store, "save_id_of", None)
+        if self.manifest is None or save_id_of is None:
+            return None
+        for name in sorted(set(names)):
+            size = self.sizes.get(name)
+            if size is not None and save_id_of(name, size) != self.manifest.save_id:
+                return name
+        return None
 
     def _check_save_id(self, header: SafetensorsHeader, where: str) -> None:
         if self.manifest is not None:

@@ -23,7 +23,7 @@ from ._io.reads import ReadTask, run_reads
 from ._load.memory import allocate
 from ._planning.chunks import byte_runs, intersect
 from ._progress import byte_progress, loading_label
-from .errors import CorruptCheckpointError
+from .errors import ChecksumMismatchError, CorruptCheckpointError, StorageError
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -218,13 +218,31 @@ class ReadBatch:
 
     def _run(self, advance: Callable[[int], None] | None) -> None:
         with torch.no_grad():
-            run_reads(self.tasks, self.ckpt.byte_source(processes_here=self.ranks_here), advance=advance,
-                      staging_bytes=self.staging_bytes, out_of_range=self.out_of_range)
+            try:
+                run_reads(self.tasks, self.ckpt.byte_source(processes_here=self.ranks_here), advance=advance,
+                          staging_bytes=self.staging_bytes, out_of_range=self.out_of_range)
+            except ChecksumMismatchError:
+                self._refuse_if_replaced()  # not damaged: overwritten under the load
+                raise
+            self._refuse_if_replaced()
             for dest, temp, label in self._copies:
                 if dest.dtype != temp.dtype:
                     self.out_of_range.check(label, temp, dest.dtype)
                 dest.copy_(temp)
         self.warn_out_of_range()
+
+    def _refuse_if_replaced(self) -> None:
+        """On an object store: refuse values read while another save replaced the objects
+        (a mix of two saves, or bytes that fail crc32c though nothing is damaged)."""
+        if self.ckpt.store is None or not self.tasks:
+            return
+        replaced = self.ckpt.replaced_meanwhile(t.path for t in self.tasks)
+        if replaced is not None:
+            raise StorageError(
+                f"{self._name(replaced)} was replaced by another save while this load read it (an object store "
+                "holds no snapshot: an overwrite replaces its objects one by one), so what was read may mix the two "
+                "saves (a load_into target may hold part of it). Load again, or load a step nothing writes over"
+            )
 
     def warn_out_of_range(self) -> None:
         """Warn of the values a cast pushed past a narrower float's range (they became inf, as
