@@ -532,6 +532,29 @@ def test_a_load_that_an_overwrite_runs_under_is_refused_as_replaced(
     assert sp.load(url, storage_options=opts)["b"].eq(2.0).all()
 
 
+def test_restore_chooses_again_when_retention_retires_the_step_it_reads(
+        url: str, opts: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process saving with keep_last=1 retired the step a restore was reading: on S3
+    restore raised "the checkpoint is incomplete (upload the object again)" and "No older step
+    is committed", where the docs promise the newest step is chosen again."""
+    from shardpoint._storage import remote_store
+
+    saver = sp.CheckpointManager(url, keep_last=1, storage_options=opts)
+    saver.save(1, {"w": torch.full((4096,), 1.0)})
+    read_range, done = remote_store.RemoteStore.read_range, []
+
+    def retired_midway(self: Any, name: str, start: int, nbytes: int) -> bytes:
+        if "step-000001" in self.root and start != 0 and not done:
+            done.append(name)
+            saver.save(2, {"w": torch.full((4096,), 2.0)})  # retention deletes step 1
+        return read_range(self, name, start, nbytes)
+
+    monkeypatch.setattr(remote_store.RemoteStore, "read_range", retired_midway)
+    target = {"w": torch.zeros(4096)}
+    assert sp.CheckpointManager(url, storage_options=opts).restore(target) == 2
+    assert done and target["w"].eq(2.0).all() and saver.steps() == [2]
+
+
 _CHILD = r"""
 import json, os, sys, time
 import torch

@@ -555,7 +555,11 @@ class CheckpointManager:
             except (OSError, CheckpointError) as exc:
                 if isinstance(exc, LoadMismatchError) or group.distributed:
                     raise  # over a group, the error is already the same on every rank
-                if not self._store.tracks_versions or (before is not None and self._identity(chosen) == before):
+                if self._store.tracks_versions:
+                    unchanged = before is not None and self._identity(chosen) == before
+                else:  # an object store: no versions to compare, but a retired step is gone
+                    unchanged = chosen in self.steps()
+                if unchanged:
                     # the step is still there, unchanged: a real error of the step
                     if step is None and isinstance(exc, CorruptCheckpointError):
                         self._name_older_steps(exc, chosen)
