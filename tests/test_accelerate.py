@@ -233,6 +233,16 @@ def test_errors_name_what_to_do(tmp_path: Path) -> None:
     accelerator.register_for_checkpointing(Counter())
     with pytest.raises(sp.LoadMismatchError, match="custom_checkpoint_1"):
         load_state(accelerator, tmp_path / "one")
+    # A folder of accelerate's own save_state: named, where only its weights matched and the
+    # strict refusal advised strict=False (the optimizer and schedulers then stayed as built).
+    AcceleratorState._reset_state(True)
+    accelerator, *_ = _prepared(tmp_path, automatic=False)
+    accelerator.save_state(tmp_path / "theirs")
+    with pytest.raises(sp.UnsupportedFormatError) as own:
+        load_state(accelerator, tmp_path / "theirs", strict=False)
+    assert str(own.value).startswith(f"{tmp_path / 'theirs'} was written by accelerate's own save_state (custom_")
+    assert str(own.value).endswith(
+        "not by shardpoint's: load it with accelerator.load_state(input_dir), then save with shardpoint from there on")
     # No project_dir at all: nowhere to list checkpoints (was a bare TypeError).
     AcceleratorState._reset_state(True)
     bare = Accelerator(cpu=True)

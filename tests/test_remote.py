@@ -837,3 +837,22 @@ def test_a_manager_on_s3_reads_each_steps_metrics_once(url: str, opts: dict[str,
     manifests = [p for p in reads if p.endswith("shardpoint.json")]
     assert len(manifests) <= 1, manifests  # at most the new step's own
     assert mgr.steps() == [4, 5, 6] and mgr.best_steps() == [4, 6, 5]  # ties: the newest first
+
+
+def test_bad_s3_inputs_are_named(opts: dict[str, Any]) -> None:
+    """A part size under S3's minimum failed every save with "check the URL, the bucket";
+    a missing bucket read as "holds no objects"; s3:// alone as "is not empty and holds no
+    shardpoint checkpoint"."""
+    with pytest.raises(sp.InvalidArgumentError) as caught:
+        sp.RemoteOptions(block_bytes=4 << 20)
+    assert str(caught.value) == (
+        "RemoteOptions.block_bytes must be an integer >= 5242880 (5 MiB: S3's smallest upload part), not 4194304")
+    with pytest.raises(sp.CheckpointNotFoundError) as missing:
+        sp.load("s3://no-such-bucket-shardpoint/run/step-1", storage_options=opts)
+    assert str(missing.value) == (
+        "s3://no-such-bucket-shardpoint/run/step-1: the bucket 'no-such-bucket-shardpoint' does not exist; nothing "
+        "to load. Check the URL")
+    for bare in ("s3://", "s3:///"):
+        with pytest.raises(sp.InvalidArgumentError, match=r"names no bucket or prefix: give the place of the "
+                                                          r"checkpoint, e\.g\. s3://bucket/run/step-100"):
+            sp.save({"x": torch.ones(1)}, bare, storage_options=opts)

@@ -413,6 +413,11 @@ def remote_listing(store: RemoteStore, doing: str) -> tuple[RemoteStore, dict[st
             )
     names = store.list()
     if not names:
+        missing = getattr(store, "missing_bucket", lambda: None)()
+        if missing is not None:
+            raise CheckpointNotFoundError(
+                f"{store.url}: the bucket {missing!r} does not exist; nothing to {doing}. Check the URL"
+            )
         raise CheckpointNotFoundError(f"{store.url} holds no objects; nothing to {doing}")
     return store, names, None
 

@@ -65,7 +65,9 @@ class RemoteStore:
             try:
                 found = self.fs.ls(self.root, detail=True)
             except FileNotFoundError:
+                self.listing_not_found = True  # as find() says it
                 return {}, []
+            self.listing_not_found = False
             files: dict[str, int] = {}
             dirs: list[str] = []
             for e in found:

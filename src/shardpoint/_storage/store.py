@@ -216,6 +216,10 @@ def resolve(path: Any, storage_options: Mapping[str, Any] | None) -> tuple[Any, 
         raise InvalidArgumentError(
             f"{path}: storage_options were not accepted by the {protocol}:// backend ({exc})"
         ) from None
+    if not str(root).strip("/") and "::" not in path:
+        raise InvalidArgumentError(
+            f"{path} names no bucket or prefix: give the place of the checkpoint, e.g. {protocol}://bucket/run/step-100"
+        )
     if own_retries and isinstance(getattr(fs, "retries", None), int):
         fs.retries = 1  # s3fs's own loop; fsspec caches this instance for these very options only
     return path, FsspecStore(fs, root, path)

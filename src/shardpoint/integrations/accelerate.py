@@ -75,6 +75,7 @@ from ..errors import (
     InvalidArgumentError,
     InvalidArgumentTypeError,
     LoadMismatchError,
+    UnsupportedFormatError,
 )
 
 __all__ = ["checkpoint_dirs", "load_state", "save_state"]
@@ -450,6 +451,26 @@ def save_state(
 
 
 
+_ACCELERATE_FILES = re.compile(r"(optimizer(_\d+)?\.bin|scheduler(_\d+)?\.bin|random_states_\d+\.pkl|"
+                               r"custom_checkpoint_\d+\.pkl|scaler\.pt)")
+"""Files accelerate's own ``save_state`` writes beside the model's weights."""
+
+
+def _refuse_accelerates_own(input_dir: Any) -> None:
+    """Refuse a folder written by accelerate's own ``save_state``: read as a checkpoint of
+    this module's, only its weights matched (the optimizer, schedulers and RNG stayed as
+    they were), and strict loads advised ``strict=False``, which loads just the weights."""
+    path = os.fspath(input_dir)
+    if "://" in path or not os.path.isdir(path) or os.path.exists(os.path.join(path, MANIFEST_NAME)):
+        return
+    theirs = sorted(n for n in os.listdir(path) if _ACCELERATE_FILES.fullmatch(n))
+    if theirs:
+        raise UnsupportedFormatError(
+            f"{path} was written by accelerate's own save_state ({', '.join(theirs[:3])}), not by shardpoint's: "
+            "load it with accelerator.load_state(input_dir), then save with shardpoint from there on"
+        )
+
+
 def load_state(
     accelerator: Any,
     input_dir: str | os.PathLike[str] | None = None,
@@ -516,6 +537,7 @@ def load_state(
         # (iteration 0 would be saved, then deleted first by total_limit).
         candidates = [i for i in (int(named.group(1)) if named else None, newest) if i is not None]
         resumed_from = max(candidates) if candidates else None
+    _refuse_accelerates_own(input_dir)
     target = _state(accelerator, _PerRank(accelerator))
     result = load_into(target, input_dir, strict=strict, process_group=_process_group(accelerator), **load_kwargs)
     if resumed_from is not None:
