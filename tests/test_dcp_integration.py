@@ -8,6 +8,7 @@ written by a different number of ranks. Every loaded value is compared exactly.
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,32 @@ def test_sp_save_nested_state_loads_with_dcp_load_exactly(tmp_path: Path) -> Non
     assert state["optim"]["param_groups"][0]["lr"] == 0.01
     assert state["extra"]["epoch"] == 3
     assert torch.equal(state["extra"]["ids"], torch.arange(5))
+
+
+def test_an_optimizer_stored_by_name_loads_by_name_and_is_refused_by_position(tmp_path: Path) -> None:
+    """sp.save of a model and its optimizer stores the optimizer's state by parameter name.
+    DCP's FQN-keyed get/set_optimizer_state_dict loads it; a target of optimizer.state_dict()
+    (by position) stopped at DCP's bare "Missing key in checkpoint state_dict"."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt = _trained(0)
+    sp.save({"model": model, "optim": opt}, tmp_path / "ckpt")
+    other, other_opt = _trained(1)
+    model_sd, optim_sd = get_state_dict(other, other_opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    _dcp_load(state, tmp_path / "ckpt", no_dist=True)
+    set_state_dict(other, other_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    want, got = opt.state_dict(), other_opt.state_dict()
+    assert all(torch.equal(got["state"][i][k], want["state"][i][k]) for i in range(4) for k in ("exp_avg", "step"))
+    assert got["param_groups"][0]["lr"] == 0.01
+    positional = {"model": other.state_dict(), "optim": _trained(2)[1].state_dict()}
+    with pytest.raises((CheckpointException, sp.InvalidStateError)) as caught:
+        _dcp_load(positional, tmp_path / "ckpt", no_dist=True)
+    assert re.search(r"DCP asks for 'optim\.state\.\d\.\w+', optimizer state by position \(a target built with "
+                     r"optimizer\.state_dict\(\)\), but component 'optim' holds its optimizer's state by parameter "
+                     r"name", str(caught.value)), str(caught.value)
+    assert "set_optimizer_state_dict of torch.distributed.checkpoint.state_dict" in str(caught.value)
 
 
 def test_flat_checkpoint_and_partial_regions(tmp_path: Path) -> None:

@@ -77,6 +77,33 @@ class _Leaf:
         self.value = value
 
 
+class _Refused:
+    """Stands for a DCP name that would load wrong: refused, with what to do, when read."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def _by_position(value: Any) -> dict[str, Any] | None:
+    """An optimizer state stored by parameter name (``{"state": {name: ...}, "param_groups":
+    [{"params": [names]}]}``) seen by position, as ``optimizer.state_dict()`` numbers them:
+    ``{"state": {"0": ...}, "param_groups": [{"params": ...}]}``; None for anything else, or
+    where a name is itself a number."""
+    if not isinstance(value, dict) or not isinstance(value.get("state"), dict):
+        return None
+    groups = value.get("param_groups")
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                               for g in groups):
+        return None
+    names = [n for g in groups for n in g["params"]]
+    if not names or not all(isinstance(n, str) and not n.isdigit() for n in names):
+        return None
+    return {"state": {str(i): value["state"][n] for i, n in enumerate(names) if n in value["state"]},
+            "param_groups": [{"params": list(range(len(g["params"])))} for g in groups]}
+
+
 class _Pickled:
     """Stands for a value pickled at save time (its bytes are the stored tensor ``name``)."""
 
@@ -128,11 +155,35 @@ def _metadata(ckpt: Checkpoint) -> tuple[Any, dict[str, _Leaf]]:
             placeholders[alias] = placeholders[stored]
         tree = _mark_pickles(rec.tree, cname)
         state[cname] = unflatten_state(tree, placeholders, where=f"{ckpt.location}, component {cname!r}")
+    positional: dict[str, Any] = {}
+    if not ckpt.flat:
+        for cname, value in state.items():
+            seen = _by_position(value)
+            if seen is not None:
+                positional[cname] = seen
     if ckpt.flat:
         state = state["model"]
     flat, _ = flatten_state_dict(state)
     entries: dict[str, Any] = {}
     leaves: dict[str, _Leaf] = {}
+    # An optimizer stored by parameter name, asked for by position (a target of
+    # optimizer.state_dict()): listed, so that DCP's planner does not stop at its bare
+    # "Missing key", and refused when read, naming the way that loads it right.
+    for fqn, value in flatten_state_dict(positional)[0].items():
+        if fqn in flat:
+            continue
+        component = fqn.split(".", 1)[0]
+        entries[fqn] = (TensorStorageMetadata(
+            properties=TensorProperties(dtype=value.dtype), size=torch.Size(value.shape),
+            chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * value.dim()), sizes=torch.Size(value.shape))],
+        ) if isinstance(value, torch.Tensor) else BytesStorageMetadata())
+        leaves[fqn] = _Leaf(value=_Refused(
+            f"{ckpt.location}: DCP asks for {fqn!r}, optimizer state by position (a target built with "
+            f"optimizer.state_dict()), but component {component!r} holds its optimizer's state by parameter name "
+            "(sp.save of the model and its optimizer): load it with get_optimizer_state_dict / "
+            "set_optimizer_state_dict of torch.distributed.checkpoint.state_dict (keyed by parameter name), or "
+            f"with sp.load_into({{'{component}': optimizer, ...}}, path) beside its model; nothing was loaded"
+        ))
     for fqn, value in flat.items():
         if isinstance(value, torch.Tensor):
             leaf = leaf_of[id(value)]
@@ -221,6 +272,10 @@ class ShardpointStorageReader(_base()):  # type: ignore[misc]
         from torch.distributed.checkpoint.planner import LoadItemType
 
         ckpt = self._open()
+        for item in plan.items:
+            refused = getattr(self._leaves.get(item.storage_index.fqn), "value", None)
+            if isinstance(refused, _Refused):
+                raise InvalidStateError(refused.message)
         batch = ReadBatch(ckpt, verify=self.verify)
         pending: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
         for item in plan.items:
