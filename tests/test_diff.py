@@ -201,14 +201,36 @@ def test_typed_values_are_compared(tmp_path: Path) -> None:
     sp.save({"hp": {**base, "p": Path("b"), "ns": argparse.Namespace(n=2)}}, tmp_path / "b")
     sp.save({"hp": {**base, "c": Shade.LIGHT, "t": datetime.date(2025, 1, 1)}}, tmp_path / "c")
     report = sp.diff(tmp_path / "a", tmp_path / "b")
-    assert [(v.key, v.a, v.b) for v in report.values] == [("hp.p", "Path(a)", "Path(b)"), ("hp.ns.n", 1, 2)]
+    assert [(v.key, v.a, v.b) for v in report.values] == [("hp/p", "Path(a)", "Path(b)"), ("hp/ns.n", 1, 2)]
     report = sp.diff(tmp_path / "a", tmp_path / "c")
     assert [(v.key, v.a, v.b) for v in report.values] == [
-        ("hp.t", "date(2024-01-01)", "date(2025-01-01)"),
-        ("hp.c", f"{__name__}:Shade.DARK", f"{__name__}:Shade.LIGHT"),
+        ("hp/t", "date(2024-01-01)", "date(2025-01-01)"),
+        ("hp/c", f"{__name__}:Shade.DARK", f"{__name__}:Shade.LIGHT"),
     ]
     same = sp.diff(tmp_path / "a", tmp_path / "a")
     assert same.equal and not same.values
+
+
+def test_values_that_differ_in_structure_or_type_are_differences(tmp_path: Path) -> None:
+    """diff said "equal" (exit 0) where sp.load returns other objects: int against str keys
+    (torch's Optimizer.load_state_dict tells them apart), a tuple against a list, {} against
+    [] or against nothing, and a Path against the string that reads the same."""
+    ones = torch.ones(2)
+    sp.save({"model": {"w": ones}, "opt": {"state": {0: {"step": 5}}, "param_groups": [{"betas": (0.9, 0.99)}]},
+             "extra": {"history": {}, "cb": [], "p": Path("/data")}}, tmp_path / "a")
+    sp.save({"model": {"w": ones}, "opt": {"state": {"0": {"step": 5}}, "param_groups": [{"betas": [0.9, 0.99]}]},
+             "extra": {"history": [], "gone": {}, "p": "Path(/data)"}}, tmp_path / "b")
+    report = sp.diff(tmp_path / "a", tmp_path / "b")
+    assert not report.equal and not report.differences
+    assert [(v.key, repr(v.a), repr(v.b)) for v in report.values] == [
+        ("opt/state", "dict (int keys)", "dict (str keys)"),
+        ("opt/param_groups.0.betas", "tuple", "list"),
+        ("extra/history", "empty dict", "empty list"),
+        ("extra/cb", "empty list", "<absent>"),
+        ("extra/p", "Path(/data)", "'Path(/data)'"),
+        ("extra/gone", "<absent>", "empty dict"),
+    ]
+    assert sp.diff(tmp_path / "a", tmp_path / "a").equal
 
 
 def test_errors_exit_2(tmp_path: Path, base: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -414,7 +436,7 @@ def test_top_level_tensors_beside_plain_values_are_keyed_as_load_keys_them(
     assert code == 1
     assert [(t["key"], t["status"]) for t in report["tensors"]] == [("w", "equal"), ("b", "equal")]
     assert (report["only_in_a"], report["only_in_b"]) == (["opt/m"], [])
-    assert report["values"] == [{"key": "step", "a": 3, "b": "<absent>"}]
+    assert report["values"] == [{"key": "step", "a": 3}]
     code, out, _ = run_cli(capsys, "inspect", tmp_path / "a")
     assert code == 0
     rows = [line.split()[0] for line in out.splitlines()[out.splitlines().index("  NAME   DTYPE  SHAPE   SIZE  FILE") + 1:]]

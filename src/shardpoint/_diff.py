@@ -77,7 +77,33 @@ class ValueDiff:
     b: Any
 
 
-MISSING = "<absent>"
+class _Absent:
+    """The side a non-tensor value is not on (never equal to any value, a string included)."""
+
+    def __repr__(self) -> str:
+        return "<absent>"
+
+
+MISSING: Any = _Absent()
+
+
+class _Typed(str):
+    """A typed leaf (a Path, a complex, a dtype, bytes) as its text: equal only to the same
+    typed value, never to a string that reads the same."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+class _Shape(tuple):
+    """What a container is (its kind, whether it is empty, the types of its keys): a dict
+    keyed by int where the other side keys by str, a tuple against a list, or an empty
+    container on one side only, is a difference though no leaf under it differs. (Its
+    entries are compared one by one: their number is not part of it.)"""
+
+    def __repr__(self) -> str:
+        kind, empty, keys = self
+        return ("empty " if empty else "") + kind + (f" ({'/'.join(keys)} keys)" if keys else "")
 
 
 @dataclass(frozen=True)
@@ -238,31 +264,48 @@ def _tie_notes(
 
 
 def _json_leaves(source: TensorSource, view: dict[str, str]) -> dict[str, Any]:
-    """Path -> value of every non-tensor leaf of every component's tree."""
+    """Path -> value of every non-tensor leaf of every component's tree, and path -> its
+    :class:`_Shape` of every container (named as tensors are: ``component/key.sub``)."""
     out: dict[str, Any] = {}
+
+    def under(path: str, key: object) -> str:
+        return f"{path}{key}" if not path or path.endswith("/") else f"{path}.{key}"
 
     def walk(node: Any, path: str) -> None:
         if not isinstance(node, dict):
             return
         kind = node.get("type")
+        at = path.rstrip("/")
         if kind in ("json", "float"):
             value = node.get("value")
-            out[path] = float(value) if kind == "float" and value is not None else value
+            out[at] = float(value) if kind == "float" and value is not None else value
         elif kind == "dict":
-            for _, key, child in node.get("items", []):
-                walk(child, f"{path}.{key}" if path else str(key))
+            items = node.get("items", [])
+            if at:
+                out[at] = _Shape((node.get("class") or "dict", not items, tuple(sorted({str(k) for k, _, _ in items}))))
+            for _, key, child in items:
+                walk(child, under(path, key))
         elif kind in ("list", "tuple"):
-            for i, child in enumerate(node.get("items", [])):
-                walk(child, f"{path}.{i}" if path else str(i))
+            items = node.get("items", [])
+            if at:
+                out[at] = _Shape((kind, not items, ()))
+            for i, child in enumerate(items):
+                walk(child, under(path, i))
         elif kind in WRAPPER_TYPES or kind in TYPED_VALUE_NODES:
             walk(node.get("value"), path)
         elif kind in TYPED_LEAVES:
-            out[path] = typed_leaf_text(node)
+            out[at] = _Typed(typed_leaf_text(node))
 
     for comp in source.components:
         if comp.name in view:
-            walk(comp.tree, view[comp.name].rstrip("/"))
+            walk(comp.tree, view[comp.name])
     return out
+
+
+def _said_below(a: Any, b: Any) -> bool:
+    """A container on one side only that holds something: what it holds is reported."""
+    one = a if b is MISSING else b if a is MISSING else None
+    return isinstance(one, _Shape) and not one[1]
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -447,7 +490,8 @@ def _diff_sources(
     values = [
         ValueDiff(k, leaves_a.get(k, MISSING), leaves_b.get(k, MISSING))
         for k in [*leaves_a, *(k for k in leaves_b if k not in leaves_a)]
-        if k not in leaves_a or k not in leaves_b or not _same_value(leaves_a[k], leaves_b[k])
+        if (k not in leaves_a or k not in leaves_b or not _same_value(leaves_a[k], leaves_b[k]))
+        and not _said_below(leaves_a.get(k, MISSING), leaves_b.get(k, MISSING))
     ]
     ordered = [results[k] for k in keys_a if k in results]
     return DiffReport(name_a, name_b, atol, rtol, only_a, only_b, ordered, values, compared, notes)

@@ -21,7 +21,9 @@ Exit status: 0 equal within tolerance, 1 different, 2 error (unreadable or refus
 The --json object has the keys: a, b, equal, atol, rtol, only_in_a [key], only_in_b [key],
 tensors [{key, status, dtype_a, dtype_b, shape_a, shape_b, max_abs, max_rel, mismatched}]
 (every tensor in both; status is equal, close, changed, dtype or shape; non-finite numbers
-are the strings "nan" / "inf"), values [{key, a, b}] (non-tensor values that differ),
+are the strings "nan" / "inf"), values [{key, a, b}] (non-tensor values that differ; a side
+holding none has no a or b; a container that differs in kind, emptiness or key types is
+described in words),
 compared_bytes, notes [{key, a, b, alias_of_a, alias_of_b, compared_as, message}] (names
 stored differently: a and b are stored, alias or absent), read_notes [text] (what was read
 of A and B where it is not all the path holds).
@@ -37,7 +39,7 @@ import json
 import math
 from typing import Any
 
-from .._diff import DiffReport, TensorDiff, diff
+from .._diff import MISSING, DiffReport, TensorDiff, diff
 from .._sizes import human_size
 from .main import EXIT_DAMAGED, EXIT_OK, add_cache_dir
 from .output import emit, printable
@@ -78,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     report = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, trust_pickle=args.trust_pickle,
                   cache_dir=args.cache_dir, component=args.component, progress=args.progress)
     if args.json:
-        print(json.dumps(to_json(report), indent=2))
+        print(json.dumps(to_json(report), indent=2, allow_nan=False))
     else:
         emit(render(report, show_all=args.all).split("\n"))
     return EXIT_OK if report.equal else EXIT_DAMAGED
@@ -93,6 +95,10 @@ def _number(x: float | None) -> float | str | None:
 def _plain(value: Any) -> Any:
     if isinstance(value, float):
         return _number(value)
+    if isinstance(value, tuple):  # a container's kind (_Shape)
+        return repr(value)
+    if isinstance(value, str):
+        return str(value)  # a typed leaf's text
     return value
 
 
@@ -101,8 +107,8 @@ def to_json(report: DiffReport) -> dict[str, object]:
         "a": report.a,
         "b": report.b,
         "equal": report.equal,
-        "atol": report.atol,
-        "rtol": report.rtol,
+        "atol": _number(report.atol),
+        "rtol": _number(report.rtol),
         "only_in_a": report.only_in_a,
         "only_in_b": report.only_in_b,
         "tensors": [
@@ -119,7 +125,8 @@ def to_json(report: DiffReport) -> dict[str, object]:
             }
             for t in report.tensors
         ],
-        "values": [{"key": v.key, "a": _plain(v.a), "b": _plain(v.b)} for v in report.values],
+        "values": [{"key": v.key, **{side: _plain(value) for side, value in (("a", v.a), ("b", v.b))
+                                      if value is not MISSING}} for v in report.values],
         "compared_bytes": report.compared_bytes,
         "notes": [
             {
