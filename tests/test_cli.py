@@ -174,6 +174,9 @@ def test_inspect_json_has_exact_values(ckpt: Path, capsys: pytest.CaptureFixture
         ("*.weight", ["embed.weight", "layer.0.weight", "head.weight", "lm_head.weight"]),  # glob
         ("layer.?.bias", ["layer.0.bias"]),
         ("nothing-like-this", []),
+        ("^[e-l]*[!s].weight$", ["embed.weight", "layer.0.weight", "head.weight", "lm_head.weight"]),
+        ("^[!e]*.weight", ["layer.0.weight", "head.weight", "lm_head.weight"]),
+        ("**********Z", []),  # a regular expression of ten .* backtracked for minutes
     ],
 )
 def test_inspect_filter(
@@ -185,6 +188,14 @@ def test_inspect_filter(
     assert [t["name"] for t in doc["tensors"]] == names
     assert doc["tensors_matched"] == len(names)
     assert doc["tensor_count"] == 4  # the summary is of the whole checkpoint
+
+
+def test_inspect_filter_with_a_range_that_runs_backwards_is_a_usage_error(
+        ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """'[z-a]' ended in a raw re.error traceback, exit 1, nothing on stdout with --json."""
+    code, out, _ = run(capsys, "inspect", ckpt, "--json", "--filter", "[z-a]")
+    assert code == 2
+    assert json.loads(out)["message"] == "--filter '[z-a]': the range z-a runs backwards; write a-z"
 
 
 def test_inspect_limit_and_filter_text(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
