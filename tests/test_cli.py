@@ -1099,6 +1099,20 @@ def test_sigterm_unwinds_a_command_as_ctrl_c_does(tmp_path: Path, capsys: pytest
     code, out, err = run(capsys, "verify", tmp_path / "ck")
     assert (code, out, err) == (143, "", "shardpoint: terminated\n")
     assert signal.getsignal(signal.SIGTERM) is before
+    # With --json, stdout holds the error object (it was empty: jq read nothing, exit 0).
+    code, out, err = run(capsys, "verify", tmp_path / "ck", "--json")
+    assert (code, err) == (143, "shardpoint: terminated\n")
+    assert json.loads(out) == {"error": "Terminated", "message": "terminated (SIGTERM) before it finished",
+                               "path": str(tmp_path / "ck")}
+
+
+def test_with_stderr_closed_stdout_holds_only_the_json_object(tmp_path: Path) -> None:
+    """`2>&-`: print(file=sys.stderr) with sys.stderr None wrote the error line to stdout,
+    after the --json object."""
+    done = subprocess.run(f"{sys.executable} -m shardpoint inspect {tmp_path / 'missing'} --json 2>&-", shell=True,
+                          capture_output=False, stdout=subprocess.PIPE, text=True, timeout=120, check=False)
+    assert done.returncode == 2
+    assert json.loads(done.stdout)["error"] == "CheckpointNotFoundError"
 
 
 def test_running_out_of_memory_is_one_line_not_a_traceback(

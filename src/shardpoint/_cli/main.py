@@ -24,6 +24,7 @@ control and format characters coming from the checkpoint (see there).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -205,6 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     0
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    if sys.stderr is None:  # started with stderr closed (`2>&-`): print(file=None) would write to stdout
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
     wants_json = "--json" in argv
     parser = build_parser()
     try:
@@ -240,9 +243,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return fail(args, InsufficientMemoryError(
             f"this machine ran out of memory: {_first_line(exc)}; free memory, or work on a machine with more"), EXIT_USAGE)
     except Terminated:
+        _stopped(args, "Terminated", "terminated (SIGTERM) before it finished")
         print("shardpoint: terminated", file=sys.stderr)
         return 143
     except KeyboardInterrupt:
+        _stopped(args, "KeyboardInterrupt", "interrupted (Ctrl-C) before it finished")
         print("shardpoint: interrupted", file=sys.stderr)
         return 130
     finally:
@@ -250,6 +255,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         warnings.showwarning = shown
         if terminate is not None:
             signal.signal(signal.SIGTERM, terminate)
+
+
+def _stopped(args: argparse.Namespace, kind: str, message: str) -> None:
+    """With --json, the error object of a command stopped by a signal (stdout held nothing)."""
+    if getattr(args, "json", False):
+        with contextlib.suppress(OSError, ValueError):
+            sys.stdout.write(json.dumps({"error": kind, "message": message, "path": _error_path(args, message)},
+                                        indent=2) + "\n")
+            sys.stdout.flush()
 
 
 def _out_of_memory(exc: BaseException) -> bool:
