@@ -1147,3 +1147,13 @@ def test_convert_takes_the_dtype_names_the_api_takes(ckpt: Path, tmp_path: Path,
     code, _, err = run(capsys, "convert", ckpt, tmp_path / "int8", "--dtype", "int8")
     assert code == 2 and err.endswith(
         "shardpoint convert: error: argument --dtype: unknown dtype 'int8'; use bf16, fp16, fp32 or fp64\n"), err
+
+
+@pytest.mark.parametrize("steps", ["3", "0", "-5"])
+def test_demo_with_too_few_steps_is_a_usage_error(capsys: pytest.CaptureFixture[str], steps: str) -> None:
+    """--steps 3 ended in an AssertionError, --steps 0 in an IndexError."""
+    code, out, err = run(capsys, "demo", "--steps", steps)
+    assert (code, out) == (2, "")
+    assert err.splitlines()[-1] == (
+        f"shardpoint demo: error: argument --steps: {steps} is fewer than 16: the demo saves every 4 steps and kills "
+        "the run in its middle third, after a committed step")

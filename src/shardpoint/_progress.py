@@ -27,7 +27,8 @@ def byte_progress(total: int, desc: str, enabled: bool | None) -> Iterator[Calla
     desc = printable(desc)  # names a checkpoint chose: no terminal controls
 
     lock = threading.Lock()
-    with tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1000, leave=False) as bar:
+    with tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1000, leave=False,
+              dynamic_ncols=True) as bar:  # follows the terminal when it is resized
 
         def advance(nbytes: int) -> None:
             with lock:

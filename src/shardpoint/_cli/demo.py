@@ -30,12 +30,29 @@ _OUTPUTS = ("generated", "run", "sync-save", "fsdp")
 HELP = "run the end-to-end demo (save/inspect/verify/load; train, kill, resume; 2 ranks -> 1 and 3)"
 
 SAVE_EVERY = 4
+MIN_STEPS = 4 * SAVE_EVERY
+"""The run is killed in its middle third: after at least one committed step."""
+
+
+def _steps(text: str) -> int:
+    """``--steps``: an int of at least :data:`MIN_STEPS`."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < MIN_STEPS:
+        raise argparse.ArgumentTypeError(
+            f"{value} is fewer than {MIN_STEPS}: the demo saves every {SAVE_EVERY} steps and kills the run in its "
+            "middle third, after a committed step"
+        )
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", help="where to write (default: a temporary directory, removed after)")
     parser.add_argument("--size-mb", type=int, default=256, help="size of the generated state dict (MB)")
-    parser.add_argument("--steps", type=int, default=40, help="training steps")
+    parser.add_argument("--steps", type=_steps, default=40,
+                        help=f"training steps (at least {MIN_STEPS}; default 40)")
     parser.add_argument("--seed", type=int, default=0, help="seed for the kill moment")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
 
