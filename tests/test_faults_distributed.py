@@ -471,14 +471,18 @@ def disagreeing_worker(rank: int, world: int, root_str: str) -> None:
                                                      layout="hf"))
         # A DTensor on the 3-rank mesh saved over a group of 2: rank 2's rows are in no one's save.
         mesh = init_device_mesh("cpu", (world,))
+        # A DTensor placed Replicate() whose copies drifted: 17 MB, written as row pieces by every
+        # rank, so committed as a mix of rows no rank held (verify passed it).
+        from torch.distributed.tensor import DTensor, Replicate
+
+        copy = DTensor.from_local(torch.full((4_200_000,), float(rank == 1)), mesh, [Replicate()], run_check=False)
+        record(root, "replicate", rank, lambda: sp.save({"r": copy}, root / "replicate", process_group=group))
         w = distribute_tensor(torch.arange(15.0).reshape(5, 3), mesh, [Shard(0)])
         pair = dist.new_group([0, 1])
         if rank in (0, 1):
             record(root, "mesh", rank, lambda: sp.save({"w": w}, root / "mesh", process_group=pair))
         dist.barrier()
         # Local shards of 2, 2 and 3 rows declared a (7, 3) tensor: torch's placements give 3, 3 and 1.
-        from torch.distributed.tensor import DTensor
-
         odd = DTensor.from_local(torch.ones(3 if rank == 2 else 2, 3), mesh, [Shard(0)], shape=(7, 3),
                                  stride=(3, 1), run_check=False)
         record(root, "bounds", rank, lambda: sp.save({"w": odd}, root / "bounds"))
@@ -500,10 +504,12 @@ def test_ranks_that_disagree_on_a_tensor_save_nothing(tmp_path: Path) -> None:
                  "global shape as its placements give it)",
         "dtype": "tensor 'a' of component 'model' is F32[4] on rank 0 but I64[4] on rank 1",
         "values": "tensor 'b' of component 'model' holds different values on rank 0 and rank 2: in a collective "
-                  "save a plain tensor is taken as the same on every rank (replicated, as DDP keeps it) and written "
-                  "once, so one rank's values (or a mix of rows of several) would be committed. Make the ranks agree "
-                  "(the same seed, gradients reduced), make it a DTensor, or put what differs under a key of each "
-                  "rank's own. Nothing was saved",
+                  "save a plain tensor (or a DTensor placed Replicate()) is taken as the same on every rank "
+                  "(replicated, as DDP keeps it) and written once, so one rank's values (or a mix of rows of several) "
+                  "would be committed. Make the ranks agree (the same seed, gradients reduced), shard it, or put what "
+                  "differs under a key of each rank's own. Nothing was saved",
+        "replicate": "tensor 'r' of component 'model' holds different values on rank 0 and rank 1: in a collective "
+                     "save a plain tensor (or a DTensor placed Replicate()) is taken as the same on every rank",
         "seeded": "tensor 'weight' of component 'model' holds different values on rank 0 and rank 1",
         "own-keys": "tensor 'b' of component 'model' holds different values on rank 0 and rank 2",
         "tie": "tensor 'b' of component 'model' is tied to 'a' on rank 0 (one tensor) but a tensor of its own on "

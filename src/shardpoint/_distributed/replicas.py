@@ -1,4 +1,5 @@
-"""Plain tensors of a collective save hold the same values on every rank, or nothing is saved.
+"""Plain tensors of a collective save (and DTensors placed ``Replicate()`` on their whole mesh)
+hold the same values on every rank, or nothing is saved.
 
 A plain tensor (not a DTensor) that several ranks of a collective save hold under one name
 is taken as replicated (DDP's parameters and buffers): it is written once, by one rank, or
@@ -59,6 +60,13 @@ def _sample(tensor: torch.Tensor) -> int:
     return crc32c(values.view(torch.uint8).numpy())
 
 
+def _replicated(tensor: torch.Tensor) -> bool:
+    """A DTensor placed ``Replicate()`` on every dimension of its mesh: every rank of the mesh
+    holds all of it, and the save writes it once (in row pieces cut between the ranks, when
+    large), as it writes a plain tensor: its copies are compared as a plain tensor's are."""
+    return all(p.is_replicate() for p in tensor.placements)  # type: ignore[attr-defined]
+
+
 class Samples(NamedTuple):
     """What a rank sends with its plan."""
 
@@ -79,12 +87,13 @@ def _plain(prepared: PreparedState, cache: dict[tuple[str, str], int],
             continue
         done: dict[str, int] = {}
         plain = [name for name in comp.stored if name not in comp.placements and name not in comp.buffers
-                 and type(comp.tensors[name]).__name__ != "DTensor"]
+                 and (type(comp.tensors[name]).__name__ != "DTensor" or _replicated(comp.tensors[name]))]
         every = 1 if names is not None else max(1, -(-len(plain) // MAX_TENSORS))  # asked by name: each one
         for name in plain[::every]:
             key = (comp.name, name)
             if key not in cache:
-                cache[key] = _sample(comp.tensors[name])
+                tensor = comp.tensors[name]
+                cache[key] = _sample(tensor.to_local() if type(tensor).__name__ == "DTensor" else tensor)  # type: ignore[attr-defined]
             done[name] = cache[key]
         out[comp.name] = {name: done[comp.aliases.get(name, name)] for name in comp.tensors
                           if comp.aliases.get(name, name) in done}
@@ -121,10 +130,11 @@ def refuse(all_samples: Sequence[Samples], *, asked: bool) -> None:
                 if seen != value:
                     raise InvalidStateError(
                         f"tensor {name!r} of component {comp!r} holds different values on rank {holder} and rank "
-                        f"{rank}: in a collective save a plain tensor is taken as the same on every rank (replicated, "
-                        "as DDP keeps it) and written once, so one rank's values (or a mix of rows of several) would "
-                        "be committed. Make the ranks agree (the same seed, gradients reduced), make it a DTensor, "
-                        "or put what differs under a key of each rank's own. Nothing was saved"
+                        f"{rank}: in a collective save a plain tensor (or a DTensor placed Replicate()) is taken as "
+                        "the same on every rank (replicated, as DDP keeps it) and written once, so one rank's values "
+                        "(or a mix of rows of several) would be committed. Make the ranks agree (the same seed, "
+                        "gradients reduced), shard it, or put what differs under a key of each rank's own. Nothing "
+                        "was saved"
                     )
     if asked:
         raise InvalidStateError(  # the components' digests differed: a tensor must have
