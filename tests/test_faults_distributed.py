@@ -477,6 +477,11 @@ def disagreeing_worker(rank: int, world: int, root_str: str) -> None:
 
         copy = DTensor.from_local(torch.full((4_200_000,), float(rank == 1)), mesh, [Replicate()], run_check=False)
         record(root, "replicate", rank, lambda: sp.save({"r": copy}, root / "replicate", process_group=group))
+        # The first async save, where one rank's state cannot be prepared: the others waited in the
+        # collective that makes the background group, past every timeout.
+        sharded = {"w": distribute_tensor(torch.arange(6.0), mesh, [Shard(0)])}
+        odd_one = {"model": sharded, "extra": {"x": object() if rank == 1 else 1}}
+        record(root, "async-prepare", rank, lambda: sp.async_save(odd_one, root / "async-prepare").result())
         w = distribute_tensor(torch.arange(15.0).reshape(5, 3), mesh, [Shard(0)])
         pair = dist.new_group([0, 1])
         if rank in (0, 1):
@@ -508,6 +513,7 @@ def test_ranks_that_disagree_on_a_tensor_save_nothing(tmp_path: Path) -> None:
                   "(replicated, as DDP keeps it) and written once, so one rank's values (or a mix of rows of several) "
                   "would be committed. Make the ranks agree (the same seed, gradients reduced), shard it, or put what "
                   "differs under a key of each rank's own. Nothing was saved",
+        "async-prepare": "state at extra['x'] is a builtins.object, which shardpoint cannot store",
         "replicate": "tensor 'r' of component 'model' holds different values on rank 0 and rank 1: in a collective "
                      "save a plain tensor (or a DTensor placed Replicate()) is taken as the same on every rank",
         "seeded": "tensor 'weight' of component 'model' holds different values on rank 0 and rank 1",

@@ -138,11 +138,11 @@ def save(
         )
 
 
-def _prepared_together(state: Any, allow_pickle: bool, process_group: Any) -> Any:
+def _prepared_together(state: Any, allow_pickle: bool, process_group: Any, phase: str = "planning the save") -> Any:
     """``prepare_state(state)``; where it fails in a save over a process group (given, or the
     default group for a state holding DTensors), the failure goes through the save's first
-    exchange, so every rank raises it (naming this rank) instead of the others waiting and
-    meeting this rank's next call."""
+    exchange (an async save's first one too), so every rank raises it (naming this rank)
+    instead of the others waiting and meeting this rank's next call."""
     try:
         return prepare_state(state, allow_pickle=allow_pickle)
     except Exception as exc:
@@ -154,7 +154,7 @@ def _prepared_together(state: Any, allow_pickle: bool, process_group: Any) -> An
         def failed() -> tuple[None, None]:
             raise error
 
-        group.exchange("planning the save", failed)
+        group.exchange(phase, failed)
         raise  # not reached: the exchange raised on every rank
 
 
@@ -235,10 +235,18 @@ def async_save(
     check_options(layout, storage_options)
     meta = json_metadata(metadata)
     with collector_paused():
-        prepared = prepare_state(state, allow_pickle=allow_pickle)
+        prepared = _prepared_together(state, allow_pickle, process_group, "preparing the async save")
     target = os.fspath(path)
+    caller_group = resolve_group(process_group, prepared.all_tensors())
+    if caller_group.distributed:
+        # Where the ranks meet one whose state could not be prepared (its failure goes through
+        # this exchange: every rank raises it), or one making another call (a sync save, its
+        # identity differs), before the collective that makes the twin group, which a rank
+        # that never comes would block for ever.
+        caller_group.exchange("preparing the async save", lambda: (None, None),
+                              identity=f"saving asynchronously to {target}")
     # created here, on the caller's thread: making the twin group is a collective
-    group = queue.background_group(resolve_group(process_group, prepared.all_tensors()))
+    group = queue.background_group(caller_group)
 
     def persist(staged: PreparedState) -> SaveInfo:
         with using(chosen):
