@@ -245,8 +245,9 @@ def test_exception_at_every_step_of_a_manager_save(
         assert fault.fired is not None, where
         seen.append(fault.fired.split()[0])
         deleting = is_deletion(fault.fired, at, commit)
-        if error is None:
-            assert deleting or fault.fired.startswith("mkdir "), f"{where}: no error"
+        if error is None:  # a deletion, the root made ahead, or the writer lock (a warning's, best effort)
+            assert deleting or fault.fired.startswith("mkdir ") or fault.fired.endswith("/.shardpoint-writer.lock"), (
+                f"{where}: no error")
         else:
             check_error_names_cause(error, fault, action, where)
         fresh = _manager(root)

@@ -454,3 +454,19 @@ def test_a_variant_save_is_named_in_the_refusal_and_loads_under_the_plain_index_
     loaded = sp.load(tmp_path / "v")
     assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items() if k in loaded)
     assert set(model.state_dict()) - set(loaded) <= {"lm_head.weight"}  # tied: stored once
+
+
+def test_a_folder_of_two_single_weights_files_names_them(tmp_path: Path) -> None:
+    """diffusers' diffusion_pytorch_model.safetensors beside its .fp16 variant: the refusal
+    named neither file nor that giving one file's path reads it."""
+    from safetensors.torch import save_file
+
+    (tmp_path / "unet").mkdir()
+    save_file({"w": torch.ones(2)}, tmp_path / "unet" / "diffusion_pytorch_model.safetensors")
+    save_file({"w": torch.ones(2, dtype=torch.float16)}, tmp_path / "unet" / "diffusion_pytorch_model.fp16.safetensors")
+    with pytest.raises(sp.CheckpointNotFoundError) as caught:
+        sp.load(tmp_path / "unet")
+    assert str(caught.value).endswith(
+        "; of its weights files ('diffusion_pytorch_model.fp16.safetensors', 'diffusion_pytorch_model.safetensors'), "
+        "give the path of the one to read")
+    assert sp.load(tmp_path / "unet" / "diffusion_pytorch_model.safetensors")["w"].tolist() == [1.0, 1.0]

@@ -21,9 +21,12 @@ import os
 import random
 import select
 import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -240,7 +243,7 @@ def _check_root(root: Path, *, at_least: int | None, at_most: int | None, where:
         for name in os.listdir(root):
             hidden_tmp = name.startswith(".") and ".tmp-" in name
             committed = name in {f"step-{s:06d}" for s in steps}
-            assert hidden_tmp or committed or name == "latest", (
+            assert hidden_tmp or committed or name in ("latest", ".shardpoint-writer.lock"), (
                 f"{where}: unexpected entry {name!r} in the root"
             )
     assert len(steps) <= 3, (
@@ -859,3 +862,39 @@ def test_a_users_latest_is_refused_before_a_save_writes_anything(tmp_path: Path,
     assert mgr.steps() == [1] and (latest.is_dir() if kind == "directory" else latest.is_symlink())
     target = _tiny(0.0)
     assert mgr.restore(target) == 1  # reads go on, from the scan
+
+
+def test_a_second_process_saving_into_the_root_is_warned_about(tmp_path: Path) -> None:
+    """Every rank of a job running its own manager on one root, with no process_group: each
+    step was written by every rank, the last one's copy kept (the other ranks' RNG and data
+    position lost), and every rank applied retention, without a word."""
+    child = (
+        "import sys, time, torch, shardpoint as sp\n"
+        "mgr = sp.CheckpointManager(sys.argv[1])\n"
+        "mgr.save(1, {'w': torch.zeros(1)})\n"
+        "print('saved', flush=True)\n"
+        "sys.stdin.readline()\n"
+    )
+    other = subprocess.Popen([sys.executable, "-c", child, str(tmp_path / "run")], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout is not None and other.stdout.readline() == "saved\n"
+        mine = sp.CheckpointManager(tmp_path / "run")
+        assert mine.restore({"w": torch.ones(1)}) == 1  # restoring takes nothing
+        with pytest.warns(UserWarning) as caught:
+            mine.save(2, {"w": torch.ones(1)})
+        (warning,) = [w for w in caught if "saving into this root too" in str(w.message)]
+        assert str(warning.message) == (
+            f"CheckpointManager({str(tmp_path / 'run')!r}): pid {other.pid} on {socket.gethostname()} is saving into "
+            "this root too. Two managers saving into one root replace each other's steps (each step keeps one "
+            "writer's state: another rank's sp.RNGState or data position is lost) and both apply retention: give "
+            "each run a root of its own")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            mine.save(3, {"w": torch.ones(1)})  # said once
+    finally:
+        other.communicate("\n", timeout=60)
+    with warnings.catch_warnings():  # the other writer is gone: its lock with it
+        warnings.simplefilter("error")
+        sp.CheckpointManager(tmp_path / "run").save(4, {"w": torch.ones(1)})
+        sp.CheckpointManager(tmp_path / "run").save(5, {"w": torch.ones(1)})  # this process holds it now

@@ -26,10 +26,13 @@ writes, so crash after crash never piles up more than ``keep_last + 1`` steps.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
+import socket
 import threading
 import warnings
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -53,7 +56,7 @@ from ._options import OptionsArg, current_options, merged
 from ._printable import printable
 from ._sizes import parse_size
 from ._storage.local_store import LocalStore
-from ._storage.posix import reported
+from ._storage.posix import lock_nowait, reported
 from ._storage.store import open_store
 from ._write import SaveInfo
 from .errors import (
@@ -124,6 +127,39 @@ def _check_root(path: str | None) -> None:
             f"CheckpointManager root {path} is a checkpoint (it holds {MANIFEST_NAME}), not a folder of steps; "
             f"use {how}"
         )
+
+
+WRITER_LOCK_NAME = ".shardpoint-writer.lock"
+"""The file in a local root whose lock the saving process holds (see ``_claim_root``)."""
+_WRITERS: dict[str, list[int]] = {}
+"""Roots whose writer lock this process holds: real path -> [the locked descriptor, the
+managers of this process holding it] (a new manager of the same root here is no other
+writer); released with the last of them."""
+_WRITERS_LOCK = threading.Lock()
+
+
+def _release_root(root: str) -> None:
+    """One manager holding ``root``'s writer lock is gone; the last one closes it."""
+    with _WRITERS_LOCK:
+        held = _WRITERS.get(root)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] <= 0:
+            del _WRITERS[root]
+            with contextlib.suppress(OSError):
+                os.close(held[0])
+
+
+def _ranks_alone(process_group: Any) -> int:
+    """The ranks torch.distributed runs when there are several and no group was given, else 0."""
+    if process_group is not None:
+        return 0
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return int(dist.get_world_size())
+    return 0
 
 
 def _check_latest(path: str) -> None:
@@ -256,6 +292,8 @@ class CheckpointManager:
         """This manager's own async saves: never waits on (nor raises) another's."""
         self._lock = threading.Lock()
         self._metrics_cache: dict[int, tuple[tuple[int, ...], dict[str, Any] | BaseException]] = {}
+        self._claimed = False
+        """Whether this manager's first save took (or found taken) the root's writer lock."""
         """Step -> (its manifest's identity, the metrics read from it or why they could not be)."""
         self._store.put_back_moved_aside()
 
@@ -418,6 +456,7 @@ class CheckpointManager:
                 with reported(self.root, f"preparing its root for step {step}",
                               lambda: f"Step {step} was not saved; the steps committed before are unchanged"):
                     self._store.make()
+                    self._claim_root()
                     with self._store.locked(_ROOT_LOCK_WAIT):
                         self._remove_stale_temps()
                         self._finish_interrupted_retention()
@@ -448,6 +487,51 @@ class CheckpointManager:
             lambda: self._after_commit(step) if coordinator else None,
         )
         return info
+
+    def _claim_root(self) -> None:
+        """At this manager's first save into a local root: take the root's writer lock, held
+        by this process from then on, or warn that another process holds it (two managers
+        saving into one root, every rank of a job with no ``process_group``, or two jobs,
+        replace each other's steps, so each step keeps one writer's state, and each applies
+        retention). A manager that only restores never takes it."""
+        if self._claimed or not isinstance(self._store, LocalStore):
+            return
+        self._claimed = True
+        root = os.path.realpath(self._store.path)
+        with _WRITERS_LOCK:
+            if root in _WRITERS:  # this process holds it (another manager of this process)
+                _WRITERS[root][1] += 1
+                weakref.finalize(self, _release_root, root)
+                return
+            try:
+                fd = os.open(os.path.join(root, WRITER_LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError:
+                return
+            held = lock_nowait(fd)
+            if held:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+                _WRITERS[root] = [fd, 1]
+                weakref.finalize(self, _release_root, root)
+                return
+            holder = b""
+            with contextlib.suppress(OSError):
+                holder = os.pread(fd, 200, 0)
+            os.close(fd)
+        if held is False:
+            who = printable(holder.decode("utf-8", "replace").strip()) or "another process"
+            ranks = _ranks_alone(self.process_group)
+            warnings.warn(
+                f"CheckpointManager({str(self.root)!r}): {who} is saving into this root too. Two managers saving "
+                "into one root replace each other's steps (each step keeps one writer's state: another rank's "
+                "sp.RNGState or data position is lost) and both apply retention"
+                + (f". torch.distributed runs {ranks} ranks and this manager saves alone (no process_group=, a "
+                   "state of plain tensors): create it on rank 0 only (if dist.get_rank() == 0), or pass "
+                   "process_group=dist.group.WORLD to save every rank's state together" if ranks else
+                   ": give each run a root of its own"),
+                UserWarning, stacklevel=3,
+            )
 
     def _refuse_foreign_step_dir(self, step: int) -> None:
         """Refuse to save into a folder named like the step that is not a committed step (the

@@ -182,11 +182,17 @@ def _not_a_checkpoint(singles: list[str], indexes: list[str], candidates: list[s
         "model.safetensors.index.json"
         if variants else ""
     )
+    several = (
+        f"; of its weights files ({', '.join(repr(n) for n in sorted(singles)[:4])}"
+        + (", ..." if len(singles) > 4 else "") + "), give the path of the one to read"
+        if len(singles) > 1 and not indexes and not variants
+        and not any(re.search(r"-\d{5}-of-\d{5}\.", n) for n in singles) else ""
+    )
     return (
         f"is not a checkpoint: no shardpoint.json, no *.safetensors.index.json and no single "
         f".safetensors file (found {len(singles)} .safetensors files, {len(indexes)} indexes), "
         f"no pytorch_model.bin.index.json, no single .bin/.pt weights file (found "
-        f"{len(candidates)}) and no DCP .metadata{variant}"
+        f"{len(candidates)}) and no DCP .metadata{variant}{several}"
     )
 
 
