@@ -71,7 +71,8 @@ DIRECTORY_CASES = [
         id="bin-and-safetensors",
     ),
     pytest.param(["a.safetensors", "b.safetensors", "pytorch_model.bin"],
-                 Detected("unknown", reason=NOT_A_CHECKPOINT.format(st=2, ix=0, pt=1)),
+                 Detected("unknown", reason=NOT_A_CHECKPOINT.format(st=2, ix=0, pt=1)
+                          + "; of its weights files ('a.safetensors', 'b.safetensors'), give the path of the one to read"),
                  id="two-safetensors-no-index"),
     pytest.param([".metadata", "__0_0.distcp", "__1_0.distcp"], Detected("dcp", index=".metadata"), id="dcp"),
     pytest.param(["pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin",

@@ -736,7 +736,8 @@ def test_a_link_or_file_named_like_a_step_is_the_users_never_a_step(tmp_path: Pa
     mgr.save(2, {"w": torch.zeros(2)})
     mgr.save(4, {"w": torch.zeros(2)})
     assert mgr.steps() == [4]
-    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000001", "step-000003", "step-000004"]
+    assert sorted(p.name for p in root.iterdir()) == [".shardpoint-writer.lock", "latest", "step-000001", "step-000003",
+                                                      "step-000004"]
     assert os.readlink(root / "step-000001") == str(users)
     assert (root / "step-000003").read_text() == "notes"
     for step in (1, 3):

@@ -495,7 +495,8 @@ def test_a_step_whose_manifest_is_json_but_not_a_manifest_is_damaged_not_whole(t
     with pytest.warns(UserWarning, match=r"step 3 under .* is damaged and is skipped .*it is not a shardpoint manifest"):
         mgr.save(4, {"w": torch.full((2,), 4.0)})
         mgr.save(5, {"w": torch.full((2,), 5.0)})
-    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000003", "step-000004", "step-000005"]
+    assert sorted(p.name for p in root.iterdir()) == [".shardpoint-writer.lock", "latest", "step-000003", "step-000004",
+                                                      "step-000005"]
 
 
 def test_arguments_that_failed_deep_inside_are_refused_at_the_call(tmp_path) -> None:

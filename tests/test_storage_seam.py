@@ -115,7 +115,8 @@ def test_tidy_removes_what_crashed_saves_left(where: tuple[str, dict[str, Any] |
     store.tidy(_STEP, small_files=["latest"])
     assert store.children() == {"step-000001": True}
     if isinstance(store, LocalStore):
-        assert sorted(p.name for p in store.location.iterdir()) == ["latest", "step-000001"]
+        assert sorted(p.name for p in store.location.iterdir() if p.name != ".shardpoint-writer.lock") == [
+            "latest", "step-000001"]
     assert mgr.steps() == [1]
 
 
@@ -152,7 +153,7 @@ def test_a_folder_not_named_as_the_manager_names_steps_is_not_a_step(tmp_path: P
     assert mgr.steps() == [2, 3]
     target = {"model": {"w": torch.zeros(2)}}
     assert mgr.restore(target) == 3 and torch.equal(target["model"]["w"], torch.full((2,), 3.0))
-    assert sorted(os.listdir(tmp_path)) == ["latest", "step-000002", "step-000003", "step-500",
+    assert sorted(os.listdir(tmp_path)) == [".shardpoint-writer.lock", "latest", "step-000002", "step-000003", "step-500",
                                             "step-\u0661\u0662\u0663\u0664\u0665\u0666"]
 
 

@@ -144,7 +144,7 @@ def _verify_local(store: LocalStore, *, checksums: bool, progress: bool | None) 
     return _verify_directory(store, location, checksums=checksums, progress=progress)
 
 
-_REPLACED_TRIES = 3
+_REPLACED_TRIES = 6
 """Verifications of a directory replaced (by an overwriting save) while being verified."""
 
 
