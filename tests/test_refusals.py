@@ -404,6 +404,12 @@ def test_unstorable_dtypes_get_advice_that_keeps_their_values(tmp_path) -> None:
         "`.to(torch.complex64)` (complex values in float32 parts) before saving"
     )
     assert not (tmp_path / "c").exists()
+    # A torch.ao quantized module: one sentence for the module, not advice for one tensor of it.
+    quantized = torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(torch.nn.Linear(4, 4)), {torch.nn.Linear},
+                                                       dtype=torch.qint8)
+    with pytest.raises(sp.InvalidStateError, match=r"it is the packed weight of a torch\.ao quantized module, which "
+                                                   r"safetensors cannot store\. Save the float model"):
+        sp.save(quantized, tmp_path / "quantized")
     # complex128: the advice keeps every bit (complex64 rounded 1e-12j to 9.99999996e-13j).
     z = torch.tensor([1 + 1e-12j], dtype=torch.complex128)
     with pytest.raises(sp.InvalidStateError, match=r"store `torch.view_as_real\(t\)` \(its float64 parts, exactly\)"):

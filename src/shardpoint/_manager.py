@@ -700,7 +700,8 @@ class CheckpointManager:
         def decide(views: list[list[int]]) -> list[tuple[int | None, str | None]]:
             return [agreed_step(str(self.root), views, step)] * len(views)
 
-        _, (chosen, note) = group.exchange(where, listing, decide=decide, deciding=where)
+        _, (chosen, note) = group.exchange(where, listing, decide=decide, deciding=where,
+                                           identity=f"restoring from {self.root}")
         if note is not None:
             warnings.warn(note, stacklevel=3)
         return chosen

@@ -99,6 +99,12 @@ def dtype_name(dtype: torch.dtype, *, key: str) -> str:
                 f"tensor {key!r} has dtype {dtype}, which shardpoint does not store (safetensors' F4: two 4-bit "
                 f"values a byte, where shardpoint's reads and resharding count whole bytes); {_storable_hint(dtype)}"
             ) from None
+        if "_packed_params" in key:  # a torch.ao quantized module's state
+            raise InvalidStateError(
+                f"tensor {key!r} has dtype {dtype}: it is the packed weight of a torch.ao quantized module, which "
+                "safetensors cannot store. Save the float model (before quantize_dynamic / convert) and quantize "
+                "after loading, or keep the quantized model with torch.save"
+            ) from None
         raise InvalidStateError(
             f"tensor {key!r} has dtype {dtype}, which safetensors cannot store; {_storable_hint(dtype)}"
         ) from None
