@@ -1157,3 +1157,16 @@ def test_demo_with_too_few_steps_is_a_usage_error(capsys: pytest.CaptureFixture[
     assert err.splitlines()[-1] == (
         f"shardpoint demo: error: argument --steps: {steps} is fewer than 16: the demo saves every 4 steps and kills "
         "the run in its middle third, after a committed step")
+
+
+def test_inspect_aligns_wide_names_and_shows_an_empty_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Columns were aligned by code points: a CJK name (two columns a character) pushed the
+    rest of its row right; a tensor named '' was a blank cell."""
+    from shardpoint._cli.output import cell_width
+
+    sp.save({"模型权重": torch.zeros(2), "w": torch.zeros(2), "": torch.zeros(2)}, tmp_path / "wide")
+    code, out, _ = run(capsys, "inspect", str(tmp_path / "wide"))
+    assert code == 0
+    rows = [line for line in out.splitlines() if line.endswith("model.safetensors")]
+    assert len(rows) == 3 and any(row.startswith("  ''  ") for row in rows), rows
+    assert len({cell_width(row[: row.index("F32")]) for row in rows}) == 1, rows

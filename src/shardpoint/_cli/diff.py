@@ -42,7 +42,7 @@ from typing import Any
 from .._diff import MISSING, DiffReport, TensorDiff, diff
 from .._sizes import human_size
 from .main import EXIT_DAMAGED, EXIT_OK, add_cache_dir
-from .output import emit, printable
+from .output import emit, printable, table_rows
 
 HELP = "compare two checkpoints (any format): keys, shapes, dtypes, max abs / rel difference"
 
@@ -176,9 +176,7 @@ def render(report: DiffReport, *, show_all: bool = False) -> str:
     lines = [f"A: {printable(report.a)}", f"B: {printable(report.b)}"]
     if rows:
         header = ["KEY", "STATUS", "DTYPE", "SHAPE", "MAX ABS", "MAX REL"]
-        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-        for r in [header, *rows]:
-            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+        lines += table_rows([header, *([r[0] or "''", *r[1:]] for r in rows)])
     lines += [f"note: {n.message}" for n in report.notes]
     lines += [f"note: {printable(n)}" for n in report.read_notes]
     tol = f"atol={report.atol:g}, rtol={report.rtol:g}"

@@ -76,7 +76,7 @@ from .main import (
     hub_storage_options,
     with_reference,
 )
-from .output import emit, emit_json, printable
+from .output import emit, emit_json, printable, table_rows
 
 HELP = "show format, files, dtypes and tensors of a checkpoint"
 
@@ -438,11 +438,7 @@ def _plural(n: int, noun: str) -> str:
 
 def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
     rows = [[printable(cell) for cell in row] for row in rows]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return [
-        (indent + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))).rstrip()
-        for row in rows
-    ]
+    return [indent + line for line in table_rows(rows)]
 
 
 _FORMATS = {
@@ -524,7 +520,7 @@ def render(doc: dict[str, Any], *, pattern: str | None = None) -> list[str]:
             else:
                 where = t["files"][0]
             shape = "[" + ", ".join(map(str, t["shape"])) + "]"
-            rows.append([name, t["dtype"], shape, human_size(t["bytes"]), where])
+            rows.append([name or "''", t["dtype"], shape, human_size(t["bytes"]), where])  # '' named so
         out += _table(rows)
     if shown < matched:
         out.append(f"  ... {matched - shown} more (--limit 0 lists all)")

@@ -23,12 +23,30 @@ import json
 import math
 import os
 import sys
+import unicodedata
 from collections.abc import Iterable
 from typing import IO, Any
 
 from .._printable import has_control, needs_escape, printable
 
 __all__ = ["GuardedStream", "emit", "emit_json", "error", "has_control", "needs_escape", "note", "printable"]
+
+def cell_width(text: str) -> int:
+    """Columns ``text`` takes on a terminal: two for a wide (CJK) character, none for a
+    combining mark.
+
+    >>> cell_width("embed"), cell_width("模型.weight"), cell_width("e\u0301")
+    (5, 11, 1)
+    """
+    return sum(0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
+def table_rows(rows: list[list[str]]) -> list[str]:
+    """``rows`` of cells (escaped already) in columns aligned by :func:`cell_width`, two
+    spaces apart, trailing blanks cut; an empty cell of a first column shows as ''."""
+    widths = [max(cell_width(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c + " " * (w - cell_width(c)) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
 
 def emit(lines: Iterable[str], stream: IO[str] | None = None) -> None:
     """Print human output, one escaped line per item (an item never spans two lines)."""
