@@ -477,6 +477,8 @@ def disagreeing_worker(rank: int, world: int, root_str: str) -> None:
 
         copy = DTensor.from_local(torch.full((4_200_000,), float(rank == 1)), mesh, [Replicate()], run_check=False)
         record(root, "replicate", rank, lambda: sp.save({"r": copy}, root / "replicate", process_group=group))
+        record(root, "replicate-async", rank, lambda: sp.async_save({"r": copy}, root / "replicate-async",
+                                                                    process_group=group).result())
         # The first async save, where one rank's state cannot be prepared: the others waited in the
         # collective that makes the background group, past every timeout.
         sharded = {"w": distribute_tensor(torch.arange(6.0), mesh, [Shard(0)])}
@@ -516,6 +518,7 @@ def test_ranks_that_disagree_on_a_tensor_save_nothing(tmp_path: Path) -> None:
         "async-prepare": "state at extra['x'] is a builtins.object, which shardpoint cannot store",
         "replicate": "tensor 'r' of component 'model' holds different values on rank 0 and rank 1: in a collective "
                      "save a plain tensor (or a DTensor placed Replicate()) is taken as the same on every rank",
+        "replicate-async": "tensor 'r' of component 'model' holds different values on rank 0 and rank 1",
         "seeded": "tensor 'weight' of component 'model' holds different values on rank 0 and rank 1",
         "own-keys": "tensor 'b' of component 'model' holds different values on rank 0 and rank 2",
         "tie": "tensor 'b' of component 'model' is tied to 'a' on rank 0 (one tensor) but a tensor of its own on "

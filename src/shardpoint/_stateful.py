@@ -79,9 +79,8 @@ _STATE_DEPTH = 8
 """How deep in a state's containers its modules, optimizers and tensors are looked for."""
 _STATE_ITEMS = 10_000
 """Items of each container looked at (a sampler's list of two million indices holds no module)."""
-_STATE_VISITS = 1 << 18
-"""Values looked at in one walk of a state, all its containers together."""
-_LEAVES = (int, float, complex, str, bytes, bool, type(None), torch.Tensor)
+_SCALARS = (int, float, complex, str, bytes, bool, type(None))
+"""Values a walk passes over without a word: no module, optimizer or tensor is one."""
 
 
 def find_modules(state: Any) -> list[tuple[str, torch.nn.Module]]:
@@ -107,20 +106,19 @@ def find_modules(state: Any) -> list[tuple[str, torch.nn.Module]]:
 
 def state_objects(state: Any, *, depth: int = _STATE_DEPTH) -> Iterator[tuple[str, Any]]:
     """(path, value) of what a state holds inside its dicts, lists, tuples, Namespaces and
-    dataclass instances (a module, a tensor, any other object is a value, not looked into),
-    ``depth`` levels down, the first :data:`_STATE_ITEMS` items of each, each container once
-    (at its first path), :data:`_STATE_VISITS` values in all: the one walk by which saves
-    and loads find the modules, optimizers and tensors of a state. Bounded, so that a state
-    holding one list many times (``[row] * 2000``) or millions of indices costs little.
+    dataclass instances (a module, a tensor, any other object is a value, not looked into;
+    numbers, strings and None are passed over), ``depth`` levels down, the first
+    :data:`_STATE_ITEMS` items of each, each container once (at its first path): the one
+    walk by which saves and loads find the modules, optimizers and tensors of a state. A
+    state holding one list many times (``[row] * 2000``), or millions of indices, costs
+    little.
 
-    >>> [p for p, _ in state_objects({"a": [1, {"b": 2}], "c": torch.zeros(1)})]
-    ['a.0', 'a.1.b', 'c']
+    >>> [p for p, _ in state_objects({"a": [1, {"b": torch.ones(1)}], "c": torch.zeros(1), "n": 3})]
+    ['a.1.b', 'c']
     """
     seen: set[int] = set()
-    budget = [_STATE_VISITS]
 
     def walk(value: Any, path: str, level: int) -> Iterator[tuple[str, Any]]:
-        budget[0] -= 1
         children = _children(value) if level < depth else None
         if children is None:
             yield path, value
@@ -129,16 +127,16 @@ def state_objects(state: Any, *, depth: int = _STATE_DEPTH) -> Iterator[tuple[st
             return
         seen.add(id(value))
         for key, child in children:
-            if budget[0] <= 0:
-                return
-            yield from walk(child, f"{path}.{key}" if path else str(key), level + 1)
+            if type(child) not in _SCALARS:
+                yield from walk(child, f"{path}.{key}" if path else str(key), level + 1)
 
-    yield from walk(state, "", 0)
+    if type(state) not in _SCALARS:
+        yield from walk(state, "", 0)
 
 
 def _children(value: Any) -> Iterable[tuple[Any, Any]] | None:
     """A container's (key, child) pairs (the first :data:`_STATE_ITEMS`), or None for a value."""
-    if isinstance(value, (torch.nn.Module, *_LEAVES)):
+    if isinstance(value, (torch.nn.Module, torch.Tensor)):
         return None
     if isinstance(value, Mapping):
         return itertools.islice(value.items(), _STATE_ITEMS)

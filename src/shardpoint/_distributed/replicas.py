@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from .._checksum import crc32c
-from .._prepare import PreparedState
+from .._prepare import Component, PreparedState
 from ..errors import InvalidStateError
 from .plan_cache import fingerprint
 
@@ -67,6 +67,17 @@ def _replicated(tensor: torch.Tensor) -> bool:
     return all(p.is_replicate() for p in tensor.placements)  # type: ignore[attr-defined]
 
 
+def _whole_on_each(comp: Component, name: str) -> bool:
+    """Whether every rank holding ``name`` holds all of it: a plain tensor, a DTensor placed
+    ``Replicate()`` on its whole mesh, or such a DTensor as an async save staged it (its
+    chunk is the whole tensor)."""
+    tensor = comp.tensors[name]
+    if name in comp.placements:
+        global_shape, offsets = comp.placements[name]
+        return tuple(tensor.shape) == tuple(global_shape) and not any(offsets)
+    return type(tensor).__name__ != "DTensor" or _replicated(tensor)
+
+
 class Samples(NamedTuple):
     """What a rank sends with its plan."""
 
@@ -86,8 +97,7 @@ def _plain(prepared: PreparedState, cache: dict[tuple[str, str], int],
         if names is not None and comp.name not in names:
             continue
         done: dict[str, int] = {}
-        plain = [name for name in comp.stored if name not in comp.placements and name not in comp.buffers
-                 and (type(comp.tensors[name]).__name__ != "DTensor" or _replicated(comp.tensors[name]))]
+        plain = [name for name in comp.stored if name not in comp.buffers and _whole_on_each(comp, name)]
         every = 1 if names is not None else max(1, -(-len(plain) // MAX_TENSORS))  # asked by name: each one
         for name in plain[::every]:
             key = (comp.name, name)

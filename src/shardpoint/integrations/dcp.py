@@ -77,13 +77,26 @@ class _Leaf:
         self.value = value
 
 
-class _Refused:
-    """Stands for a DCP name that would load wrong: refused, with what to do, when read."""
+class _Entries(dict[str, Any]):
+    """The metadata's ``state_dict_metadata``: asked whether it holds a name it refuses (an
+    optimizer's state by position where it was stored by name), it raises that refusal, so
+    DCP's planner stops there with what to do, not at its bare "Missing key". Listing it
+    (a planner loading everything) shows the stored names only."""
 
-    __slots__ = ("message",)
+    def __init__(self, entries: dict[str, Any], refused: dict[str, str]) -> None:
+        super().__init__(entries)
+        self.refused = refused
 
-    def __init__(self, message: str) -> None:
-        self.message = message
+    def __contains__(self, key: object) -> bool:
+        if dict.__contains__(self, key):
+            return True
+        message = self.refused.get(key) if isinstance(key, str) else None
+        if message is not None:
+            raise InvalidStateError(message)
+        return False
+
+    def __reduce__(self) -> Any:  # sent to other ranks with the metadata
+        return (_Entries, (dict(self), self.refused))
 
 
 def _by_position(value: Any) -> dict[str, Any] | None:
@@ -167,23 +180,18 @@ def _metadata(ckpt: Checkpoint) -> tuple[Any, dict[str, _Leaf]]:
     entries: dict[str, Any] = {}
     leaves: dict[str, _Leaf] = {}
     # An optimizer stored by parameter name, asked for by position (a target of
-    # optimizer.state_dict()): listed, so that DCP's planner does not stop at its bare
-    # "Missing key", and refused when read, naming the way that loads it right.
-    for fqn, value in flatten_state_dict(positional)[0].items():
-        if fqn in flat:
-            continue
-        component = fqn.split(".", 1)[0]
-        entries[fqn] = (TensorStorageMetadata(
-            properties=TensorProperties(dtype=value.dtype), size=torch.Size(value.shape),
-            chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * value.dim()), sizes=torch.Size(value.shape))],
-        ) if isinstance(value, torch.Tensor) else BytesStorageMetadata())
-        leaves[fqn] = _Leaf(value=_Refused(
-            f"{ckpt.location}: DCP asks for {fqn!r}, optimizer state by position (a target built with "
-            f"optimizer.state_dict()), but component {component!r} holds its optimizer's state by parameter name "
-            "(sp.save of the model and its optimizer): load it with get_optimizer_state_dict / "
-            "set_optimizer_state_dict of torch.distributed.checkpoint.state_dict (keyed by parameter name), or "
-            f"with sp.load_into({{'{component}': optimizer, ...}}, path) beside its model; nothing was loaded"
-        ))
+    # optimizer.state_dict()): refused naming the way that loads it right (see _Entries).
+    refused: dict[str, str] = {}
+    for fqn in flatten_state_dict(positional)[0]:
+        if fqn not in flat:
+            component = fqn.split(".", 1)[0]
+            refused[fqn] = (
+                f"{ckpt.location}: DCP asks for {fqn!r}, optimizer state by position (a target built with "
+                f"optimizer.state_dict()), but component {component!r} holds its optimizer's state by parameter "
+                "name (sp.save of the model and its optimizer): load it with get_optimizer_state_dict / "
+                "set_optimizer_state_dict of torch.distributed.checkpoint.state_dict (keyed by parameter name), "
+                f"or with sp.load_into({{'{component}': optimizer, ...}}, path) beside its model; nothing was loaded"
+            )
     for fqn, value in flat.items():
         if isinstance(value, torch.Tensor):
             leaf = leaf_of[id(value)]
@@ -196,7 +204,7 @@ def _metadata(ckpt: Checkpoint) -> tuple[Any, dict[str, _Leaf]]:
         else:
             entries[fqn] = BytesStorageMetadata()
             leaves[fqn] = _Leaf(value=value)
-    return Metadata(state_dict_metadata=entries), leaves
+    return Metadata(state_dict_metadata=_Entries(entries, refused)), leaves
 
 
 class ShardpointStorageReader(_base()):  # type: ignore[misc]
@@ -272,10 +280,6 @@ class ShardpointStorageReader(_base()):  # type: ignore[misc]
         from torch.distributed.checkpoint.planner import LoadItemType
 
         ckpt = self._open()
-        for item in plan.items:
-            refused = getattr(self._leaves.get(item.storage_index.fqn), "value", None)
-            if isinstance(refused, _Refused):
-                raise InvalidStateError(refused.message)
         batch = ReadBatch(ckpt, verify=self.verify)
         pending: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
         for item in plan.items:

@@ -249,44 +249,34 @@ class ShardpointCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         A file or link at ``location`` (a ``torch.save`` checkpoint, a ``save_last="link"``
         link) is replaced when the new checkpoint commits, never before."""
         with replacing_a_file():
-            return self._write_over(prepared, location, meta, step, previous)
-
-    def _write_over(
-        self,
-        prepared: Any,
-        location: str,
-        meta: dict[str, Any],
-        step: tuple[int, int] | None,
-        previous: _Saved | None,
-    ) -> tuple[bool, str]:
-        info = None
-        if (
-            self.link_unchanged
-            and previous is not None
-            and step is not None
-            and previous.step == step
-        ):
-            info = link_unchanged(
+            info = None
+            if (
+                self.link_unchanged
+                and previous is not None
+                and step is not None
+                and previous.step == step
+            ):
+                info = link_unchanged(
+                    prepared,
+                    previous.path,
+                    location,
+                    save_id=previous.save_id,
+                    overwrite=True,
+                    metadata=meta,
+                    durable=self.durable,
+                )
+            if info is not None:
+                return True, info.save_id
+            info = write_checkpoint(
                 prepared,
-                previous.path,
                 location,
-                save_id=previous.save_id,
+                max_shard_bytes=self.max_shard_bytes,
                 overwrite=True,
                 metadata=meta,
                 durable=self.durable,
+                progress=False,
             )
-        if info is not None:
-            return True, info.save_id
-        info = write_checkpoint(
-            prepared,
-            location,
-            max_shard_bytes=self.max_shard_bytes,
-            overwrite=True,
-            metadata=meta,
-            durable=self.durable,
-            progress=False,
-        )
-        return False, info.save_id
+            return False, info.save_id
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
