@@ -839,14 +839,18 @@ def test_a_manager_on_s3_reads_each_steps_metrics_once(url: str, opts: dict[str,
     assert mgr.steps() == [4, 5, 6] and mgr.best_steps() == [4, 6, 5]  # ties: the newest first
 
 
-def test_bad_s3_inputs_are_named(opts: dict[str, Any]) -> None:
+def test_bad_s3_inputs_are_named(opts: dict[str, Any], s3: SeaweedS3) -> None:
     """A part size under S3's minimum failed every save with "check the URL, the bucket";
     a missing bucket read as "holds no objects"; s3:// alone as "is not empty and holds no
     shardpoint checkpoint"."""
+    small = sp.RemoteOptions(block_bytes=4 << 20)  # fine for a local save, gs://, memory://
+    sp.save({"x": torch.ones(1)}, "memory://small-parts/ckpt", options=small)
+    url = f"s3://{s3.bucket}/small-parts"
     with pytest.raises(sp.InvalidArgumentError) as caught:
-        sp.RemoteOptions(block_bytes=4 << 20)
+        sp.save({"x": torch.ones(1)}, url, storage_options=opts, options=small)
     assert str(caught.value) == (
-        "RemoteOptions.block_bytes must be an integer >= 5242880 (5 MiB: S3's smallest upload part), not 4194304")
+        f"RemoteOptions.block_bytes is 4194304, under S3's smallest upload part (5242880, 5 MiB): raise it (or "
+        f"SHARDPOINT_REMOTE_BLOCK_BYTES) to save to {url}. Nothing was written")
     with pytest.raises(sp.CheckpointNotFoundError) as missing:
         sp.load("s3://no-such-bucket-shardpoint/run/step-1", storage_options=opts)
     assert str(missing.value) == (

@@ -22,6 +22,7 @@ safetensors = pytest.importorskip("safetensors")
 huggingface_hub = pytest.importorskip("huggingface_hub")
 
 from safetensors import safe_open  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding  # noqa: E402
 
@@ -402,3 +403,11 @@ def test_a_folder_saved_over_by_save_pretrained_says_the_manifest_is_stale(tmp_p
         "save_pretrained into the same folder removes the shards it does not write and leaves it so). If the folder "
         "was saved over on purpose, remove shardpoint.json to read what it now holds; else restore the checkpoint "
         "from a copy")
+    # An adapter's file beside the shards is no sign of that: a shard removed is one to copy back.
+    sp.save(_model(0), tmp_path / "adapted", max_shard_size="20KB")
+    save_file({"lora": torch.zeros(2)}, tmp_path / "adapted" / "adapter_model.safetensors")
+    (tmp_path / "adapted" / "model-00002-of-00013.safetensors").unlink()
+    with pytest.raises(sp.MissingShardError, match=r"model-00002-of-00013\.safetensors is missing: the checkpoint lists "
+                                                   r"it but it is not there; the checkpoint is incomplete \(copy the file "
+                                                   r"back or load another checkpoint\)"):
+        sp.load(tmp_path / "adapted")

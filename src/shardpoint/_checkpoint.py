@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import errno
 import os
+import re
 import resource
 import stat
 import threading
@@ -20,6 +21,7 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -226,13 +228,17 @@ class Checkpoint:
         )
 
     def _unlisted_weights(self) -> list[str]:
-        """The ``.safetensors`` files of the folder that its manifest does not list."""
+        """The ``.safetensors`` files of the folder that its manifest does not list and that
+        are named as its own are (``model.safetensors`` where it lists ``model-0000k-of-…``:
+        another save of the same weights; an ``adapter_model.safetensors`` beside them is not)."""
         assert self.manifest is not None
         try:
             names = os.listdir(self.dir_fd if self.dir_fd is not None else self.location)
         except OSError:
             return []
-        return sorted(n for n in names if n.endswith(".safetensors") and n not in self.manifest.files)
+        stems = {re.split(r"[-.]", n, maxsplit=1)[0] for n in self.manifest.files}
+        return sorted(n for n in names if n.endswith(".safetensors") and n not in self.manifest.files
+                      and re.split(r"[-.]", n, maxsplit=1)[0] in stems)
 
     def open_all(self, names: list[str]) -> None:
         """Open every data file in ``names`` now, through the held directory.
@@ -402,11 +408,13 @@ class Checkpoint:
         save_id_of = getattr(self.store, "save_id_of", None)
         if self.manifest is None or save_id_of is None:
             return None
-        for name in sorted(set(names)):
-            size = self.sizes.get(name)
-            if size is not None and save_id_of(name, size) != self.manifest.save_id:
-                return name
-        return None
+        asked = [(n, self.sizes[n]) for n in sorted(set(names)) if n in self.sizes]
+        if not asked:
+            return None
+        workers = max(1, min(len(asked), current_options().remote.threads))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardpoint-recheck") as pool:
+            found = list(pool.map(lambda item: save_id_of(*item), asked))
+        return next((n for (n, _), got in zip(asked, found, strict=True) if got != self.manifest.save_id), None)
 
     def _check_save_id(self, header: SafetensorsHeader, where: str) -> None:
         if self.manifest is not None:

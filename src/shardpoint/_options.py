@@ -137,8 +137,7 @@ def _check(options: object, group: str, minimum: dict[str, int]) -> None:
         low = minimum.get(f.name, 1)
         if value < low:
             rule = "a positive integer" if low == 1 else f"an integer >= {low}"
-            why = " (5 MiB: S3's smallest upload part)" if (group, f.name) == ("remote", "block_bytes") else ""
-            raise InvalidArgumentError(f"{where}{source} must be {rule}{why}, not {value!r}")
+            raise InvalidArgumentError(f"{where}{source} must be {rule}, not {value!r}")
         if value > _MAXIMUM:
             raise InvalidArgumentError(f"{where}{source} must be at most 2**48, not {value!r}")
 
@@ -218,7 +217,7 @@ class IOOptions(_Checked, group="io", minimum={"write_threads": 0, "read_threads
 
 
 @dataclass(frozen=True)
-class RemoteOptions(_Checked, group="remote", minimum={"retries": 0, "backoff_ms": 0, "block_bytes": 5 << 20}):
+class RemoteOptions(_Checked, group="remote", minimum={"retries": 0, "backoff_ms": 0}):
     """How shardpoint talks to an object store through fsspec (``s3://``, ``gs://``...).
 
     Example:

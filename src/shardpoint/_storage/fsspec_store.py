@@ -15,7 +15,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 from .._format.manifest import MANIFEST_NAME, PENDING_NAME
 from .._io.writes import FileWrite, upload_files
-from .remote_store import RemoteStore
+from .remote_store import RemoteStore, check_part_size
 from .remote_transaction import _OURS_AFTER_A_KILL, RemoteTransaction
 from .retry import retrying
 from .transaction import Advance, Crcs
@@ -107,6 +107,7 @@ class FsspecStore(RemoteStore):
         return upload_files(self, files, advance=advance)
 
     def open_transaction(self, *, overwrite: bool) -> RemoteTransaction:
+        check_part_size(self.url)
         return RemoteTransaction(self, overwrite=overwrite)
 
     def writing_into(self, directory: str) -> FsspecStore:

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from .._format.manifest import MANIFEST_NAME, PENDING_NAME
 from .._options import current_options
-from ..errors import CorruptCheckpointError, StorageError
+from ..errors import CorruptCheckpointError, InvalidArgumentError, StorageError
 from .retry import retrying
 
 _T = TypeVar("_T")
@@ -263,6 +263,21 @@ class RemoteStore:
             else:
                 self.fs.rm(self.root, recursive=True)
         self._refresh(self.root)
+
+
+S3_SMALLEST_PART = 5 << 20
+"""S3 refuses a multipart upload part smaller than this (all but the last)."""
+
+
+def check_part_size(url: str) -> None:
+    """Refuse, before a save to S3 writes anything, an upload part size S3 refuses (every
+    upload failed, the error blaming the URL or the bucket)."""
+    block = current_options().remote.block_bytes
+    if block < S3_SMALLEST_PART and url.split("://", 1)[0] in ("s3", "s3a"):
+        raise InvalidArgumentError(
+            f"RemoteOptions.block_bytes is {block}, under S3's smallest upload part ({S3_SMALLEST_PART}, 5 MiB): "
+            f"raise it (or SHARDPOINT_REMOTE_BLOCK_BYTES) to save to {url}. Nothing was written"
+        )
 
 
 def _discard(f: Any) -> None:
