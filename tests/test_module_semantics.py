@@ -320,10 +320,27 @@ class _TaggedParam(torch.nn.Parameter):
         return made
 
 
+class _ScaledParam(torch.nn.Parameter):
+    """One whose constructor takes an attribute (as quantization libraries' do)."""
+
+    def __new__(cls, data: Any = None, requires_grad: bool = True, *, scale: float) -> _ScaledParam:
+        made = super().__new__(cls, data, requires_grad)
+        made.scale = scale
+        return made
+
+
+class _TaggedBuffer(torch.Tensor):
+    pass
+
+
 class _Tagged(torch.nn.Module):
     def __init__(self, device: str | None = None) -> None:
         super().__init__()
         self.w = _TaggedParam(torch.randn(3, 3, device=device))
+        self.s = _ScaledParam(torch.randn(2, device=device), scale=0.5)
+        buffer = torch.randn(2, device=device).as_subclass(_TaggedBuffer)
+        buffer.tag = "buffer"
+        self.register_buffer("b", buffer)
 
 
 def test_a_parameter_subclass_is_cast_by_dtype_and_keeps_its_class_when_built_on_meta(tmp_path: Path) -> None:
@@ -339,3 +356,5 @@ def test_a_parameter_subclass_is_cast_by_dtype_and_keeps_its_class_when_built_on
     empty = _Tagged(device="meta")
     assert sp.load_into(empty, tmp_path / "ck").ok
     assert type(empty.w) is _TaggedParam and empty.w.tag == "keep-me" and torch.equal(empty.w, saved.w)
+    assert type(empty.s) is _ScaledParam and empty.s.scale == 0.5 and torch.equal(empty.s, saved.s)
+    assert type(empty.b) is _TaggedBuffer and empty.b.tag == "buffer" and torch.equal(empty.b, saved.b)

@@ -10,6 +10,7 @@ parameters, ``load_state_dict`` of rebuilt values) run only after the batch has 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, MutableMapping, MutableSequence
 from dataclasses import dataclass, field
@@ -178,13 +179,29 @@ def _parameter_like(meta: torch.nn.Parameter, data: torch.Tensor) -> torch.nn.Pa
     ``Parameter`` subclass), with its attributes, as accelerate's
     ``set_module_tensor_to_device`` gives it; a plain ``Parameter`` where the class cannot
     be built that way."""
-    try:
-        made = type(meta)(data, requires_grad=meta.requires_grad)
-    except (TypeError, RuntimeError):
-        made = torch.nn.Parameter(data, requires_grad=meta.requires_grad)
+    made: Any = None
+    for extra in ({**vars(meta)}, {}):  # a constructor taking its attributes (scale=...), then one that does not
+        try:
+            made = type(meta)(data, requires_grad=meta.requires_grad, **extra)
+            break
+        except (TypeError, RuntimeError):
+            continue
     if not isinstance(made, torch.nn.Parameter):
         made = torch.nn.Parameter(data, requires_grad=meta.requires_grad)
-    made.__dict__.update(meta.__dict__)
+    if type(made) is not type(meta):
+        warnings.warn(
+            f"a parameter of class {type(meta).__name__} (on the meta device) could not be rebuilt as one from its "
+            "values and attributes; it is now a torch.nn.Parameter holding them", UserWarning, stacklevel=2)
+    made.__dict__.update(vars(meta))
+    return made
+
+
+def _like(meta: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """``data`` in place of the meta buffer ``meta``: of its tensor subclass, with its attributes."""
+    if type(meta) is torch.Tensor or isinstance(meta, torch.nn.Parameter):
+        return data
+    made = data.as_subclass(type(meta))
+    made.__dict__.update(vars(meta))
     return made
 
 
@@ -489,7 +506,7 @@ class Planner:
                     elif isinstance(tensor, torch.nn.Parameter):
                         value = _parameter_like(tensor, new)
                     else:
-                        value = new
+                        value = _like(tensor, new)
                     materialized[id(tensor)] = (value, key, stored, new)
                 for k in [key, *(t for t, twin in tied.items() if twin == key)]:
                     if fit is not None:
