@@ -860,3 +860,24 @@ def test_bad_s3_inputs_are_named(opts: dict[str, Any], s3: SeaweedS3) -> None:
         with pytest.raises(sp.InvalidArgumentError, match=r"names no bucket or prefix: give the place of the "
                                                           r"checkpoint, e\.g\. s3://bucket/run/step-100"):
             sp.save({"x": torch.ones(1)}, bare, storage_options=opts)
+
+
+def test_lightning_removes_its_checkpoints_on_s3(s3: SeaweedS3, url: str, fs: Any,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """ModelCheckpoint(save_top_k=k) calls remove_checkpoint on the checkpoints it drops: on an
+    s3:// path it did nothing (os.path.lexists of a URL), so top-k never applied there."""
+    pytest.importorskip("lightning")
+    from shardpoint.integrations.lightning import ShardpointCheckpointIO
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.storage_options()["key"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.storage_options()["secret"])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    io = ShardpointCheckpointIO()
+    for name in ("epoch=0.ckpt", "epoch=1.ckpt"):
+        io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "epoch": 0}, f"{url}/{name}")
+    fs.pipe_file(f"{url.removeprefix('s3://')}/notes/readme.txt", b"mine")
+    io.remove_checkpoint(f"{url}/epoch=0.ckpt")
+    with pytest.warns(UserWarning, match=r"notes holds no shardpoint.json, so this plugin did not write it"):
+        io.remove_checkpoint(f"{url}/notes")
+    assert sorted({k.split("/")[0] for k in keys_under(fs, url)}) == ["epoch=1.ckpt", "notes"]

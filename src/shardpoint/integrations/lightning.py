@@ -71,7 +71,9 @@ from .._prepare import prepare_state
 from .._reuse import link_unchanged
 from .._sizes import parse_size
 from .._source import open_checkpoint
+from .._storage.fsspec_store import FsspecStore
 from .._storage.local import replacing_a_file
+from .._storage.store import is_url, open_store
 from .._write import json_metadata, write_checkpoint
 from ..errors import (
     IncompleteCheckpointError,
@@ -338,6 +340,19 @@ class ShardpointCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         start. Otherwise removing a path that does not exist does nothing.
         """
         location = os.fspath(path)
+        if is_url(location):  # an object store: its prefix, deleted through the store
+            store = open_store(location)
+            if not isinstance(store, FsspecStore):
+                location = os.fspath(store.location)
+            else:
+                names = store.list()
+                if MANIFEST_NAME in names:
+                    store.delete_tree()
+                elif names:
+                    warnings.warn(
+                        f"{location} holds no shardpoint.json, so this plugin did not write it: it is not removed; "
+                        "remove it yourself if it is a checkpoint you no longer need", UserWarning, stacklevel=2)
+                return
         with self._lock:
             if not os.path.lexists(location):
                 if self._saving:
