@@ -484,6 +484,12 @@ def disagreeing_worker(rank: int, world: int, root_str: str) -> None:
         sharded = {"w": distribute_tensor(torch.arange(6.0), mesh, [Shard(0)])}
         odd_one = {"model": sharded, "extra": {"x": object() if rank == 1 else 1}}
         record(root, "async-prepare", rank, lambda: sp.async_save(odd_one, root / "async-prepare").result())
+        # An argument refused on one rank (a size it cannot parse, a step that is no step): the
+        # others waited out the collective timeout, then blamed that rank for hanging.
+        record(root, "bad-size", rank, lambda: sp.save(sharded, root / "bad-size",
+                                                       max_shard_size="zz" if rank == 1 else "1GB"))
+        manager = sp.CheckpointManager(root / "run", process_group=group)
+        record(root, "bad-step", rank, lambda: manager.restore(sharded, step=-1 if rank == 1 else None))
         w = distribute_tensor(torch.arange(15.0).reshape(5, 3), mesh, [Shard(0)])
         pair = dist.new_group([0, 1])
         if rank in (0, 1):
@@ -543,3 +549,9 @@ def test_ranks_that_disagree_on_a_tensor_save_nothing(tmp_path: Path) -> None:
             assert doc["ok"] is False and doc["type"] == "DistributedCheckpointError", doc
             assert f"InvalidStateError: {text}" in doc["message"], doc
         assert not (tmp_path / name).exists()
+    refused = {"bad-size": "InvalidSizeError: cannot parse size 'zz'",
+               "bad-step": "InvalidArgumentError: CheckpointManager.restore: step must be a non-negative int, not -1"}
+    for name, text in refused.items():  # every rank at once, naming rank 1's error
+        for doc in outcomes(tmp_path, name, list(range(WORLD))):
+            assert doc["ok"] is False and doc["type"] == "DistributedCheckpointError", doc
+            assert f"failed on rank 1 (rank 1: {text}" in doc["message"], doc

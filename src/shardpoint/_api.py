@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, TypeVar
 
 from ._async import AsyncQueue, AsyncSave, default_queue, raise_unobserved_failure
 from ._distributed.group import Group, resolve_group
@@ -119,10 +119,10 @@ def save(
                 optional=("progress",))
     if not _manager_call.get():
         raise_unobserved_failure()
-    max_bytes = parse_size(max_shard_size)
-    check_options(layout, storage_options)
     with applied(options), collector_paused():
-        prepared = _prepared_together(state, allow_pickle, process_group)
+        prepared, (max_bytes, meta) = _prepared_together(
+            state, allow_pickle, process_group,
+            checks=lambda: (_checked_size(max_shard_size, layout, storage_options), json_metadata(metadata)))
         group = resolve_group(process_group, prepared.all_tensors())
         return write_prepared(
             prepared,
@@ -131,20 +131,32 @@ def save(
             layout=layout,
             max_shard_bytes=max_bytes,
             overwrite=overwrite,
-            metadata=json_metadata(metadata),
+            metadata=meta,
             durable=durable,
             progress=progress,
             storage_options=storage_options,
         )
 
 
-def _prepared_together(state: Any, allow_pickle: bool, process_group: Any, phase: str = "planning the save") -> Any:
-    """``prepare_state(state)``; where it fails in a save over a process group (given, or the
-    default group for a state holding DTensors), the failure goes through the save's first
-    exchange (an async save's first one too), so every rank raises it (naming this rank)
-    instead of the others waiting and meeting this rank's next call."""
+_T = TypeVar("_T")
+
+
+def _checked_size(max_shard_size: int | str, layout: str | None, storage_options: Any) -> int:
+    """A save's arguments checked: its largest data file in bytes."""
+    check_options(layout, storage_options)
+    return parse_size(max_shard_size)
+
+
+def _prepared_together(state: Any, allow_pickle: bool, process_group: Any, phase: str = "planning the save", *,
+                       checks: Callable[[], _T]) -> tuple[Any, _T]:
+    """(``prepare_state(state)``, ``checks()``: the call's arguments checked); where either
+    fails in a save over a process group (given, or the default group for a state holding
+    DTensors), the failure goes through the save's first exchange (an async save's first
+    one too), so every rank raises it (naming this rank) instead of the others waiting and
+    meeting this rank's next call."""
     try:
-        return prepare_state(state, allow_pickle=allow_pickle)
+        checked = checks()
+        return prepare_state(state, allow_pickle=allow_pickle), checked
     except Exception as exc:
         error = exc
         group = resolve_group(process_group, [] if process_group is not None else state)
@@ -231,11 +243,10 @@ def async_save(
         raise InvalidArgumentTypeError(f"async_save(on_commit=...) must be callable, not a {type(on_commit).__name__}")
     queue = _queue_in_effect.get() or default_queue()
     chosen = merged(options)  # the background thread writes under the options of this call
-    max_bytes = parse_size(max_shard_size)
-    check_options(layout, storage_options)
-    meta = json_metadata(metadata)
     with collector_paused():
-        prepared = _prepared_together(state, allow_pickle, process_group, "preparing the async save")
+        prepared, (max_bytes, meta) = _prepared_together(
+            state, allow_pickle, process_group, "preparing the async save",
+            checks=lambda: (_checked_size(max_shard_size, layout, storage_options), json_metadata(metadata)))
     target = os.fspath(path)
     caller_group = resolve_group(process_group, prepared.all_tensors())
     if caller_group.distributed:

@@ -607,9 +607,23 @@ class CheckpointManager:
             DistributedCheckpointError: over a group, a rank failed (every rank raises it),
                 e.g. ``step`` is not committed in some rank's view of the root.
         """
-        if step is not None:
-            step = _check_step("restore", step)
         group = resolve_group(load_kwargs.get("process_group", self.process_group), target)
+        if step is not None:
+            try:
+                step = _check_step("restore", step)
+            except CheckpointError as exc:
+                if not group.distributed:
+                    raise
+                refused = exc
+
+                def refuse() -> tuple[None, None]:
+                    raise refused
+
+                # Through the exchange the other ranks wait in (choosing the step): every rank
+                # raises it at once, where they waited out the collective timeout.
+                group.exchange(f"choosing the step to restore from {self.root}", refuse,
+                               identity=f"restoring from {self.root}")
+                raise
         if group.pg is not None:
             load_kwargs["process_group"] = group.pg
         if self.storage_options is not None:
