@@ -523,6 +523,12 @@ def test_a_load_that_an_overwrite_runs_under_is_refused_as_replaced(
         return read_range(self, name, start, nbytes)
 
     monkeypatch.setattr(remote_store.RemoteStore, "read_range", overwritten_midway)
+    if verify:  # verify, in the same place, said the file was damaged: "restore it from a copy"
+        from shardpoint._verify import verify_checkpoint
+
+        with pytest.raises(sp.StorageError, match=r"was replaced by another save while it was verified"):
+            verify_checkpoint(url, storage_options=opts)
+        done.clear()
     with pytest.raises(sp.StorageError) as caught:
         sp.load(url, storage_options=opts, verify=verify, options=sp.RemoteOptions(threads=1))
     assert done and str(caught.value).endswith(

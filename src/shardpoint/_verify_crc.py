@@ -15,7 +15,7 @@ from ._io.reads import ReadTask, run_reads
 from ._io.threads import reader_threads
 from ._progress import byte_progress
 from ._verify_report import CrcItem, Findings, file_label, name_list
-from .errors import CheckpointError
+from .errors import CheckpointError, StorageError
 
 VERIFY_BUFFER_BYTES = 2 << 20
 """Each reader thread's buffer for the bytes it checksums: reused for every read, so that
@@ -82,6 +82,14 @@ def check_crcs(
             staging_bytes=VERIFY_BUFFER_BYTES,
             problems=lambda task, exc: failed.append((order[id(task)], str(exc))),
         )
+    if failed and ckpt.store is not None:  # an object store holds no snapshot: overwritten meanwhile?
+        replaced = ckpt.replaced_meanwhile(tasks[i].path for i, _ in failed)
+        if replaced is not None:
+            raise StorageError(
+                f"{file_label(ckpt, replaced)} was replaced by another save while it was verified (an object store "
+                "holds no snapshot: an overwrite replaces its objects one by one); the bytes that did not match "
+                "were the new save's. Verify again, or verify a step nothing writes over"
+            )
     for i, message in sorted(failed):  # in file order, whichever thread found them first
         found.problem(names[tasks[i].name], message)
     return read
