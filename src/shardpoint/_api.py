@@ -255,7 +255,7 @@ def async_save(
         # identity differs), before the collective that makes the twin group, which a rank
         # that never comes would block for ever.
         caller_group.exchange("preparing the async save", lambda: (None, None),
-                              identity=f"saving asynchronously to {target}")
+                              identity="saving asynchronously")
     # created here, on the caller's thread: making the twin group is a collective
     group = queue.background_group(caller_group)
 

@@ -622,7 +622,7 @@ class CheckpointManager:
                 # Through the exchange the other ranks wait in (choosing the step): every rank
                 # raises it at once, where they waited out the collective timeout.
                 group.exchange(f"choosing the step to restore from {self.root}", refuse,
-                               identity=f"restoring from {self.root}")
+                               identity="restoring a step")
                 raise
         if group.pg is not None:
             load_kwargs["process_group"] = group.pg
@@ -715,7 +715,7 @@ class CheckpointManager:
             return [agreed_step(str(self.root), views, step)] * len(views)
 
         _, (chosen, note) = group.exchange(where, listing, decide=decide, deciding=where,
-                                           identity=f"restoring from {self.root}")
+                                           identity="restoring a step")
         if note is not None:
             warnings.warn(note, stacklevel=3)
         return chosen
