@@ -1,13 +1,15 @@
 """Shared fixtures: one real S3 server (SeaweedFS on loopback) for the whole session, used
 by ``test_remote.py`` and ``test_remote_faults.py``; ``use_options``, shardpoint's options
-in effect for the rest of a test."""
+in effect for the rest of a test; ``tmpfs_1m``, a real 1 MiB tmpfs for full-disk tests."""
 
 from __future__ import annotations
 
 import contextlib
 import re
+import subprocess
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -51,3 +53,17 @@ def use_options() -> Iterator[Callable[..., sp.Options]]:
     there to the end of the test; returns the options then in effect. Later calls layer."""
     with contextlib.ExitStack() as stack:
         yield lambda *groups, **named: stack.enter_context(sp.using(*groups, **named))
+
+
+@pytest.fixture
+def tmpfs_1m(tmp_path: Path) -> Iterator[Path]:
+    """A real 1 MiB tmpfs (needs root and a kernel that lets this process mount)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({(done.stderr or done.stdout).strip()})")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

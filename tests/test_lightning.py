@@ -557,46 +557,37 @@ def test_lightning_checkpoint_dicts_keep_a_schedulers_counter(tmp_path: pathlib.
 
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "moved-aside"])
 def test_a_file_or_link_at_the_path_is_replaced_at_the_commit_and_kept_when_the_save_fails(
-        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, exchange: bool) -> None:
+        tmpfs_1m: pathlib.Path, monkeypatch: pytest.MonkeyPatch, exchange: bool) -> None:
     """last.ckpt left by Lightning's own CheckpointIO (a torch.save file) or save_last="link"
     was removed before the new save was written: a save that then failed (a full disk, a
     kill) lost the run's resume point, and the error said it was unchanged."""
-    import subprocess
-
     from shardpoint._storage import local
 
     if not exchange:  # a filesystem without RENAME_EXCHANGE: moved aside, put back on failure
         real = local._rename2
         monkeypatch.setattr(local, "_rename2", lambda a, b, flags: False if flags == local._RENAME_EXCHANGE
                             else real(a, b, flags))
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({(done.stderr or done.stdout).strip()})")
-    try:
-        last = mnt / "last.ckpt"
-        torch.save({"state_dict": {"w": torch.ones(1000)}, "epoch": 3, "global_step": 300}, last)
-        before = last.read_bytes()
-        io = ShardpointCheckpointIO()
-        with pytest.raises(sp.StorageError, match=r"No space left on device.*the checkpoint that was there before, if "
-                                                   r"any, is unchanged"):
-            io.save_checkpoint({"state_dict": {"w": torch.ones(400_000)}, "epoch": 4, "global_step": 400}, last)
-        assert last.is_file() and last.read_bytes() == before
-        assert sorted(os.listdir(mnt)) == ["last.ckpt"]
-        io.save_checkpoint({"state_dict": {"w": torch.full((1000,), 2.0)}, "epoch": 4, "global_step": 400}, last)
-        assert last.is_dir() and io.load_checkpoint(last)["state_dict"]["w"].tolist() == [2.0] * 1000
-        assert sorted(os.listdir(mnt)) == ["last.ckpt"]
-        # save_last="link": the link is replaced, what it pointed to is left as it was.
-        best = mnt / "epoch=4-step=400.ckpt"
-        last.rename(best)
-        last.symlink_to(best.name)
-        io.save_checkpoint({"state_dict": {"w": torch.full((1000,), 5.0)}, "epoch": 5, "global_step": 500}, last)
-        assert not last.is_symlink() and io.load_checkpoint(last)["state_dict"]["w"].tolist() == [5.0] * 1000
-        assert io.load_checkpoint(best)["state_dict"]["w"].tolist() == [2.0] * 1000
-        assert sorted(os.listdir(mnt)) == ["epoch=4-step=400.ckpt", "last.ckpt"]
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    mnt = tmpfs_1m
+    last = mnt / "last.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(1000)}, "epoch": 3, "global_step": 300}, last)
+    before = last.read_bytes()
+    io = ShardpointCheckpointIO()
+    with pytest.raises(sp.StorageError, match=r"No space left on device.*the checkpoint that was there before, if "
+                                               r"any, is unchanged"):
+        io.save_checkpoint({"state_dict": {"w": torch.ones(400_000)}, "epoch": 4, "global_step": 400}, last)
+    assert last.is_file() and last.read_bytes() == before
+    assert sorted(os.listdir(mnt)) == ["last.ckpt"]
+    io.save_checkpoint({"state_dict": {"w": torch.full((1000,), 2.0)}, "epoch": 4, "global_step": 400}, last)
+    assert last.is_dir() and io.load_checkpoint(last)["state_dict"]["w"].tolist() == [2.0] * 1000
+    assert sorted(os.listdir(mnt)) == ["last.ckpt"]
+    # save_last="link": the link is replaced, what it pointed to is left as it was.
+    best = mnt / "epoch=4-step=400.ckpt"
+    last.rename(best)
+    last.symlink_to(best.name)
+    io.save_checkpoint({"state_dict": {"w": torch.full((1000,), 5.0)}, "epoch": 5, "global_step": 500}, last)
+    assert not last.is_symlink() and io.load_checkpoint(last)["state_dict"]["w"].tolist() == [5.0] * 1000
+    assert io.load_checkpoint(best)["state_dict"]["w"].tolist() == [2.0] * 1000
+    assert sorted(os.listdir(mnt)) == ["epoch=4-step=400.ckpt", "last.ckpt"]
 
 
 def test_a_file_moved_aside_by_a_save_cut_short_is_put_back(tmp_path: pathlib.Path) -> None:

@@ -27,7 +27,6 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -321,33 +320,20 @@ def test_sp_save_into_a_transformers_folder_with_overwrite(tmp_path: Path) -> No
 # --------------------------------------------------------------------- local save errors
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({(done.stderr or done.stdout).strip()})")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
-def test_enospc_is_a_storage_error_naming_the_path(small_tmpfs: Path) -> None:
-    path = small_tmpfs / "ck"
+def test_enospc_is_a_storage_error_naming_the_path(tmpfs_1m: Path) -> None:
+    path = tmpfs_1m / "ck"
     with pytest.raises(sp.StorageError) as info:
         sp.save({"w": torch.zeros(1 << 19)}, path)  # 2 MiB on a 1 MiB tmpfs
     assert info.value.errno == errno.ENOSPC and isinstance(info.value, OSError)
     text = str(info.value)
     assert text.startswith(f"[Errno 28] saving {path} failed while writing its data files: No space left on device")
     assert "free space on that filesystem or save somewhere else" in text
-    assert os.listdir(small_tmpfs) == []  # nothing half-written left
+    assert os.listdir(tmpfs_1m) == []  # nothing half-written left
 
 
-def test_erofs_is_a_storage_error_naming_the_path(small_tmpfs: Path) -> None:
-    subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
-    path = small_tmpfs / "ck"
+def test_erofs_is_a_storage_error_naming_the_path(tmpfs_1m: Path) -> None:
+    subprocess.run(["mount", "-o", "remount,ro", str(tmpfs_1m)], check=True)
+    path = tmpfs_1m / "ck"
     with pytest.raises(sp.StorageError) as info:
         sp.save({"w": torch.zeros(4)}, path)
     assert info.value.errno == errno.EROFS
