@@ -39,7 +39,7 @@ from typing import Any
 
 from ._api import async_save_on, save_now
 from ._async import AsyncQueue, AsyncSave
-from ._distributed.group import Group, resolve_group
+from ._distributed.group import Group, _world_group, resolve_group
 from ._flags import check_flags
 from ._format.manifest import MANIFEST_NAME
 from ._load.into import load_into
@@ -153,13 +153,11 @@ def _release_root(root: str) -> None:
 
 def _ranks_alone(process_group: Any) -> int:
     """The ranks torch.distributed runs when there are several and no group was given, else 0."""
-    if process_group is not None:
+    if process_group is not None or _world_group() is None:
         return 0
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return int(dist.get_world_size())
-    return 0
+    return int(dist.get_world_size())
 
 
 def _check_latest(path: str) -> None:

@@ -371,17 +371,7 @@ class LocalTransaction(Transaction):
         the rename fails (a crash in between: :func:`recover` puts it back)."""
         if durable:
             fsync_dir(self.directory)
-        if _rename2(self.directory, str(self.final), _RENAME_EXCHANGE):
-            old = self.directory
-        else:
-            prefix = temp_prefix(self.final)
-            old = str(self.final.parent / f"{prefix}{_OLD}{os.path.basename(self.directory)[len(prefix):]}")
-            os.rename(self.final, old)
-            try:
-                os.rename(self.directory, self.final)
-            except BaseException:
-                os.rename(old, self.final)
-                raise
+        old = self._swap()
         self._done = True
         with contextlib.suppress(OSError):
             os.unlink(self.final / marker_name(self.directory))
